@@ -1,0 +1,56 @@
+"""User-facing errors.
+
+A user mistake raises one of these with a message that says what to change; the CLI
+prints the message (no traceback) and exits with status 2. Internal impossibilities are
+asserts, not these.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ShardwiseError(Exception):
+    """Base of all errors a user can fix by changing their input."""
+
+
+class ConfigError(ShardwiseError, ValueError):
+    """A config key has a bad value, or keys disagree.
+
+    `key` is the dotted path of the offending key (e.g. ``fsdp.reshard_after_forward``).
+    """
+
+    def __init__(self, key: str, problem: str, hint: str | None = None):
+        self.key = key
+        self.problem = problem
+        self.hint = hint
+        msg = f"config error at '{key}': {problem}" if key else f"config error: {problem}"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+
+class PatternError(ConfigError):
+    """A module path pattern is malformed or matches nothing."""
+
+
+def nearest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
+    """The closest spellings of `word` among `choices`, best first (maybe empty)."""
+    choices = list(dict.fromkeys(choices))
+    found = difflib.get_close_matches(word, choices, n=n, cutoff=0.5)
+    if not found:
+        low = word.lower()
+        found = [c for c in choices if low and (low in c.lower() or c.lower() in low)][:n]
+    return found
+
+
+def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str | None:
+    """'did you mean X?' for the nearest choice, or a list of valid choices when none is near."""
+    choices = list(choices)
+    found = nearest(word, choices, n=1)
+    if found:
+        return f"did you mean {prefix}{found[0]}?"
+    if choices and len(choices) <= 12:
+        return "valid: " + ", ".join(prefix + c for c in choices)
+    return None
