@@ -1,0 +1,18 @@
+"""Telemetry: metrics file (and TensorBoard), progress bar, phase timings, plots.
+
+Everything that writes is enabled on rank 0 only; the caller passes ``rank == 0``.
+`plot_metrics` imports matplotlib on first use, not here.
+"""
+
+from shardwise.telemetry.metrics import MetricsWriter, read_metrics
+from shardwise.telemetry.plots import plot_metrics
+from shardwise.telemetry.progress import PhaseTimer, Progress, peak_memory_bytes
+
+__all__ = [
+    "MetricsWriter",
+    "PhaseTimer",
+    "Progress",
+    "peak_memory_bytes",
+    "plot_metrics",
+    "read_metrics",
+]

@@ -1,0 +1,172 @@
+"""Load a YAML file plus `a.b=c` overrides into a typed `Config`, with clear errors.
+
+YAML is read with `yaml.safe_load` (never eval'd); override values are parsed as YAML
+scalars/flow collections, so `x=3`, `x=true`, `x=[a,b]`, `x={k: v}` work.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from shardwise.config.schema import Config
+from shardwise.errors import ConfigError, did_you_mean
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """YAML file (or nothing) + overrides -> validated Config. Raises ConfigError."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("", f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError("", f"{p} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("", f"{p} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded
+    raw = apply_overrides(raw, overrides)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a plain dict into a Config, translating the first problem into a ConfigError."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise translate_error(e, raw) from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `a.b.c=value` set (value parsed as YAML)."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, "an override must look like key.sub=value", f"e.g. {item}=...")
+        key, _, text = item.partition("=")
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(key, "empty key in override", "e.g. train.max_steps=10")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        node = out
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(".".join(parts[: i + 1]), f"is a {type(nxt).__name__}, cannot set {key}")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def _fields_at(loc: tuple, model: type[BaseModel] = Config) -> list[str] | None:
+    """Field names (by alias) of the section at `loc`, or None if loc does not lead to a model."""
+    cls: Any = model
+    for part in loc:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None
+        field = _field_by_name(cls, part)
+        if field is None:
+            return None
+        cls = _model_in(field.annotation)
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return [f.alias or name for name, f in cls.model_fields.items()]
+    return None
+
+
+def _field_by_name(cls: type[BaseModel], name: object):
+    for fname, f in cls.model_fields.items():
+        if name in (fname, f.alias):
+            return f
+    return None
+
+
+def _model_in(annotation: Any) -> Any:
+    """The BaseModel class inside an annotation (Optional[X], Union[...]), else the annotation."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if isinstance(found, type) and issubclass(found, BaseModel):
+            return found
+    return annotation if get_origin(annotation) is None else None
+
+
+def _dotted(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def translate_error(e: ValidationError, raw: dict[str, Any]) -> ConfigError:
+    """One ConfigError for the most useful entry of a pydantic error (unknown keys first)."""
+    errors = e.errors(include_url=False)
+    for err in errors:
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, ConfigError):
+            return ctx_err
+    # Union members produce several entries for one key; the user needs one line.
+    errors.sort(key=lambda er: (er["type"] != "extra_forbidden", len(er["loc"])))
+    err = errors[0]
+    loc = tuple(p for p in err["loc"] if not _is_union_tag(p))
+    key = _dotted(loc)
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        fields = _fields_at(loc[:-1]) or []
+        prefix = _dotted(loc[:-1]) + "." if len(loc) > 1 else ""
+        return ConfigError(key, "unknown key", did_you_mean(str(loc[-1]), fields, prefix))
+    if kind == "literal_error" and len([er for er in errors if er["loc"][: len(err["loc"]) - 1] == err["loc"][:-1]]) == 1:
+        expected = [s.strip().strip("'\"") for s in err["ctx"]["expected"].replace(" or ", ",").split(",")]
+        return ConfigError(key, f"{value!r} is not a valid choice", did_you_mean(str(value), expected))
+    if kind == "value_error":
+        msg = str(err["ctx"]["error"]) if err.get("ctx") else err["msg"]
+        return ConfigError(key, msg)
+    if kind == "missing":
+        return ConfigError(key, "is required")
+    if kind in ("model_type", "dict_type"):
+        return ConfigError(key, f"must be a mapping, got {type(value).__name__} {value!r}")
+    same_key = [er for er in errors if tuple(p for p in er["loc"] if not _is_union_tag(p)) == loc]
+    expected = " or ".join(dict.fromkeys(_expected(er) for er in same_key))
+    return ConfigError(key, f"got {value!r} ({type(value).__name__}), expected {expected}")
+
+
+def _expected(err: dict) -> str:
+    """What a pydantic error entry says the value should have been, in a few words."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "literal_error":
+        return "one of " + ctx["expected"]
+    if kind.startswith("int"):
+        return "an integer"
+    if kind.startswith("float"):
+        return "a number"
+    if kind.startswith("bool"):
+        return "true/false"
+    if kind.startswith(("string", "str")):
+        return "a string"
+    if kind.startswith("list"):
+        return "a list"
+    if kind.startswith("tuple"):
+        return "a list"
+    for bound, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if bound in ctx:
+            return f"a value {word} {ctx[bound]}"
+    return err["msg"].lower()
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic puts the union member's name into `loc` (e.g. 'int', "literal['auto']")."""
+    if not isinstance(part, str):
+        return False
+    return part in ("int", "bool", "str", "float", "list", "dict", "tuple", "function-before[canonical_dtype(), str]") or part.startswith(("literal[", "constrained-", "function-", "PrecisionOverride", "union["))

@@ -1,0 +1,70 @@
+"""A character-level tokenizer built locally, for tiny models and the built-in tasks.
+
+No model hub is needed: `build_char_tokenizer` writes an HF tokenizer folder that
+`transformers.AutoTokenizer.from_pretrained` loads back. Every character in the vocabulary
+is one token and decoding joins tokens with nothing in between, so
+``decode(encode(text)) == text`` for any text made of vocabulary characters. Characters
+outside the vocabulary become ``<unk>``.
+
+Encoding adds no special tokens (there is no post-processor); callers that want ``<bos>``
+or ``<eos>`` add them (see `shardwise.data.collate.tokenize_pair`).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<bos>"
+EOS_TOKEN = "<eos>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+"""Ids 0, 1, 2, 3 in this order."""
+
+CHARACTERS: tuple[str, ...] = tuple(
+    string.digits + "+-*= " + string.ascii_lowercase + ".,!?:;()'\"/\n"
+)
+"""The ordinary characters, ids 4 onwards in this order."""
+
+CHAR_VOCAB: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+CHAR_VOCAB_SIZE: int = len(CHAR_VOCAB)
+"""Total vocabulary size (special tokens included): a tiny model's `vocab_size`."""
+
+
+def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
+    """Build the character tokenizer, save it to `out_dir` and return it.
+
+    `out_dir` receives ``tokenizer.json`` and ``tokenizer_config.json`` (created if
+    missing). The returned tokenizer has pad ``<pad>`` = 0, bos ``<bos>`` = 1,
+    eos ``<eos>`` = 2 and unk ``<unk>`` = 3, pads on the right, and does not clean up
+    spaces when decoding (that would break the exact round trip).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab=dict(CHAR_VOCAB), unk_token=UNK_TOKEN))
+    # `[\s\S]` rather than `.` so that a newline is a character like any other.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Fuse joins the token strings with nothing in between (WordLevel's default is a space).
+    backend.decoder = decoders.Fuse()
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    assert len(tokenizer) == CHAR_VOCAB_SIZE, (len(tokenizer), CHAR_VOCAB_SIZE)
+    assert tokenizer.pad_token_id == 0 and tokenizer.unk_token_id == 3
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    return tokenizer

@@ -1,0 +1,107 @@
+"""Plot a run's metrics file to a PNG, one subplot per panel, step on the x axis."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import nearest
+from shardwise.telemetry.metrics import read_metrics
+
+__all__ = ["plot_metrics"]
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]] | None:
+    """(steps, values) of `key`, sorted by step; None when `key` never holds a number.
+
+    A resumed run logs some steps twice; the later line wins.
+    """
+    by_step: dict[int, float] = {}
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            by_step[int(record["step"])] = float(value)
+    if not by_step:
+        return None
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def plot_metrics(
+    metrics_path: str | os.PathLike[str],
+    out_png: str | os.PathLike[str],
+    panels: Sequence[tuple[str, Sequence[str]]],
+) -> Path:
+    """Draw ``panels`` from a metrics file into `out_png` and return its path.
+
+    `panels` is ``[(title, [metric, ...]), ...]``, e.g.
+    ``[("loss", ["loss", "eval/loss"]), ("learning rate", ["lr"])]``: one subplot per
+    panel, one line per metric, x = step. `metrics_path` is a ``metrics.jsonl`` file or
+    its run directory. A metric that never appears with a numeric value is skipped with
+    a warning (and a panel left with none is dropped); ``ValueError`` when none appears.
+    Rendered with matplotlib's Agg canvas directly, so no display is needed and the
+    pyplot backend of the calling process is left alone.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not panels:
+        raise ValueError("plot_metrics needs at least one panel, e.g. [('loss', ['loss'])]")
+    records = read_metrics(metrics_path)
+    present = sorted({k for r in records for k in r} - {"step", "time"})
+
+    drawn: list[tuple[str, list[tuple[str, tuple[list[int], list[float]]]]]] = []
+    missing: list[str] = []
+    for title, keys in panels:
+        if isinstance(keys, str):
+            raise TypeError(f"panel '{title}': give a list of metric names, not the string {keys!r}")
+        lines = []
+        for key in keys:
+            series = _series(records, key)
+            if series is None:
+                missing.append(key)
+            else:
+                lines.append((key, series))
+        if lines:
+            drawn.append((title, lines))
+
+    def describe(key: str) -> str:
+        near = nearest(key, present, n=1)
+        return f"'{key}' (did you mean '{near[0]}'?)" if near else f"'{key}'"
+
+    if not drawn:
+        raise ValueError(
+            f"none of the requested metrics has a numeric value in {metrics_path}: "
+            + ", ".join(describe(k) for k in missing)
+            + f"; present: {', '.join(present) or 'nothing'}"
+        )
+    if missing:
+        warnings.warn(
+            "skipping metrics that never appear in "
+            f"{metrics_path}: " + ", ".join(describe(k) for k in missing),
+            stacklevel=2,
+        )
+
+    fig = Figure(figsize=(8.0, 2.6 * len(drawn) + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, lines) in zip(axes, drawn):
+        for key, (steps, values) in lines:
+            # one point would be an invisible line; a marker keeps it on the plot
+            marker = "o" if len(steps) == 1 else None
+            ax.plot(steps, values, label=key, marker=marker)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if len(lines) > 1 or lines[0][0] != title:
+            ax.legend(loc="best", fontsize="small")
+        # learning rates like 3e-4 read better in scientific notation than as 0.0003
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
+    axes[-1].set_xlabel("step")
+
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100, format="png")
+    return out

@@ -1,0 +1,1 @@
+"""Multi-process test harness for shardwise (see ``dist.launcher``)."""
