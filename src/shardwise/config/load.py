@@ -55,10 +55,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(key, "empty key in override", "e.g. train.max_steps=10")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
-            value = text
+        value = parse_override_value(text)
         node = out
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -70,6 +67,29 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
             node = nxt
         node[parts[-1]] = value
     return out
+
+
+def parse_override_value(text: str) -> Any:
+    """YAML value of an override; a [list] of brace patterns (not valid flow YAML) still works."""
+    if not text.strip():
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        pass
+    t = text.strip()
+    if t.startswith("[") and t.endswith("]"):
+        items, depth, cur = [], 0, ""
+        for ch in t[1:-1]:
+            depth += (ch == "{") - (ch == "}")
+            if ch == "," and depth == 0:
+                items.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        items.append(cur)
+        return [parse_override_value(i) for i in items if i.strip()]
+    return t
 
 
 def _fields_at(loc: tuple, model: type[BaseModel] = Config) -> list[str] | None:

@@ -1,0 +1,130 @@
+"""The `shardwise` command: plan | train | infer | rl | export.
+
+Config and input errors exit with status 2 and one message on stderr (no traceback), on
+every rank alike, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from shardwise.errors import ShardwiseError
+
+EXIT_USER_ERROR = 2
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(plan) -> str:
+    """The plan as a readable table."""
+    m = plan.mesh
+    lines = [
+        f"world size {plan.world_size}  mesh {dict(zip(m.dim_names, m.shape))}  "
+        f"strategy {m.strategy}  data-parallel {m.dp_size}  master dtype {plan.model_dtype}",
+        "",
+    ]
+    head = ["#", "unit", "from", "param", "reduce", "output", "store", "reshard", "offload", "recompute",
+            "prefetch fwd/bwd", "params"]
+    rows = []
+    for i, u in enumerate(plan.units):
+        rows.append([
+            str(i), u.path or "<root>", ",".join(u.sources), u.param_dtype, u.reduce_dtype,
+            u.output_dtype or "-", u.storage_dtype, str(u.reshard_after_forward).lower(),
+            "cpu" if u.offload else "-", "yes" if u.recompute else "-",
+            f"{len(u.prefetch_forward)}/{len(u.prefetch_backward)}", f"{u.num_params:,}",
+        ])
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    lines.append(fmt.format(*head))
+    lines.append(fmt.format(*["-" * w for w in widths]))
+    lines += [fmt.format(*r) for r in rows]
+    extra = []
+    if plan.ignored:
+        extra.append("ignored (not sharded): " + ", ".join(plan.ignored))
+    recompute_only = [p for p in plan.recompute if p not in {u.path for u in plan.units}]
+    if recompute_only:
+        extra.append("recompute (inside units): " + ", ".join(recompute_only))
+    if plan.buffer_casts:
+        extra.append("layered precision: " + ", ".join(f"{p}={d}" for p, d in plan.buffer_casts.items()))
+    if plan.frozen:
+        extra.append(f"frozen parameters: {len(plan.frozen)}")
+    if extra:
+        lines += [""] + extra
+    peak = {k: max(r[k] for r in plan.memory_per_rank_bytes) for k in plan.memory_per_rank_bytes[0]}
+    lines += ["", "per-rank memory (largest rank; params + grads + AdamW state): "
+              + "  ".join(f"{k} {_human_bytes(v)}" for k, v in peak.items())]
+    for note in plan.warnings:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardwise.config import load_config
+    from shardwise.distributed.mesh import mesh_spec
+    from shardwise.fsdp.build import plan_for
+    from shardwise.models.loading import local_files_only
+
+    local_files_only()
+    cfg = load_config(args.config, args.overrides)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    spec = mesh_spec(cfg.parallel, world)
+    from shardwise.engine.batching import check_batch_sizes
+
+    check_batch_sizes(cfg.train, spec.dp_size)
+    _, plan = plan_for(cfg, spec)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"plan": cmd_plan}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("plan", help="print the sharding plan of a config (no process group, no weights)")
+    sp.add_argument("config")
+    sp.add_argument("overrides", nargs="*", help="key.sub=value")
+    sp.add_argument("--world-size", type=int, default=None)
+    sp.add_argument("--json", action="store_true")
+    for extra in _extra_parsers:
+        extra(sub)
+    return p
+
+
+_extra_parsers: list[Callable] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may sit before or after options: collect the leftovers ourselves.
+    args, rest = parser.parse_known_args(argv)
+    unknown = [r for r in rest if r.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "overrides"):
+        args.overrides = list(args.overrides) + rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return COMMANDS[args.command](args)
+    except ShardwiseError as e:
+        print(f"shardwise: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

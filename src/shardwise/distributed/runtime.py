@@ -1,0 +1,91 @@
+"""Process group set-up and teardown, device choice and seeding (seed 002).
+
+`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); with none
+it runs as a single process (rank 0 of 1) and still creates a 1-rank group so that the same
+code paths (DTensor, DCP) are used. gloo on CPU, nccl on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment, or (0, 1, 0)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    return 0, 1, 0
+
+
+def accelerator_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def init_distributed(timeout_s: float | None = None) -> Runtime:
+    """Create (or adopt) the default process group and pick this rank's device."""
+    rank, world, local_rank = env_world()
+    if accelerator_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("SHARDWISE_PG_TIMEOUT_S", 600))
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    else:
+        backend = dist.get_backend()
+    return Runtime(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                   device=device, backend=backend)
+
+
+def teardown() -> None:
+    """Destroy the default group if this process made one (safe to call twice)."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) identically on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

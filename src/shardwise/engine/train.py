@@ -1,0 +1,168 @@
+"""TrainEngine (fsdp2_train): forward / backward / optimizer step on the planned model.
+
+Loss scaling: every micro-batch returns the SUM of its token losses; the engine multiplies
+by dp_size / global_loss_tokens before backward. FSDP averages gradients over the dp_size
+data-parallel ranks, so the final gradient is sum(all token losses in the global batch) /
+global_loss_tokens: the unsharded run's gradient whatever the micro-batching and world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from shardwise.config.schema import Config
+from shardwise.distributed.mesh import build_mesh, mesh_spec
+from shardwise.distributed.runtime import Runtime
+from shardwise.engine.losses import causal_lm_loss_sum
+from shardwise.engine.optim import build_optimizer, build_scheduler
+from shardwise.fsdp.build import build_sharded_model
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+def lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Default loss: summed next-token cross-entropy over labelled positions."""
+    kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+    out = model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
+    return causal_lm_loss_sum(out.logits, batch["labels"])
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean token loss over the global batch."""
+    grad_norm: float
+    lr: float
+    skipped: bool
+    loss_tokens: int
+
+
+class TrainEngine:
+    """Owns the sharded model, its optimizer and LR schedule."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, task: str = "causal_lm", **config_extra):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.spec = mesh_spec(cfg.parallel, runtime.world_size)
+        self.mesh = build_mesh(self.spec, runtime.device.type)
+        self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, **config_extra)
+        self.optimizer = build_optimizer(self.model, cfg.train.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train.scheduler, cfg.train.max_steps)
+        self.step = 0
+        self.skipped_steps = 0
+        self._ignored = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
+
+    @property
+    def dp_size(self) -> int:
+        return self.spec.dp_size
+
+    @contextlib.contextmanager
+    def gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Skip the reduce-scatter for non-final micro-batches; always restored."""
+        assert isinstance(self.model, FSDPModule)
+        self.model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def train_step(self, micro_batches: Sequence[Batch], global_loss_tokens: int,
+                   loss_fn: LossFn = lm_loss_sum) -> StepResult:
+        """One optimizer step over this rank's micro-batches of the global batch.
+
+        `global_loss_tokens` is the number of loss tokens in the WHOLE global batch (all
+        ranks, all micro-batches).
+        """
+        assert global_loss_tokens > 0, "a global batch with no loss tokens"
+        self.model.train()
+        scale = self.dp_size / global_loss_tokens
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        for i, mb in enumerate(micro_batches):
+            mb = {k: v.to(self.runtime.device) if torch.is_tensor(v) else v for k, v in mb.items()}
+            with self.gradient_sync(i == len(micro_batches) - 1):
+                loss_sum = loss_fn(self.model, mb)
+                (loss_sum * scale).backward()
+            local_sum += loss_sum.detach().double()
+        return self.finish_step(local_sum, global_loss_tokens)
+
+    def finish_step(self, local_loss_sum: torch.Tensor, global_loss_tokens: int) -> StepResult:
+        """All-reduce the loss, sync ignored grads, clip, step (or skip if non-finite)."""
+        dist.all_reduce(local_loss_sum)
+        # Every rank of a replica group computed the same data only under sequence
+        # parallel; without it each rank's sum is distinct, so the all-reduced sum is global.
+        loss = float(local_loss_sum) / global_loss_tokens
+        self._sync_ignored_grads()
+        grad_norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
+        if skipped:
+            self.skipped_steps += 1
+            if self.runtime.is_main:
+                log.warning("step %d skipped: non-finite %s (loss=%s, grad_norm=%s)", self.step + 1,
+                            "loss" if not math.isfinite(loss) else "grad norm", loss, grad_norm)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped,
+                          loss_tokens=global_loss_tokens)
+
+    def _sync_ignored_grads(self) -> None:
+        """Parameters left out of FSDP: average their gradients like FSDP would."""
+        for p in self._ignored:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.dp_size)
+
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
+        for p in self.model.parameters():
+            if p.grad is None or not isinstance(p.grad, DTensor):
+                continue
+            g = p.grad.to_local()
+            total += g.float().pow(2).sum().to(total.device)
+        return total
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """The true global L2 norm over all shards; clip to `max_norm` if given."""
+        sq = self.grad_norm_sq_local()
+        # Shards of one parameter live on the ranks of a shard group; replicas hold copies.
+        group = self.mesh["shard"].get_group() if "shard" in self.mesh.mesh_dim_names else None
+        dist.all_reduce(sq, group=group)
+        for p in self._ignored:
+            if p.grad is not None:
+                sq += p.grad.float().pow(2).sum().to(sq.device)
+        norm = float(sq.sqrt())
+        if max_norm is not None and math.isfinite(norm):
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return norm
+
+    # -- evaluation helpers
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: Sequence[Batch], global_loss_tokens: int,
+                  loss_fn: LossFn = lm_loss_sum) -> float:
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        for mb in micro_batches:
+            mb = {k: v.to(self.runtime.device) if torch.is_tensor(v) else v for k, v in mb.items()}
+            total += loss_fn(self.model, mb).double()
+        dist.all_reduce(total)
+        return float(total) / global_loss_tokens

@@ -1,0 +1,428 @@
+"""The sharding plan: pure data computed from (model, config, mesh shape).
+
+`build_plan` decides which modules get their own `fully_shard` call and with which
+precision, reshard, offload, recompute and prefetch settings, and estimates the bytes each
+rank will hold. It reads only module/parameter names, shapes and dtypes, so it runs on a
+meta-device model before any process group exists.
+
+Rules (documented for users in README "Sharding plan"):
+- Unit sources: `wrap.classes` (default: the model's `_no_split_modules` when neither
+  `wrap.classes` nor `wrap.modules` is set), `wrap.modules` patterns, `wrap.embeddings`,
+  `wrap.lm_head`, `wrap.moe_experts` (class names or patterns), every `module_precision`
+  entry whose module has parameters, and the root (path "").
+- A module named by several rules is one unit; its `sources` list every rule.
+- Precision of a unit: the nearest `module_precision` entry at or above the unit's module
+  wins (an fp32 entry on `model.x` makes every unit inside `model.x` fp32 too); otherwise
+  the global `mixed_precision`. Two entries naming the same module with different values
+  are an error. An override unit's output is cast back to the global compute dtype unless
+  its entry sets `output_dtype`, so the modules around it keep their dtype.
+- `ignored_modules` are left out of FSDP: their parameters stay whole on every rank; units
+  inside them are dropped.
+- Prefetch applies to the top-level units (those not nested in another non-root unit) in
+  forward order: unit i all-gathers units i+1..i+F ahead in forward and i-1..i-B in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from shardwise.config.dtypes import canonical_dtype, dtype_bytes
+from shardwise.config.schema import Config, PrecisionOverride
+from shardwise.distributed.mesh import MeshSpec
+from shardwise.errors import ConfigError, did_you_mean
+from shardwise.fsdp.patterns import looks_like_class_name, match_pattern
+
+_ORDER = {"fp32": 2, "bf16": 1, "fp16": 1}
+
+
+@dataclass
+class Unit:
+    """One `fully_shard` call."""
+
+    path: str
+    sources: list[str]
+    param_dtype: str
+    """dtype parameters are all-gathered and computed in."""
+    reduce_dtype: str
+    """dtype gradients are reduce-scattered in."""
+    output_dtype: str | None
+    cast_forward_inputs: bool
+    storage_dtype: str
+    """dtype of this unit's sharded master parameters (and its optimizer state)."""
+    reshard_after_forward: bool | int
+    offload: bool
+    recompute: bool = False
+    prefetch_forward: list[str] = field(default_factory=list)
+    prefetch_backward: list[str] = field(default_factory=list)
+    num_params: int = 0
+    """Elements of the parameters this unit owns (not those of nested units or ignored ones)."""
+    trainable_params: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ShardingPlan:
+    world_size: int
+    mesh: MeshSpec
+    units: list[Unit]
+    """In apply order: nested units before their parents, the root ("") last."""
+    ignored: list[str]
+    recompute: list[str]
+    use_reentrant: bool
+    frozen: list[str]
+    buffer_casts: dict[str, str]
+    """Module path -> dtype its buffers (and parameters) are cast to (layered precision)."""
+    memory_per_rank_bytes: list[dict[str, int]]
+    """Index = rank: {"params", "grads", "optimizer", "total"} bytes held after apply + a step."""
+    model_dtype: str
+    warnings: list[str] = field(default_factory=list)
+
+    def unit(self, path: str) -> Unit:
+        for u in self.units:
+            if u.path == path:
+                return u
+        raise KeyError(path)
+
+    def to_json(self) -> dict:
+        per_rank = self.memory_per_rank_bytes
+        peak = {k: max(r[k] for r in per_rank) for k in per_rank[0]} if per_rank else {}
+        return {
+            "world_size": self.world_size,
+            "mesh": self.mesh.to_json(),
+            "model_dtype": self.model_dtype,
+            "units": [u.to_json() for u in self.units],
+            "ignored_modules": self.ignored,
+            "recompute": self.recompute,
+            "use_reentrant": self.use_reentrant,
+            "frozen": self.frozen,
+            "buffer_casts": self.buffer_casts,
+            "memory_per_rank_bytes": {**peak, "by_rank": per_rank},
+            "warnings": self.warnings,
+        }
+
+
+@dataclass
+class _Index:
+    """Names the rules are resolved against."""
+
+    modules: list[str]
+    params: list[str]
+    classes: dict[str, str]  # module path -> class name
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "_Index":
+        return cls(
+            modules=[n for n, _ in model.named_modules()],
+            params=[n for n, _ in model.named_parameters()],
+            classes={n: type(m).__name__ for n, m in model.named_modules()},
+        )
+
+    def by_class(self, name: str, key: str) -> list[str]:
+        found = [p for p, c in self.classes.items() if c == name and p]
+        if not found:
+            present = sorted(set(self.classes.values()))
+            raise ConfigError(key, f"class {name!r} matches no module of this model",
+                              did_you_mean(name, present) or "classes: " + ", ".join(present[:12]))
+        return found
+
+    def resolve(self, spec: str, key: str) -> list[str]:
+        """A class name or a path pattern -> module paths."""
+        if looks_like_class_name(spec) and spec in set(self.classes.values()):
+            return self.by_class(spec, key)
+        if looks_like_class_name(spec) and spec not in self.modules:
+            return self.by_class(spec, key)  # raises with nearest class names
+        return match_pattern(spec, self.modules, self.params, key=key)
+
+
+def _is_under(path: str, ancestor: str) -> bool:
+    return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _owner(param: str, unit_paths: list[str]) -> str:
+    """The innermost unit whose module contains `param`."""
+    best = ""
+    for u in unit_paths:
+        if u and param.startswith(u + ".") and len(u) > len(best):
+            best = u
+    return best
+
+
+def _higher(a: str, b: str) -> str:
+    return a if _ORDER[a] >= _ORDER[b] else b
+
+
+def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
+    """Compute the plan. Raises ConfigError for any rule that names nothing real."""
+    idx = _Index.of(model)
+    fcfg = cfg.fsdp
+    notes: list[str] = []
+    model_dtype = canonical_dtype(cfg.model.dtype)
+
+    # -- ignored modules
+    ignored: list[str] = []
+    for i, pat in enumerate(fcfg.ignored_modules):
+        ignored += idx.resolve(pat, f"fsdp.ignored_modules[{i}]")
+    ignored = _outermost(ignored)
+
+    # -- wrap rules -> candidate units with their sources
+    sources: dict[str, list[str]] = {}
+
+    def add(paths: list[str], source: str) -> None:
+        for p in paths:
+            sources.setdefault(p, [])
+            if source not in sources[p]:
+                sources[p].append(source)
+
+    wrap = fcfg.wrap
+    classes = list(wrap.classes)
+    if not classes and not wrap.modules:
+        classes = sorted(getattr(model, "_no_split_modules", None) or [])
+        key_of = "fsdp.wrap.classes (default: the model's _no_split_modules)"
+    else:
+        key_of = "fsdp.wrap.classes"
+    for i, name in enumerate(classes):
+        add(idx.by_class(name, f"{key_of}[{i}]" if key_of == "fsdp.wrap.classes" else key_of), f"class:{name}")
+    for i, pat in enumerate(wrap.modules):
+        add(match_pattern(pat, idx.modules, idx.params, key=f"fsdp.wrap.modules[{i}]"), f"modules:{pat}")
+
+    emb_path, head_path, tied = _embedding_paths(model)
+    if wrap.embeddings or wrap.lm_head:
+        if tied:
+            notes.append("the model ties input and output embeddings; fsdp.wrap.embeddings/lm_head "
+                         "are ignored so the shared weight stays in the root unit")
+        else:
+            if wrap.embeddings:
+                if emb_path is None:
+                    raise ConfigError("fsdp.wrap.embeddings", "this model has no input embeddings module")
+                add([emb_path], "embeddings")
+            if wrap.lm_head:
+                if head_path is None:
+                    raise ConfigError("fsdp.wrap.lm_head", "this model has no output head module")
+                add([head_path], "lm_head")
+    for i, spec in enumerate(wrap.moe_experts):
+        add(idx.resolve(spec, f"fsdp.wrap.moe_experts[{i}]"), f"moe_experts:{spec}")
+
+    # -- layered precision entries
+    overrides: dict[str, PrecisionOverride] = {}
+    for pat, value in fcfg.module_precision.items():
+        entry = value if isinstance(value, PrecisionOverride) else PrecisionOverride(param_dtype=value)
+        key = f"fsdp.module_precision.{pat}"
+        for path in match_pattern(pat, idx.modules, idx.params, key=key):
+            if path in overrides and overrides[path] != entry:
+                raise ConfigError(key, f"module {path!r} is also named by another module_precision "
+                                  "entry with a different setting", "keep one entry per module")
+            if tied and path in (emb_path, head_path):
+                raise ConfigError(key, f"{path!r} shares its weight with the tied "
+                                  f"{'lm_head' if path == emb_path else 'input embeddings'}; "
+                                  "a shared weight cannot have two precisions")
+            overrides[path] = entry
+    buffer_casts: dict[str, str] = {}
+    for path, entry in overrides.items():
+        mod = model.get_submodule(path)
+        buffer_casts[path] = entry.param_dtype
+        if any(True for _ in mod.parameters()):
+            add([path], f"module_precision:{entry.param_dtype}")
+
+    # -- drop units inside ignored modules
+    for path in list(sources):
+        if any(_is_under(path, ig) for ig in ignored):
+            notes.append(f"unit {path!r} lies inside ignored module; not wrapped")
+            del sources[path]
+
+    # -- recompute targets
+    recompute: list[str] = []
+    for i, spec in enumerate(fcfg.recompute.modules):
+        recompute += idx.resolve(spec, f"fsdp.recompute.modules[{i}]")
+    recompute = list(dict.fromkeys(recompute))
+
+    # -- per-unit settings
+    mp = fcfg.mixed_precision
+    reshard = _reshard_setting(cfg, mesh)
+    offload = fcfg.offload.enabled
+    post = _post_order(model)
+    unit_paths = sorted(sources, key=lambda p: post[p]) + [""]
+    units: list[Unit] = []
+    for path in unit_paths:
+        over_at = _nearest_override(path, overrides)
+        if over_at is None:
+            pd, rd, od, cast = mp.param_dtype, mp.reduce_dtype, mp.output_dtype, mp.cast_forward_inputs
+            storage = model_dtype
+        else:
+            e = overrides[over_at]
+            pd = e.param_dtype
+            rd = e.reduce_dtype or ("fp32" if pd == "fp32" else mp.reduce_dtype)
+            od = e.output_dtype or (mp.param_dtype if mp.param_dtype != pd else None)
+            cast = e.cast_forward_inputs
+            storage = _higher(model_dtype, pd)
+        units.append(Unit(
+            path=path,
+            sources=sources.get(path, ["root"]),
+            param_dtype=pd, reduce_dtype=rd, output_dtype=od, cast_forward_inputs=cast,
+            storage_dtype=storage,
+            reshard_after_forward=(False if path == "" else reshard),
+            offload=offload,
+            recompute=path in recompute,
+        ))
+
+    _wire_prefetch(units, model, fcfg.prefetch.forward, fcfg.prefetch.backward)
+    frozen = _frozen_paths(model)
+    _count_params(model, units, ignored)
+    memory = estimate_memory(model, units, ignored, mesh, overrides, model_dtype)
+    return ShardingPlan(
+        world_size=mesh.world_size, mesh=mesh, units=units, ignored=ignored,
+        recompute=recompute, use_reentrant=fcfg.recompute.use_reentrant, frozen=frozen,
+        buffer_casts=buffer_casts, memory_per_rank_bytes=memory, model_dtype=model_dtype,
+        warnings=notes,
+    )
+
+
+def _reshard_setting(cfg: Config, mesh: MeshSpec) -> bool | int:
+    strategy = cfg.parallel.sharding_strategy
+    value = cfg.fsdp.reshard_after_forward
+    if strategy in ("shard_grad_op", "no_shard"):
+        return False
+    if isinstance(value, bool):
+        return value
+    if mesh.shard % value:
+        divs = [d for d in range(1, mesh.shard + 1) if mesh.shard % d == 0]
+        raise ConfigError("fsdp.reshard_after_forward", f"{value} does not divide the shard group "
+                          f"size {mesh.shard}", f"use true, false or one of {divs}")
+    if value == mesh.shard:
+        return True
+    if value == 1:
+        return False
+    return value
+
+
+def _embedding_paths(model: nn.Module) -> tuple[str | None, str | None, bool]:
+    """(input embeddings path, output head path, whether they share a weight)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    emb = head = None
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        pass
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        pass
+    tied = (emb is not None and head is not None and getattr(emb, "weight", None) is not None
+            and emb.weight is getattr(head, "weight", None))
+    return (names.get(id(emb)) if emb is not None else None,
+            names.get(id(head)) if head is not None else None, tied)
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    paths = list(dict.fromkeys(paths))
+    return [p for p in paths if not any(q != p and _is_under(p, q) for q in paths)]
+
+
+def _nearest_override(path: str, overrides: dict[str, PrecisionOverride]) -> str | None:
+    best = None
+    for o in overrides:
+        if _is_under(path, o) and path != "" and (best is None or len(o) > len(best)):
+            best = o
+    return best
+
+
+def _post_order(model: nn.Module) -> dict[str, int]:
+    order: dict[str, int] = {}
+
+    def walk(mod: nn.Module, prefix: str) -> None:
+        for name, child in mod.named_children():
+            walk(child, f"{prefix}.{name}" if prefix else name)
+        order.setdefault(prefix, len(order))
+
+    walk(model, "")
+    return order
+
+
+def _wire_prefetch(units: list[Unit], model: nn.Module, forward: int, backward: int) -> None:
+    pre = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    inner = [u for u in units if u.path]
+    top = [u for u in inner if not any(o is not u and o.path and _is_under(u.path, o.path) for o in inner)]
+    top.sort(key=lambda u: pre[u.path])
+    for i, u in enumerate(top):
+        u.prefetch_forward = [t.path for t in top[i + 1: i + 1 + forward]]
+        u.prefetch_backward = [t.path for t in reversed(top[max(0, i - backward): i])]
+
+
+def _frozen_paths(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def _count_params(model: nn.Module, units: list[Unit], ignored: list[str]) -> None:
+    paths = [u.path for u in units]
+    by_path = {u.path: u for u in units}
+    for name, p in model.named_parameters():
+        if any(_is_under(name, ig) for ig in ignored):
+            continue
+        u = by_path[_owner(name, paths)]
+        u.num_params += p.numel()
+        if p.requires_grad:
+            u.trainable_params += p.numel()
+
+
+def estimate_memory(model: nn.Module, units: list[Unit], ignored: list[str], mesh: MeshSpec,
+                    overrides: dict[str, PrecisionOverride], model_dtype: str) -> list[dict[str, int]]:
+    """Bytes each rank holds for params, grads and AdamW state after apply and one step.
+
+    Sharded parameters and their gradients occupy the padded shard FSDP2 allocates
+    (ceil(dim0 / shard) rows on every rank); AdamW's exp_avg / exp_avg_sq follow the
+    unpadded local shard (torch.chunk rows of this rank) plus one 4-byte `step` tensor per
+    parameter. Ignored parameters are whole on every rank.
+    """
+    paths = [u.path for u in units]
+    by_path = {u.path: u for u in units}
+    S = mesh.shard
+    out = []
+    for rank in range(mesh.world_size):
+        shard_idx = rank % S
+        params = grads = optim = 0
+        for name, p in model.named_parameters():
+            is_ignored = any(_is_under(name, ig) for ig in ignored)
+            if is_ignored:
+                dt = _param_storage(name, overrides, model_dtype)
+                nbytes = p.numel() * dtype_bytes(dt)
+                params += nbytes
+                if p.requires_grad:
+                    grads += nbytes
+                    optim += 2 * nbytes + 4
+                continue
+            u = by_path[_owner(name, paths)]
+            esz = dtype_bytes(u.storage_dtype)
+            rest = math.prod(p.shape[1:]) if p.dim() > 1 else 1
+            dim0 = p.shape[0] if p.dim() > 0 else 1
+            padded_rows = -(-dim0 // S)
+            local_rows = _chunk_rows(dim0, S, shard_idx)
+            params += padded_rows * rest * esz
+            if p.requires_grad:
+                grads += padded_rows * rest * esz
+                optim += 2 * local_rows * rest * esz + 4
+        out.append({"params": params, "grads": grads, "optimizer": optim,
+                    "total": params + grads + optim})
+    return out
+
+
+def _param_storage(name: str, overrides: dict[str, PrecisionOverride], model_dtype: str) -> str:
+    o = _nearest_override(name, overrides)
+    return model_dtype if o is None else _higher(model_dtype, overrides[o].param_dtype)
+
+
+def _chunk_rows(dim0: int, parts: int, idx: int) -> int:
+    """Rows torch.chunk gives part `idx` of `parts` (later parts may be short or empty)."""
+    size = -(-dim0 // parts)
+    return max(0, min(size, dim0 - idx * size))
+
+
+def warn_plan(plan: ShardingPlan, is_main: bool) -> None:
+    """Show the plan's notes once (rank 0)."""
+    if is_main:
+        for note in plan.warnings:
+            warnings.warn(note, stacklevel=2)

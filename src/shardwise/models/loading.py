@@ -1,0 +1,154 @@
+"""Build or load HF models: on the meta device for planning and sharding, in full on rank 0
+only for the weights, which then reach the other ranks' shards by broadcast.
+
+The flow (driven by `shardwise.fsdp.build_sharded_model`):
+  meta model -> plan -> apply_plan (fully_shard on meta) -> to_empty(device) ->
+  `load_full_weights`: rank 0 builds/reads the full model on CPU, every rank receives its
+  shard (DCP's broadcast_from_rank0), non-persistent buffers are broadcast too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config.dtypes import to_torch_dtype
+from shardwise.config.schema import ModelConfig
+from shardwise.errors import ConfigError
+
+_TASKS = ("causal_lm", "sequence_classification", "token_classification")
+
+
+def _auto_class(task: str):
+    import transformers
+
+    return {
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "sequence_classification": transformers.AutoModelForSequenceClassification,
+        "token_classification": transformers.AutoModelForTokenClassification,
+    }[task]
+
+
+def load_hf_config(model: ModelConfig, **extra):
+    """The HF PretrainedConfig of `model.path` or of the inline `model.config`."""
+    from transformers import AutoConfig
+
+    if model.path is not None:
+        path = Path(model.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError("model.path", f"{str(path)!r} holds no config.json",
+                              "point it at a folder written by save_pretrained")
+        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+    elif model.config is not None:
+        fields = dict(model.config)
+        model_type = fields.pop("model_type")
+        try:
+            cfg = AutoConfig.for_model(model_type, **fields)
+        except ValueError as e:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            from shardwise.errors import did_you_mean
+
+            raise ConfigError("model.config.model_type", f"unknown model_type {model_type!r}",
+                              did_you_mean(model_type, list(CONFIG_MAPPING.keys()))) from e
+    else:
+        raise ConfigError("model", "no model given", "set model.path (a local HF folder) or model.config")
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_meta_model(model: ModelConfig, task: str = "causal_lm", **config_extra) -> nn.Module:
+    """The model's structure on the meta device (no memory), in the master dtype."""
+    cfg = load_hf_config(model, **config_extra)
+    with torch.device("meta"):
+        m = _auto_class(task).from_config(cfg, dtype=to_torch_dtype(model.dtype),
+                                          attn_implementation=model.attn_implementation,
+                                          trust_remote_code=model.trust_remote_code)
+    return m
+
+
+def build_full_model(model: ModelConfig, seed: int, task: str = "causal_lm", **config_extra) -> nn.Module:
+    """The whole model on CPU with real weights: read from `model.path`, or a seeded random init.
+
+    Used by rank 0 only during sharded loading, and by unsharded reference runs.
+    """
+    dtype = to_torch_dtype(model.dtype)
+    cls = _auto_class(task)
+    if model.path is not None:
+        cfg = load_hf_config(model, **config_extra)
+        m = cls.from_pretrained(model.path, config=cfg, dtype=dtype,
+                                attn_implementation=model.attn_implementation,
+                                trust_remote_code=model.trust_remote_code)
+    else:
+        cfg = load_hf_config(model, **config_extra)
+        fork_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=fork_devices):
+            torch.manual_seed(seed)
+            m = cls.from_config(cfg, dtype=dtype, attn_implementation=model.attn_implementation,
+                                trust_remote_code=model.trust_remote_code)
+    return m
+
+
+def non_persistent_buffers(model: nn.Module) -> list[str]:
+    """Names of buffers that are not in the state dict (e.g. rotary inv_freq)."""
+    names = []
+    for mod_name, mod in model.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            names.append(f"{mod_name}.{b}" if mod_name else b)
+    return names
+
+
+def load_full_weights(sharded: nn.Module, full: nn.Module | None, device: torch.device) -> None:
+    """Fill a sharded, materialised (`to_empty`) model from rank 0's full model.
+
+    `full` is the CPU model on rank 0 and None elsewhere. Each rank keeps only its shard;
+    host memory holds one full copy (rank 0's), whatever the number of ranks.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    assert (full is not None) == (rank == 0), "exactly rank 0 passes the full model"
+    full_sd = full.state_dict() if full is not None else {}
+    set_model_state_dict(sharded, full_sd,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Non-persistent buffers are not in any state dict; send rank 0's values.
+    full_bufs = dict(full.named_buffers()) if full is not None else {}
+    for name in non_persistent_buffers(sharded):
+        buf = sharded.get_buffer(name)
+        src = full_bufs[name].to(device=device, dtype=buf.dtype) if full is not None else None
+        if rank == 0:
+            buf.copy_(src)
+        dist.broadcast(buf, src=0)
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    """requires_grad=False for every parameter under the matched modules; returns their paths."""
+    from shardwise.fsdp.patterns import match_pattern
+
+    if not patterns:
+        return []
+    names = [n for n, _ in model.named_modules()]
+    params = [n for n, _ in model.named_parameters()]
+    frozen = []
+    for i, pat in enumerate(patterns):
+        for path in match_pattern(pat, names, params, key=f"model.freeze[{i}]"):
+            for p in model.get_submodule(path).parameters():
+                p.requires_grad_(False)
+            frozen.append(path)
+    return frozen
+
+
+def is_main_process() -> bool:
+    return (not dist.is_initialized()) or dist.get_rank() == 0
+
+
+def local_files_only() -> None:
+    """No model hub: make HF libraries fail fast instead of trying the network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,102 @@
+"""Shared pieces of the distributed tests: tiny model configs, deterministic batches, the
+unsharded reference run, and the body each rank runs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+TINY_QWEN3 = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64, "
+              "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
+              "vocab_size: 64, max_position_embeddings: 64, tie_word_embeddings: false}")
+TINY_LLAMA = ("model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, "
+              "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+              "vocab_size: 64, max_position_embeddings: 64, tie_word_embeddings: true}")
+
+FP32 = ["fsdp.mixed_precision.param_dtype=fp32"]
+
+
+def make_global_batch(step: int, size: int, seq: int = 12, vocab: int = 64, seed: int = 1234) -> list[dict]:
+    """`size` examples with uneven numbers of loss tokens (prompt lengths differ), as rows."""
+    g = torch.Generator().manual_seed(seed + step)
+    rows = []
+    for _ in range(size):
+        ids = torch.randint(1, vocab, (seq,), generator=g)
+        prompt = int(torch.randint(1, seq - 2, (1,), generator=g))
+        labels = ids.clone()
+        labels[:prompt] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def stack(rows: list[dict]) -> dict[str, torch.Tensor]:
+    out = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    return out
+
+
+def loss_tokens(rows: list[dict]) -> int:
+    return int(sum((r["labels"][1:] != -100).sum() for r in rows))
+
+
+def micro_batches_of(rows: list[dict], rank: int, world: int, micro: int) -> list[dict]:
+    share = len(rows) // world
+    mine = rows[rank * share:(rank + 1) * share]
+    return [stack(mine[i:i + micro]) for i in range(0, len(mine), micro)]
+
+
+def reference_run(overrides: list[str], steps: int, global_batch: int, micro: int) -> dict:
+    """The unsharded reference: one process, a plain nn.Module, same init, data and optimizer."""
+    from shardwise.config import load_config
+    from shardwise.engine.optim import build_optimizer, build_scheduler
+    from shardwise.engine.train import lm_loss_sum
+    from shardwise.models.loading import build_full_model, freeze
+
+    cfg = load_config(None, overrides)
+    model = build_full_model(cfg.model, cfg.run.seed)
+    freeze(model, cfg.model.freeze)
+    opt = build_optimizer(model, cfg.train.optimizer)
+    sched = build_scheduler(opt, cfg.train.scheduler, cfg.train.max_steps)
+    losses = []
+    for step in range(steps):
+        rows = make_global_batch(step, global_batch)
+        total = loss_tokens(rows)
+        acc = 0.0
+        for mb in micro_batches_of(rows, 0, 1, micro):
+            loss_sum = lm_loss_sum(model, mb)
+            (loss_sum / total).backward()
+            acc += float(loss_sum)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                       cfg.train.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(acc / total)
+    return {"losses": losses, "params": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) state dict, on every rank, as fp32 CPU tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+
+
+def sharded_run(rank: int, world: int, overrides: list[str], steps: int, global_batch: int, micro: int) -> dict:
+    """Body of each rank: the TrainEngine over this rank's share of the same global batches."""
+    from shardwise.config import load_config
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.train import TrainEngine
+
+    runtime = init_distributed(timeout_s=60)
+    cfg = load_config(None, overrides)
+    engine = TrainEngine(cfg, runtime)
+    losses = []
+    for step in range(steps):
+        rows = make_global_batch(step, global_batch)
+        res = engine.train_step(micro_batches_of(rows, rank, world, micro), loss_tokens(rows))
+        losses.append(res.loss)
+    params = full_params(engine.model)
+    teardown()
+    return {"losses": losses, "params": params if rank == 0 else None}
