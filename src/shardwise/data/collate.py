@@ -151,10 +151,16 @@ def pack_collate(
       and SDPA reads bool as "may attend".
     - ``"eager"``: eager attention *adds* the mask to the scores, so convert it first
       with `additive_mask(mask, dtype)` (0 / dtype min), in the compute dtype.
-    - any implementation, including flash-attention varlen: pass ``attention_mask=None``
-      and only ``position_ids``; HF detects the packed sequences from the restarts in
-      position_ids (``find_packed_sequence_indices``) and builds the same
+    - any implementation, including flash-attention varlen: pass ``attention_mask=None``,
+      ``position_ids`` and ``use_cache=False``; HF detects the packed sequences from the
+      restarts in position_ids (``find_packed_sequence_indices``) and builds the same
       block-diagonal mask itself. This route needs no dtype and no (seq, seq) tensor.
+      The detection is skipped whenever a KV cache exists, and Qwen3 creates one by
+      default (``config.use_cache`` is True), so without ``use_cache=False`` the rows
+      silently attend across examples.
+
+    A packed row given only a 2-D padding mask also attends across examples; the test
+    checks that this gives a different loss, so the routes above are not vacuous.
     """
     if not examples:
         raise DataError("pack_collate: no examples")

@@ -36,6 +36,7 @@ def arithmetic_examples(
     if not ops or bad:
         raise DataError(
             f"arithmetic_examples: ops must be a non-empty string of {ARITHMETIC_OPS!r}, got {ops!r}"
+            + (f" (unknown: {', '.join(repr(c) for c in bad)})" if bad else "")
         )
     rng = random.Random(seed)
     examples = []
