@@ -206,6 +206,44 @@ def test_without_tensorboard_only_the_jsonl_is_written(tmp_path):
     assert [r["loss"] for r in read_metrics(tmp_path)] == [1.0]
 
 
+class _RecordingSummaryWriter:
+    """Stands in for SummaryWriter: records what MetricsWriter sends to TensorBoard."""
+
+    instances: list[_RecordingSummaryWriter] = []
+
+    def __init__(self, log_dir: str):
+        self.log_dir = log_dir
+        self.scalars: list[tuple] = []
+        self.closed = False
+        self.instances.append(self)
+
+    def add_scalar(self, tag, value, global_step, walltime):
+        self.scalars.append((tag, value, global_step, walltime))
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_gets_numbers_only_with_step_and_the_same_time(tmp_path, monkeypatch):
+    # Replaces shardwise's own lookup (not the import system) so this path runs everywhere.
+    monkeypatch.setattr(
+        "shardwise.telemetry.metrics._tensorboard_writer_class", lambda: _RecordingSummaryWriter
+    )
+    _RecordingSummaryWriter.instances.clear()
+    with MetricsWriter(tmp_path, enabled=True) as writer:
+        writer.log(7, {"loss": torch.tensor(1.5), "phase": "train", "ok": True, "g": math.inf})
+    (tb,) = _RecordingSummaryWriter.instances
+    assert tb.log_dir == str(tmp_path / "tensorboard") and tb.closed
+    assert writer.tensorboard_dir == tmp_path / "tensorboard"
+    line_time = read_metrics(tmp_path)[0]["time"]
+    assert tb.scalars == [("loss", 1.5, 7, line_time), ("g", math.inf, 7, line_time)]
+
+    _RecordingSummaryWriter.instances.clear()
+    with MetricsWriter(tmp_path / "off", enabled=True, tensorboard=False) as writer:
+        writer.log(1, {"loss": 1.0})
+    assert _RecordingSummaryWriter.instances == [] and writer.tensorboard_dir is None
+
+
 @pytest.mark.skipif(not TENSORBOARD_IMPORTABLE, reason="tensorboard is not installed")
 def test_with_tensorboard_scalars_go_to_an_event_file(tmp_path):
     with MetricsWriter(tmp_path, enabled=True, tensorboard=True) as writer:
@@ -274,7 +312,6 @@ def test_cpu_peak_memory_is_in_bytes_and_covers_a_large_allocation():
     big = torch.ones(64 * 1024 * 1024, dtype=torch.float32)  # 256 MiB, touched by ones()
     peak = peak_memory_bytes("cpu")
     assert peak >= big.numel() * big.element_size()
-    assert peak < 1 << 40  # bytes, not kilobytes counted as bytes twice over
     assert peak_memory_bytes(torch.device("cpu")) >= peak
 
 
