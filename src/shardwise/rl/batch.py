@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-from shardwise.errors import did_you_mean
+from shardwise.errors import nearest
 
 __all__ = ["Batch", "RowIndex"]
 
@@ -265,8 +265,9 @@ class Batch:
             keys = list(keys)
             for k in keys:
                 if k not in store:
-                    hint = did_you_mean(k, store) if store else f"the batch has no {part}"
-                    raise ValueError(f"select: no {part} key {k!r}" + (f" ({hint})" if hint else ""))
+                    near = nearest(k, store, n=1)
+                    hint = f"did you mean {near[0]!r}?" if near else f"present: {sorted(store)}"
+                    raise ValueError(f"select: no {part} key {k!r}; {hint}")
             return {k: store[k] for k in keys}
 
         return Batch(
