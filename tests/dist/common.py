@@ -65,7 +65,7 @@ def reference_run(overrides: list[str], steps: int, global_batch: int, micro: in
         for mb in micro_batches_of(rows, 0, 1, micro):
             loss_sum = lm_loss_sum(model, mb)
             (loss_sum / total).backward()
-            acc += float(loss_sum)
+            acc += float(loss_sum.detach())
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                        cfg.train.grad_clip or float("inf"))
         opt.step()
