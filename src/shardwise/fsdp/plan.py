@@ -270,6 +270,12 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
             recompute=path in recompute,
         ))
 
+    for ig in ignored:
+        around = next(u for u in units if _is_under(ig, u.path) and ig != u.path)
+        if around.param_dtype != model_dtype:
+            notes.append(f"ignored module {ig!r} keeps its {model_dtype} parameters while the unit "
+                         f"around it ({around.path or 'root'}) computes in {around.param_dtype}; "
+                         "its inputs may arrive in another dtype")
     _wire_prefetch(units, model, fcfg.prefetch.forward, fcfg.prefetch.backward)
     frozen = _frozen_paths(model)
     _count_params(model, units, ignored)
