@@ -68,6 +68,15 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def _env_world_size() -> int:
+    from shardwise.errors import ConfigError
+
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit():
+        raise ConfigError("WORLD_SIZE", f"environment variable is {text!r}, not a positive integer")
+    return int(text)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardwise.config import load_config
     from shardwise.distributed.mesh import mesh_spec
@@ -76,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     local_files_only()
     cfg = load_config(args.config, args.overrides)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.world_size if args.world_size is not None else _env_world_size()
     spec = mesh_spec(cfg.parallel, world)
     from shardwise.engine.batching import check_batch_sizes
 
@@ -89,7 +98,67 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"plan": cmd_plan}
+def _launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Re-run this command under torchrun with `nproc` local processes."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "shardwise.cli", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(cmd, env=env)
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from shardwise.config import load_config
+    from shardwise.jobs import sft
+    from shardwise.models.loading import local_files_only
+
+    local_files_only()
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc and not _under_torchrun():
+        sft.prepare(cfg, world_size=args.nproc)  # config errors exit 2 here, before any process starts
+        return _launch_torchrun(args.nproc, ["train", args.config, *args.overrides])
+    sft.prepare(cfg)
+    from shardwise.distributed.runtime import init_distributed, seed_everything, teardown
+
+    runtime = init_distributed()
+    try:
+        seed_everything(cfg.run.seed)
+        summary = sft.run(cfg, runtime)
+        if runtime.is_main:
+            final = summary["final"]
+            print(f"done: {summary['steps']} steps, final loss {final.get('loss', float('nan')):.4f}")
+            if "accuracy" in summary:
+                print(f"  held-out accuracy (greedy, exported HF model): {summary['accuracy']:.1%}")
+            for key in ("metrics", "checkpoint", "hf", "plot"):
+                if summary.get(key):
+                    print(f"  {key:<10} {summary[key]}")
+    finally:
+        teardown()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint.hf_export import export_checkpoint
+    from shardwise.models.loading import local_files_only
+
+    local_files_only()
+    out = export_checkpoint(args.checkpoint_dir, args.out_dir)
+    print(f"exported {args.checkpoint_dir} -> {out}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "plan": cmd_plan, "train": cmd_train, "export": cmd_export}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,12 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("overrides", nargs="*", help="key.sub=value")
     sp.add_argument("--world-size", type=int, default=None)
     sp.add_argument("--json", action="store_true")
-    for extra in _extra_parsers:
-        extra(sub)
+    tp = sub.add_parser("train", help="supervised fine-tuning (SFT) with the FSDP2 train engine")
+    tp.add_argument("config")
+    tp.add_argument("overrides", nargs="*", help="key.sub=value")
+    tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
+    ep = sub.add_parser("export", help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
+    ep.add_argument("checkpoint_dir")
+    ep.add_argument("out_dir")
     return p
-
-
-_extra_parsers: list[Callable] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ scalars/flow collections, so `x=3`, `x=true`, `x=[a,b]`, `x={k: v}` work.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -69,6 +70,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     return out
 
 
+# A module path with brace groups, e.g. model.layers.{0-3}.mlp: not valid flow YAML unquoted.
+_BRACE_PATH = re.compile(r"(?<![\w\"'])((?:\w+\.)+\{[^{}]*\}(?:\.(?:\w+|\{[^{}]*\}))*)")
+
+
 def parse_override_value(text: str) -> Any:
     """YAML value of an override; a [list] of brace patterns (not valid flow YAML) still works."""
     if not text.strip():
@@ -77,6 +82,12 @@ def parse_override_value(text: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         pass
+    quoted = _BRACE_PATH.sub(lambda m: '"' + m.group(1) + '"', text)
+    if quoted != text:
+        try:
+            return yaml.safe_load(quoted)
+        except yaml.YAMLError:
+            pass
     t = text.strip()
     if t.startswith("[") and t.endswith("]"):
         items, depth, cur = [], 0, ""
@@ -96,12 +107,16 @@ def _fields_at(loc: tuple, model: type[BaseModel] = Config) -> list[str] | None:
     """Field names (by alias) of the section at `loc`, or None if loc does not lead to a model."""
     cls: Any = model
     for part in loc:
+        if get_origin(cls) is dict:  # a user-chosen key (e.g. a module_precision pattern)
+            cls = _model_in(get_args(cls)[1])
+            continue
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
             return None
         field = _field_by_name(cls, part)
         if field is None:
             return None
-        cls = _model_in(field.annotation)
+        ann = field.annotation
+        cls = ann if get_origin(ann) is dict else _model_in(ann)
     if isinstance(cls, type) and issubclass(cls, BaseModel):
         return [f.alias or name for name, f in cls.model_fields.items()]
     return None
@@ -137,7 +152,9 @@ def translate_error(e: ValidationError, raw: dict[str, Any]) -> ConfigError:
         if isinstance(ctx_err, ConfigError):
             return ctx_err
     # Union members produce several entries for one key; the user needs one line.
-    errors.sort(key=lambda er: (er["type"] != "extra_forbidden", len(er["loc"])))
+    # Within a union, the deepest error belongs to the member the input was meant for
+    # (a mapping given for `dtype | {param_dtype: ...}` is judged as the mapping).
+    errors.sort(key=lambda er: (er["type"] != "extra_forbidden", -len(er["loc"])))
     err = errors[0]
     loc = tuple(p for p in err["loc"] if not _is_union_tag(p))
     key = _dotted(loc)

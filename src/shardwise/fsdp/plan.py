@@ -235,6 +235,24 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
             notes.append(f"unit {path!r} lies inside ignored module; not wrapped")
             del sources[path]
 
+    # -- a unit must have a forward of its own (fully_shard hooks forward)
+    for path, srcs in sources.items():
+        mod = model.get_submodule(path)
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            raise ConfigError(_rule_key(srcs[0]), f"{path!r} is a {type(mod).__name__}, a container "
+                              "without forward, and cannot be its own unit",
+                              f"name its children instead, e.g. {path}.{{*}}")
+
+    # -- a tied weight must live in one unit that holds both of its users
+    if tied:
+        paths_now = list(sources)
+        owner = _owner(f"{emb_path}.weight", paths_now)
+        if owner and not _is_under(head_path, owner) or _owner(f"{head_path}.weight", paths_now) != owner:
+            srcs = sources.get(owner) or sources.get(head_path) or ["root"]
+            raise ConfigError(_rule_key(srcs[0]), f"unit {owner or head_path!r} would split the weight "
+                              f"that {emb_path!r} and {head_path!r} share (tie_word_embeddings)",
+                              "keep both in one unit: do not wrap a module that holds only one of them")
+
     # -- recompute targets
     recompute: list[str] = []
     for i, spec in enumerate(fcfg.recompute.modules):
@@ -286,6 +304,14 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
         buffer_casts=buffer_casts, memory_per_rank_bytes=memory, model_dtype=model_dtype,
         warnings=notes,
     )
+
+
+def _rule_key(source: str) -> str:
+    """The config key behind a unit source label."""
+    kind = source.split(":", 1)[0]
+    return {"class": "fsdp.wrap.classes", "modules": "fsdp.wrap.modules", "embeddings": "fsdp.wrap.embeddings",
+            "lm_head": "fsdp.wrap.lm_head", "moe_experts": "fsdp.wrap.moe_experts",
+            "module_precision": "fsdp.module_precision"}.get(kind, "fsdp")
 
 
 def _reshard_setting(cfg: Config, mesh: MeshSpec) -> bool | int:

@@ -42,19 +42,24 @@ def load_hf_config(model: ModelConfig, **extra):
         if not (path / "config.json").is_file():
             raise ConfigError("model.path", f"{str(path)!r} holds no config.json",
                               "point it at a folder written by save_pretrained")
-        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+        try:
+            cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+        except (ValueError, OSError, KeyError) as e:
+            raise ConfigError("model.path", f"cannot read {str(path / 'config.json')!r}: {e}") from e
     elif model.config is not None:
         fields = dict(model.config)
         model_type = fields.pop("model_type")
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        from shardwise.errors import did_you_mean
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError("model.config.model_type", f"unknown model_type {model_type!r}",
+                              did_you_mean(str(model_type), list(CONFIG_MAPPING.keys())))
         try:
             cfg = AutoConfig.for_model(model_type, **fields)
-        except ValueError as e:
-            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-            from shardwise.errors import did_you_mean
-
-            raise ConfigError("model.config.model_type", f"unknown model_type {model_type!r}",
-                              did_you_mean(model_type, list(CONFIG_MAPPING.keys()))) from e
+        except Exception as e:  # HF validates fields with its own exception types
+            raise ConfigError("model.config", f"transformers rejected the {model_type} config: {e}") from e
     else:
         raise ConfigError("model", "no model given", "set model.path (a local HF folder) or model.config")
     for k, v in extra.items():
@@ -65,10 +70,16 @@ def load_hf_config(model: ModelConfig, **extra):
 def build_meta_model(model: ModelConfig, task: str = "causal_lm", **config_extra) -> nn.Module:
     """The model's structure on the meta device (no memory), in the master dtype."""
     cfg = load_hf_config(model, **config_extra)
-    with torch.device("meta"):
-        m = _auto_class(task).from_config(cfg, dtype=to_torch_dtype(model.dtype),
-                                          attn_implementation=model.attn_implementation,
-                                          trust_remote_code=model.trust_remote_code)
+    try:
+        with torch.device("meta"):
+            m = _auto_class(task).from_config(cfg, dtype=to_torch_dtype(model.dtype),
+                                              attn_implementation=model.attn_implementation,
+                                              trust_remote_code=model.trust_remote_code)
+    except ImportError as e:
+        raise ConfigError("model.attn_implementation", f"{model.attn_implementation!r} is not usable here: {e}",
+                          "use sdpa or eager") from e
+    except ValueError as e:
+        raise ConfigError("model", f"transformers cannot build this model: {e}") from e
     return m
 
 
