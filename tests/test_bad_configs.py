@@ -153,11 +153,7 @@ ROWS = [
     pytest.param(Bad(key="fsdp.module_precision.model.norm.reduce_dtype", hint="did you mean",
                      yaml=TINY_MODEL_YAML + "fsdp: {module_precision: {model.norm: "
                                             "{param_dtype: fp32, reduce_dtype: fp61}}}\n"),
-                 id="module-precision-entry-bad-dtype",
-                 marks=_xfail("load.py translate_error picks the first union member's error for a "
-                              "{param_dtype, reduce_dtype} entry: the message is \"config error at "
-                              "'fsdp.module_precision.model.norm': a dtype name is a string, got dict "
-                              "{...}\" instead of naming ...model.norm.reduce_dtype and 'fp61'")),
+                 id="module-precision-entry-bad-dtype"),
     pytest.param(Bad(('fsdp.module_precision={"model.layers.{0-1}": fp32, model.layers.1: bf16}',),
                      "fsdp.module_precision.model.layers.1", "keep one entry per module"),
                  id="module-precision-two-values-one-module"),
