@@ -1,0 +1,518 @@
+"""HF export: the model's weights as a folder `transformers.from_pretrained` loads.
+
+Two sources, one writer:
+
+- `export_model`: a live FSDP2-sharded model. Collective (every rank calls it): state-dict
+  entries are gathered one at a time (`DTensor.full_tensor()`, all ranks take part); rank 0
+  moves each full tensor to CPU and appends it to the current safetensors shard, writing
+  and freeing the shard as soon as it is complete. Every rank holds at most one full
+  tensor at a time; rank 0 also holds at most one shard of host memory
+  (``max_shard_bytes``, or one tensor larger than that).
+- `export_checkpoint`: a DCP checkpoint directory, offline, one process, no process group.
+  Tensors are read from DCP in small batches and written the same streaming way.
+
+The folder: ``model.safetensors`` (or ``model-0000k-of-0000N.safetensors`` and
+``model.safetensors.index.json``), ``config.json``, ``generation_config.json`` for
+generative models, and the tokenizer files when a tokenizer folder is known.
+
+Layout decisions, matched to `PreTrainedModel.save_pretrained`:
+
+- Tied weights (one parameter under several names) are written once, under the name
+  transformers keeps: names matching a ``_tied_weights_keys`` entry of the model are
+  dropped while another name remains (tied Llama: ``model.embed_tokens.weight`` is written,
+  ``lm_head.weight`` is not); `from_pretrained` re-ties from ``tie_word_embeddings``.
+- Non-persistent buffers (rotary ``inv_freq``) are not in any state dict and not written.
+- Names are the model's runtime state-dict names. Models whose transformers class declares
+  a weight-conversion mapping (fused MoE experts in transformers 5) are written in that
+  runtime layout, not reverted to the original checkpoint layout.
+- Shards are planned up front from shapes and dtypes, so each file gets its final
+  ``-of-0000N`` name; a tensor never spans files and a file exceeds ``max_shard_bytes``
+  only when one tensor alone does.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+import shutil
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "ExportError",
+    "ExportReport",
+    "TensorEntry",
+    "export_checkpoint",
+    "export_model",
+    "find_tokenizer_dir",
+    "plan_shards",
+    "shard_file_names",
+    "tied_aliases",
+]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
+"""Bytes per safetensors file (transformers' classic "5GB"); also rank 0's host buffer."""
+
+READ_BATCH_BYTES = 256 * 1024**2
+"""`export_checkpoint` reads DCP tensors in batches of about this many bytes."""
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                      "merges.txt", "spiece.model", "*.tiktoken", "chat_template.*")
+"""Files copied from a tokenizer folder (never config.json or weights)."""
+
+
+class ExportError(ShardwiseError, ValueError):
+    """An export input a user can fix: a checkpoint folder without meta.json or model
+    tensors, a tokenizer folder without tokenizer files, shapes that disagree."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor to write: its HF name, where it comes from, and what is written."""
+
+    name: str
+    """Name in the safetensors file (the HF state-dict key)."""
+    source: str
+    """Key in the source: the live state dict's key, or the DCP key."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    """dtype written (the export dtype for floating tensors, else the source's)."""
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote; ``os.PathLike`` (and ``str()``) as its folder. On ranks other
+    than 0 of `export_model`, `files` is empty and the counts are 0 (they write nothing)."""
+
+    out_dir: Path
+    files: list[str]
+    """Weight files written, in order (names relative to out_dir)."""
+    num_tensors: int
+    total_bytes: int
+    """Sum of the written tensors' bytes."""
+    max_buffered_bytes: int
+    """Peak bytes of tensors this process held for writing at once (the shard buffer)."""
+    tokenizer_dir: Path | None
+    """Where the tokenizer files came from, or None if none were copied."""
+
+    def __fspath__(self) -> str:  # usable wherever the folder's path is
+        return str(self.out_dir)
+
+    def __str__(self) -> str:
+        return str(self.out_dir)
+
+
+# --------------------------------------------------------------------- pure helpers
+
+
+def plan_shards(entries: Iterable[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
+    """Split entries, in order, into files of at most `max_shard_bytes` each (a single
+    larger tensor gets a file of its own). Always at least one (possibly empty) file."""
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def shard_file_names(n: int) -> list[str]:
+    """``["model.safetensors"]`` for one file, else ``model-00001-of-0000n.safetensors``..."""
+    if n == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def _tied_key_patterns(model: nn.Module) -> list[str]:
+    """transformers' `_tied_weights_keys` of every submodule, prefixed with its path (a dict
+    target -> source in transformers 5, a list of names in 4.x)."""
+    pats: list[str] = []
+    for path, mod in model.named_modules():
+        keys = getattr(mod, "_tied_weights_keys", None) or ()
+        keys = keys.keys() if isinstance(keys, Mapping) else keys
+        pats.extend(f"{path}.{k}" if path else k for k in keys)
+    return pats
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{dropped name: kept name} for parameters and buffers registered under several names.
+
+    The kept name follows `save_pretrained` (transformers' remove_tied_weights_from_state_dict):
+    in sorted order, names matching a `_tied_weights_keys` pattern are dropped while another
+    name remains. Works on a meta-device model (nothing is read).
+    """
+    groups: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(t), []).append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(t), []).append(name)
+    patterns = _tied_key_patterns(model)
+    aliases: dict[str, str] = {}
+    for names in groups.values():
+        names = sorted(set(names))
+        if len(names) < 2:
+            continue
+        drop = [n for n in names if any(re.search(p, n) for p in patterns)]
+        keep = [n for n in names if n not in drop]
+        if not keep:  # every name is a declared tied key: keep the last, as transformers does
+            keep = [drop.pop()]
+        if len(keep) > 1:
+            log.warning("%s share one tensor but the model declares no tie between them; "
+                        "writing it once as %s", names, keep[0])
+            drop += keep[1:]
+        for n in drop:
+            aliases[n] = keep[0]
+    return aliases
+
+
+def _out_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and src.is_floating_point else src
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    from shardwise.config.dtypes import to_torch_dtype
+
+    return to_torch_dtype(dtype)
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return folder.is_dir() and any(any(folder.glob(p)) for p in TOKENIZER_PATTERNS)
+
+
+def _copy_tokenizer(src: Path, out_dir: Path) -> None:
+    if not _has_tokenizer_files(src):
+        raise ExportError(f"tokenizer folder {str(src)!r} holds no tokenizer files "
+                          f"(looked for {', '.join(TOKENIZER_PATTERNS)})")
+    for pat in TOKENIZER_PATTERNS:
+        for f in sorted(src.glob(pat)):
+            if f.is_file():
+                shutil.copy2(f, out_dir / f.name)
+
+
+def _hf_class(model: nn.Module) -> type:
+    """The model's transformers class (fully_shard swaps in a subclass named FSDP<cls>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+# --------------------------------------------------------------------- the writer
+
+
+class _ShardWriter:
+    """Receives tensors in plan order and writes each file as soon as its last tensor
+    arrives; holds at most one file's tensors."""
+
+    def __init__(self, out_dir: Path, shards: list[list[TensorEntry]]):
+        self.out_dir = out_dir
+        self.shards = shards
+        self.files = shard_file_names(len(shards))
+        self._order = [e for shard in shards for e in shard]
+        self._next = 0
+        self._shard = 0
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffered = 0
+        self.max_buffered = 0
+        self.total_bytes = sum(e.nbytes for e in self._order)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # Weight files of an earlier export into the same folder would confuse from_pretrained.
+        for f in out_dir.iterdir():
+            if f.is_file() and (f.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(f.name)):
+                f.unlink()
+        if not self._order:
+            self._flush()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        assert self._next < len(self._order), f"unexpected tensor {name}"
+        e = self._order[self._next]
+        assert name == e.name and tuple(tensor.shape) == e.shape and tensor.dtype == e.dtype, \
+            (name, tuple(tensor.shape), tensor.dtype, e)
+        assert tensor.device.type == "cpu"
+        self._buffer[name] = tensor.contiguous()
+        self._buffered += e.nbytes
+        self.max_buffered = max(self.max_buffered, self._buffered)
+        self._next += 1
+        if len(self._buffer) == len(self.shards[self._shard]):
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self._buffer, str(self.out_dir / self.files[self._shard]), metadata={"format": "pt"})
+        self._buffer = {}
+        self._buffered = 0
+        self._shard += 1
+
+    def finish(self) -> list[str]:
+        assert self._next == len(self._order) and self._shard == len(self.shards), "export incomplete"
+        if len(self.files) > 1:
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": {e.name: f for f, shard in zip(self.files, self.shards) for e in shard},
+            }
+            (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return list(self.files)
+
+
+def _write_config(out_dir: Path, hf_config, arch: str | None, entries: list[TensorEntry],
+                  generation_config) -> None:
+    cfg = copy.deepcopy(hf_config)
+    if arch is not None:
+        cfg.architectures = [arch]
+    floating = [e.dtype for e in entries if e.dtype.is_floating_point]
+    if floating:
+        cfg.dtype = max(set(floating), key=floating.count)
+    cfg.save_pretrained(str(out_dir))
+    if generation_config is not None:
+        generation_config.save_pretrained(str(out_dir))
+
+
+def _generation_config(model: nn.Module):
+    can = getattr(model, "can_generate", None)
+    return getattr(model, "generation_config", None) if callable(can) and can() else None
+
+
+# --------------------------------------------------------------------- live export
+
+
+def _gather(value: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a state-dict value (collective for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value.detach()
+    mesh_type = value.device_mesh.device_type
+    if value.to_local().device.type != mesh_type:
+        # CPU-offloaded shards: the collective runs on the mesh's device (nccl needs CUDA).
+        module = getattr(torch, mesh_type)
+        device = torch.device(mesh_type, module.current_device()) if mesh_type != "cpu" else torch.device("cpu")
+        value = DTensor.from_local(value.to_local().to(device), value.device_mesh, value.placements,
+                                   run_check=False, shape=value.shape, stride=value.stride())
+    return value.full_tensor()
+
+
+def _shares_storage(t: torch.Tensor, value: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return t.device == local.device and t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+
+
+def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir: str | Path | None = None,
+                 dtype: torch.dtype | str | None = None,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportReport:
+    """Write a live (FSDP2-sharded or plain) HF model as an HF folder at `out_dir`.
+
+    Collective: every rank calls it with the same arguments; rank 0 writes, and every rank
+    returns once the folder is complete. `hf_config` is the model's PretrainedConfig
+    (written as config.json with `architectures` and `dtype` set to what was written);
+    `dtype` (torch dtype or name) casts floating tensors, default: as stored (the master
+    dtype). `tokenizer_dir`: its tokenizer files are copied. Returns an `ExportReport`.
+    """
+    out = Path(out_dir)
+    dtype = _resolve_dtype(dtype)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sd = model.state_dict()  # sharded DTensors (FSDP's pre-save hook reshards): no copy
+    aliases = tied_aliases(model)
+    entries = [TensorEntry(k, k, tuple(v.shape), _out_dtype(v.dtype, dtype))
+               for k, v in sd.items() if k not in aliases]
+
+    writer, error = None, None
+    if rank == 0:
+        try:
+            writer = _ShardWriter(out, plan_shards(entries, max_shard_bytes))
+        except Exception as e:  # keep taking part in the collectives, report at the end
+            error = e
+    for e in entries:
+        value = sd[e.source]
+        full = _gather(value)
+        if writer is not None:
+            try:
+                t = full.to(device="cpu", dtype=e.dtype)
+                if _shares_storage(t, value):
+                    t = t.clone()  # a replicated or plain tensor: do not buffer the live storage
+                writer.add(e.name, t)
+            except Exception as exc:
+                writer, error = None, exc
+        del full
+    files: list[str] = []
+    if writer is not None:
+        try:
+            files = writer.finish()
+            _write_config(out, hf_config, _hf_class(model).__name__, entries, _generation_config(model))
+            if tokenizer_dir is not None:
+                _copy_tokenizer(Path(tokenizer_dir), out)
+        except Exception as exc:
+            error = exc
+    if dist.is_initialized():
+        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32,
+                          device=_collective_device())
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if error is None and not int(ok):
+            raise RuntimeError(f"HF export to {str(out)!r} failed on rank 0 (see its error)")
+    if error is not None:
+        raise error
+    return ExportReport(out_dir=out, files=files, num_tensors=len(entries) if rank == 0 else 0,
+                        total_bytes=writer.total_bytes if writer is not None else 0,
+                        max_buffered_bytes=writer.max_buffered if writer is not None else 0,
+                        tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir is not None and rank == 0 else None)
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------- offline export
+
+
+def find_tokenizer_dir(model_cfg, checkpoint_dir: str | Path) -> Path | None:
+    """Where a checkpoint's tokenizer lives: `model.tokenizer`; else `model.path` if it
+    holds tokenizer files; else ``<checkpoint_dir>/../../tokenizer`` (the run folder's);
+    else None. A configured folder that no longer exists is skipped with a warning."""
+    if model_cfg.tokenizer is not None:
+        p = Path(model_cfg.tokenizer)
+        if _has_tokenizer_files(p):
+            return p
+        log.warning("model.tokenizer %r holds no tokenizer files; looking elsewhere", str(p))
+    if model_cfg.path is not None and _has_tokenizer_files(Path(model_cfg.path)):
+        return Path(model_cfg.path)
+    run_tok = Path(checkpoint_dir).resolve().parent.parent / "tokenizer"
+    if _has_tokenizer_files(run_tok):
+        return run_tok
+    return None
+
+
+def _read_batches(entries: list[TensorEntry], stored: Mapping[str, torch.dtype],
+                  batch_bytes: int) -> Iterator[list[TensorEntry]]:
+    batch: list[TensorEntry] = []
+    size = 0
+    for e in entries:
+        n = e.nbytes // e.dtype.itemsize * stored[e.source].itemsize
+        if batch and size + n > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(e)
+        size += n
+    if batch:
+        yield batch
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
+                      dtype: torch.dtype | str | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                      tokenizer_dir: str | Path | None = None,
+                      task: str | None = None) -> ExportReport:
+    """Write the model of a DCP checkpoint directory as an HF folder; one process, no
+    process group.
+
+    The directory holds DCP files of ``{"model": <HF-named model state dict>, "optimizer":
+    ...}`` (weights are the DCP keys ``model.<hf name>``) and ``meta.json`` with the run's
+    Config under ``"config"``. The HF config comes from that Config's `model` section; the
+    tokenizer from `tokenizer_dir` or `find_tokenizer_dir`. `task` defaults to
+    ``meta["task"]`` or causal_lm. Tensors are read a batch (~`READ_BATCH_BYTES`) at a time,
+    through the checkpoint module's `SafeFileSystemReader` (no arbitrary unpickling).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # DCP's .metadata is a pickle: read it with the checkpoint module's restricted unpickler.
+    from shardwise.checkpoint.dcp import COMMITTED, DCP_METADATA, SafeFileSystemReader
+    from shardwise.config import config_from_dict
+    from shardwise.models.loading import build_meta_model, load_hf_config
+
+    ckpt = Path(checkpoint_dir)
+    meta_path = ckpt / "meta.json"
+    if not meta_path.is_file():
+        raise ExportError(f"{str(ckpt)!r} is not a checkpoint directory: it holds no meta.json")
+    if not (ckpt / DCP_METADATA).is_file():
+        raise ExportError(f"{str(ckpt)!r} holds no DCP {DCP_METADATA} file: the save did not finish")
+    if not (ckpt / COMMITTED).is_file():
+        log.warning("%s has no %s marker (an interrupted save?); exporting what is there", ckpt, COMMITTED)
+    meta = json.loads(meta_path.read_text())
+    if "config" not in meta:
+        raise ExportError(f"{str(meta_path)!r} has no 'config' entry (the run's config)")
+    cfg = config_from_dict(meta["config"])
+    hf_config = load_hf_config(cfg.model)
+    model = build_meta_model(cfg.model, task or meta.get("task", "causal_lm"))  # names only, no memory
+    dtype = _resolve_dtype(dtype)
+
+    md = SafeFileSystemReader(str(ckpt)).read_metadata()
+    stored = {k: v for k, v in md.state_dict_metadata.items()
+              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not stored:
+        raise ExportError(f"the DCP checkpoint in {str(ckpt)!r} holds no 'model.*' tensors")
+    aliases = tied_aliases(model)
+    expected = model.state_dict(keep_vars=True)
+    entries: list[TensorEntry] = []
+    for name, ref in expected.items():
+        if name in aliases:
+            continue
+        names = [name] + [a for a, kept in aliases.items() if kept == name]
+        source = next((f"model.{n}" for n in names if f"model.{n}" in stored), None)
+        if source is None:
+            raise ExportError(f"the checkpoint in {str(ckpt)!r} lacks the weight {name!r} "
+                              f"(DCP key 'model.{name}')")
+        shape = tuple(stored[source].size)
+        if shape != tuple(ref.shape):
+            raise ExportError(f"{source} has shape {shape} in the checkpoint but {tuple(ref.shape)} "
+                              "in the model its config describes")
+        entries.append(TensorEntry(name, source, shape, _out_dtype(stored[source].properties.dtype, dtype)))
+    used = {e.source for e in entries} | {f"model.{a}" for a in aliases}
+    extra = sorted(k for k in stored if k not in used)
+    if extra:
+        log.warning("not exported: %d checkpoint tensors the model has no place for: %s",
+                    len(extra), ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else ""))
+
+    out = Path(out_dir)
+    writer = _ShardWriter(out, plan_shards(entries, max_shard_bytes))
+    stored_dtypes = {k: v.properties.dtype for k, v in stored.items()}
+    for batch in _read_batches(entries, stored_dtypes, READ_BATCH_BYTES):
+        buf = {e.source: torch.empty(e.shape, dtype=stored_dtypes[e.source]) for e in batch}
+        with warnings.catch_warnings():  # single-process loading is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(buf, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
+        for e in batch:
+            writer.add(e.name, buf.pop(e.source).to(e.dtype))
+        del buf
+    files = writer.finish()
+    _write_config(out, hf_config, _hf_class(model).__name__, entries, _generation_config(model))
+    tok = Path(tokenizer_dir) if tokenizer_dir is not None else find_tokenizer_dir(cfg.model, ckpt)
+    if tok is not None:
+        _copy_tokenizer(tok, out)
+    else:
+        log.warning("no tokenizer found for %s; the export holds weights and config only", ckpt)
+    return ExportReport(out_dir=out, files=files, num_tensors=len(entries), total_bytes=writer.total_bytes,
+                        max_buffered_bytes=writer.max_buffered, tokenizer_dir=tok)

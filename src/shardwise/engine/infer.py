@@ -1,0 +1,206 @@
+"""InferEngine (fsdp2_infer): forward-only passes of the sharded model, and the per-token
+log-probability computation every engine shares (`compute_log_probs`).
+
+The log-prob convention (used by the InferEngine, the RL actor on the TrainEngine's model,
+the reference policy and the losses; one function computes it):
+
+- A row is one full sequence, ``input_ids`` ``(batch, seq)`` int64 = prompt + response.
+  Padding may sit on either side: left-padded prompts (what batched generation produces)
+  followed by right-padded responses, i.e. ``[pad* prompt response pad*]``, or plain right
+  padding. ``attention_mask`` ``(batch, seq)`` is 1 on real tokens and 0 on padding.
+- Position ids default to the count of real tokens before each token,
+  ``clamp(cumsum(attention_mask) - 1, min=0)``, so a real token gets the same position
+  (and the same log-prob) wherever the padding puts it. Pass ``position_ids`` explicitly
+  for other layouts (e.g. packed rows).
+- ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` for ``t >= 1``: the
+  output is aligned with ``input_ids`` (same shape, ``(batch, seq)``, fp32), so a mask
+  aligned with ``input_ids`` (``response_mask``, 1 on response tokens) selects response
+  tokens directly. Position 0 has no prediction and is 0.
+- ``entropy[:, t]`` is the entropy (nats) of the predictive distribution at the step that
+  produced token ``t``, i.e. of ``softmax(logits[:, t - 1])``; ``entropy[:, 0] = 0``.
+- `InferEngine.log_probs` sets both to exactly 0 where ``response_mask`` is 0 (by
+  selection, not multiplication, so a NaN at a padded position cannot leak through).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.config.schema import Config
+from shardwise.distributed.mesh import build_mesh, mesh_spec
+from shardwise.distributed.runtime import Runtime
+from shardwise.fsdp.build import build_sharded_model
+
+log = logging.getLogger(__name__)
+
+__all__ = ["InferEngine", "compute_log_probs", "default_position_ids", "log_probs_from_logits"]
+
+
+def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real tokens of its row: ``(batch, seq)`` int64.
+
+    Left padding gets position 0 (it is masked anyway); the first real token is 0.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def log_probs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
+                          with_entropy: bool = False) -> dict[str, torch.Tensor]:
+    """Next-token log-probs (and entropies) from logits, aligned with `input_ids`.
+
+    logits ``(batch, seq, vocab)`` any float dtype, input_ids ``(batch, seq)`` int64.
+    Returns ``log_probs`` ``(batch, seq)`` fp32 with ``log_probs[:, t] = log
+    softmax(logits[:, t - 1])[input_ids[:, t]]`` and ``log_probs[:, 0] = 0``; with
+    `with_entropy`, ``entropy`` ``(batch, seq)`` fp32 in nats, ``entropy[:, 0] = 0``.
+    Differentiable. Computed in fp32 without materialising a second ``(batch, seq, vocab)``
+    log-softmax tensor (logsumexp + gather).
+    """
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)} "
+                         "(expected (batch, seq, vocab) and (batch, seq))")
+    pred = logits[:, :-1, :].float()
+    lse = torch.logsumexp(pred, dim=-1)
+    target = pred.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    out = {"log_probs": F.pad(target - lse, (1, 0))}
+    if with_entropy:
+        # entr(p) = -p ln p, and 0 at p = 0 (a -inf logit gives no NaN).
+        entropy = torch.special.entr(torch.softmax(pred, dim=-1)).sum(-1)
+        out["entropy"] = F.pad(entropy, (1, 0))
+    return out
+
+
+def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor | None = None,
+                      with_entropy: bool = False) -> dict[str, torch.Tensor]:
+    """One forward of `model` and its per-token log-probs, in the module's convention.
+
+    input_ids, attention_mask ``(batch, seq)`` on the model's compute device; position_ids
+    default to `default_position_ids(attention_mask)`. Returns ``log_probs`` (and
+    ``entropy`` with `with_entropy`), ``(batch, seq)`` fp32, aligned with input_ids, 0 at
+    position 0, NOT masked (callers apply their response mask). Runs under whatever grad
+    mode the caller set: the RL actor calls it with grad on the TrainEngine's model; the
+    InferEngine under ``torch.no_grad()``.
+    """
+    if position_ids is None:
+        position_ids = default_position_ids(attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False)
+    return log_probs_from_logits(out.logits, input_ids, with_entropy)
+
+
+class InferEngine:
+    """The sharded model, built like the TrainEngine's (same plan, same weights), in eval
+    mode and without an optimizer; every call runs under ``torch.no_grad()``.
+
+    Inputs are this rank's rows (``(batch, seq)`` int64 tensors on any device); results come
+    back on the device of `input_ids`. Every call is collective: all ranks of the mesh call
+    it, each with its own rows (their numbers may differ, zero included).
+    """
+
+    def __init__(self, cfg: Config, runtime: Runtime, task: str = "causal_lm", **config_extra):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.task = task
+        self.spec = mesh_spec(cfg.parallel, runtime.world_size)
+        self.mesh = build_mesh(self.spec, runtime.device.type)
+        self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, **config_extra)
+        self.model.eval()
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               position_ids: torch.Tensor | None = None,
+               micro_batch_size: int | None = None) -> torch.Tensor:
+        """The model's logits, ``(batch, seq, vocab)`` fp32.
+
+        position_ids default to `default_position_ids(attention_mask)`.
+        """
+        def run(ids, mask, pos):
+            if pos is None:
+                pos = default_position_ids(mask)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+            return {"logits": out.logits.float()}
+
+        return self._by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size)["logits"]
+
+    @torch.no_grad()
+    def log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                  micro_batch_size: int | None = None, with_entropy: bool = False,
+                  position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Per-token log-probs of the response tokens (see the module docstring).
+
+        input_ids, attention_mask, response_mask ``(batch, seq)``; response_mask is 1 on
+        response tokens, aligned with input_ids, never on position 0 or on padding.
+        Returns ``{"log_probs": (batch, seq) fp32}`` plus ``"entropy"`` with
+        `with_entropy`; both exactly 0 where response_mask is 0. Rows are run
+        `micro_batch_size` at a time (default: all at once); the result is the same.
+        """
+        if response_mask.shape != input_ids.shape:
+            raise ValueError(f"response_mask {tuple(response_mask.shape)} must have the shape of "
+                             f"input_ids {tuple(input_ids.shape)}")
+        keep = response_mask.bool()
+        if keep.numel() and keep[:, 0].any():
+            raise ValueError("response_mask marks position 0, which no token predicts; a response "
+                             "needs at least one prompt token (e.g. <bos>) before it")
+        if (keep & ~attention_mask.bool()).any():
+            raise ValueError("response_mask marks padding (attention_mask == 0)")
+
+        def run(ids, mask, pos):
+            return compute_log_probs(self.model, ids, mask, pos, with_entropy)
+
+        out = self._by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size)
+        drop = ~keep.to(out["log_probs"].device)
+        return {k: v.masked_fill(drop, 0.0) for k, v in out.items()}
+
+    # -- internals
+    def _by_micro_batch(self, fn: Callable[..., dict[str, torch.Tensor]], input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
+                        micro_batch_size: int | None) -> dict[str, torch.Tensor]:
+        """Run `fn` over row chunks and concatenate; every rank runs the same number of
+        forwards (each forward all-gathers parameters), padding with a throw-away one-row
+        forward where it has fewer chunks than the busiest rank."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of "
+                             f"input_ids {tuple(input_ids.shape)}")
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of "
+                             f"input_ids {tuple(input_ids.shape)}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+        self.model.eval()
+        device = self.runtime.device
+        rows, seq = input_ids.shape
+        if micro_batch_size is None:
+            size, n_local, n_all = max(rows, 1), 1 if rows else 0, 1
+        else:
+            size = micro_batch_size
+            n_local = math.ceil(rows / size)
+            n = torch.tensor(n_local, dtype=torch.int64, device=device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            n_all = int(n)
+        n_all = max(n_all, 1)  # every rank's rows empty: still one (throw-away) forward, for shapes
+
+        chunks: list[dict[str, torch.Tensor]] = []
+        template = None
+        for i in range(n_all):
+            if i < n_local:
+                sl = slice(i * size, (i + 1) * size)
+                ids = input_ids[sl].to(device)
+                mask = attention_mask[sl].to(device)
+                pos = position_ids[sl].to(device) if position_ids is not None else None
+                chunks.append(fn(ids, mask, pos))
+            else:
+                dummy = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
+                template = fn(dummy, torch.ones_like(dummy), None)
+        if not chunks:
+            assert template is not None
+            return {k: v[:0, :seq].to(input_ids.device) for k, v in template.items()}
+        return {k: torch.cat([c[k] for c in chunks]).to(input_ids.device) for k in chunks[0]}
