@@ -1,0 +1,82 @@
+"""The SFT job end to end through the real CLI (`shardwise train --nproc 2`), resume, and
+the engine's handling of a non-finite loss."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from dist.common import FP32, TINY_QWEN3, loss_tokens, make_global_batch, micro_batches_of
+from dist.launcher import run_cli, run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_train_cli_writes_metrics_checkpoint_export_plot_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", str(REPO / "examples/sft_arithmetic.yaml"), "--nproc", "2", f"run.dir={run_dir}",
+            "train.max_steps=6", "checkpoint.every_steps=3", "train.log_every=1",
+            "train.global_batch_size=16", "train.micro_batch_size=4"]
+    res = run_cli(args, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    for x in lines:
+        for key in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_bytes"):
+            assert isinstance(x[key], (int, float)) and math.isfinite(x[key]), (key, x)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step_00000003", "step_00000006"]
+    assert (run_dir / "checkpoints/step_00000006/COMMITTED").is_file()
+    assert (run_dir / "hf/config.json").is_file() and (run_dir / "sft.png").stat().st_size > 1000
+    assert "held-out accuracy" in res.stdout and str(run_dir / "hf") in res.stdout
+    assert "sft" in res.stderr  # the rank-0 progress bar
+
+    # resume: auto picks step 6 and trains 7..8, appending to the same metrics file
+    res2 = run_cli([*args[:-5], "train.max_steps=8", "checkpoint.every_steps=3", "train.log_every=1",
+                    "train.global_batch_size=16", "train.micro_batch_size=4"], timeout=300)
+    assert res2.returncode == 0, res2.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_train_cli_config_error_exits_2_before_starting_processes(tmp_path):
+    res = run_cli(["train", str(REPO / "examples/sft_arithmetic.yaml"), "--nproc", "2",
+                   f"run.dir={tmp_path}", "train.global_batch_size=20"], timeout=120)
+    assert res.returncode == 2
+    assert "train.global_batch_size" in res.stderr and "Traceback" not in res.stderr
+    assert not list(tmp_path.iterdir())  # nothing was written: no process started
+
+
+def _nan_at_step_two(rank: int, world: int) -> dict:
+    from shardwise.config import load_config
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.train import TrainEngine, lm_loss_sum
+
+    runtime = init_distributed(timeout_s=60)
+    engine = TrainEngine(load_config(None, [TINY_QWEN3, *FP32, "train.max_steps=4"]), runtime)
+    out = []
+    for step in range(4):
+        rows = make_global_batch(step, 4)
+        before = [p.detach().to_local().clone() for p in engine.model.parameters()]
+
+        def loss_fn(model, batch, step=step):
+            loss = lm_loss_sum(model, batch)
+            return loss * float("nan") if step == 1 else loss
+
+        res = engine.train_step(micro_batches_of(rows, rank, world, 2), loss_tokens(rows), loss_fn=loss_fn)
+        changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, engine.model.parameters()))
+        out.append({"skipped": res.skipped, "loss": res.loss, "changed": changed})
+    teardown()
+    return {"steps": out, "skipped_steps": engine.skipped_steps}
+
+
+def test_non_finite_loss_skips_the_step_and_training_continues():
+    for r in run_ranks(_nan_at_step_two, 2, timeout=180):
+        steps = r["steps"]
+        assert [s["skipped"] for s in steps] == [False, True, False, False]
+        assert [s["changed"] for s in steps] == [True, False, True, True]
+        assert math.isnan(steps[1]["loss"]) and all(math.isfinite(s["loss"]) for s in steps[2:])
+        assert r["skipped_steps"] == 1
