@@ -27,7 +27,12 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The main job: a 2-process CPU SFT run of a tiny Qwen3 on builtin:arithmetic (a few minutes).
 demo: $(STAMP)
+	$(VENV)/bin/shardwise plan examples/sft_arithmetic.yaml --world-size $(NPROC)
+	$(VENV)/bin/shardwise train examples/sft_arithmetic.yaml --nproc $(NPROC)
+
+plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)
 
 clean:
