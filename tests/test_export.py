@@ -122,7 +122,6 @@ _LOADER = textwrap.dedent("""
             res["decoded"] = tok.decode(res["token_ids"])
         out[folder] = res
     out["shardwise_imported"] = any(m == "shardwise" or m.startswith("shardwise.") for m in sys.modules)
-    out["sys_path_has_src"] = any(p.rstrip("/").endswith("/src") for p in sys.path)
     torch.save(out, job["result"])
 """)
 TOKENIZER_TEXT = "12+30=42, ok!"
@@ -179,7 +178,8 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("sub", ["hf", "hf_sharded", "hf_offline"])
 def test_plain_transformers_reproduces_sharded_logits(exported, name, sub):
     loaded = exported["loaded"]
-    assert loaded["shardwise_imported"] is False and loaded["sys_path_has_src"] is False
+    # (shardwise may be importable — `make test` installs it — but the loader must not need it)
+    assert loaded["shardwise_imported"] is False
     folder = str(exported["root"] / name / sub)
     assert loaded[folder]["param_dtype"] == "torch.float32"
     assert loaded[folder]["loading_problems"] == {}  # no missing, unexpected or mismatched keys
