@@ -15,6 +15,8 @@ Conventions, unless a docstring says otherwise:
 
 from __future__ import annotations
 
+import abc
+
 import math
 from collections.abc import Hashable, Sequence
 from typing import Literal
@@ -339,14 +341,14 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     return torch.clamp(torch.exp(d) - d - 1, -_K3_CLAMP, _K3_CLAMP)
 
 
-class KLController:
+class KLController(abc.ABC):
     """Coefficient of the KL term in the reward: read `value`, call `update` each step."""
 
     value: float
 
+    @abc.abstractmethod
     def update(self, current_kl: float, n_steps: int) -> None:
         """Feed the KL measured this step (nats/token) and the number of samples it covers."""
-        raise NotImplementedError
 
 
 class FixedKLController(KLController):
