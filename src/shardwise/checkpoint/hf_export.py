@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.data.tokenizer import TOKENIZER_PATTERNS, has_tokenizer_files, locate_tokenizer
 from shardwise.errors import ShardwiseError
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,6 @@ READ_BATCH_BYTES = 256 * 1024**2
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                      "merges.txt", "spiece.model", "*.tiktoken", "chat_template.*")
-"""Files copied from a tokenizer folder (never config.json or weights)."""
 
 
 class ExportError(ShardwiseError, ValueError):
@@ -206,12 +203,8 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return to_torch_dtype(dtype)
 
 
-def _has_tokenizer_files(folder: Path) -> bool:
-    return folder.is_dir() and any(any(folder.glob(p)) for p in TOKENIZER_PATTERNS)
-
-
 def _copy_tokenizer(src: Path, out_dir: Path) -> None:
-    if not _has_tokenizer_files(src):
+    if not has_tokenizer_files(src):
         raise ExportError(f"tokenizer folder {str(src)!r} holds no tokenizer files "
                           f"(looked for {', '.join(TOKENIZER_PATTERNS)})")
     for pat in TOKENIZER_PATTERNS:
@@ -402,17 +395,9 @@ def find_tokenizer_dir(model_cfg, checkpoint_dir: str | Path) -> Path | None:
     """Where a checkpoint's tokenizer lives: `model.tokenizer`; else `model.path` if it
     holds tokenizer files; else ``<checkpoint_dir>/../../tokenizer`` (the run folder's);
     else None. A configured folder that no longer exists is skipped with a warning."""
-    if model_cfg.tokenizer is not None:
-        p = Path(model_cfg.tokenizer)
-        if _has_tokenizer_files(p):
-            return p
-        log.warning("model.tokenizer %r holds no tokenizer files; looking elsewhere", str(p))
-    if model_cfg.path is not None and _has_tokenizer_files(Path(model_cfg.path)):
-        return Path(model_cfg.path)
-    run_tok = Path(checkpoint_dir).resolve().parent.parent / "tokenizer"
-    if _has_tokenizer_files(run_tok):
-        return run_tok
-    return None
+    if model_cfg.tokenizer is not None and not has_tokenizer_files(model_cfg.tokenizer):
+        log.warning("model.tokenizer %r holds no tokenizer files; looking elsewhere", str(model_cfg.tokenizer))
+    return locate_tokenizer(model_cfg.tokenizer, model_cfg.path, Path(checkpoint_dir).resolve().parent.parent)
 
 
 def _read_batches(entries: list[TensorEntry], stored: Mapping[str, torch.dtype],

@@ -68,3 +68,23 @@ def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     return tokenizer
+
+
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                      "merges.txt", "spiece.model", "*.tiktoken", "chat_template.*")
+"""Files that make up a tokenizer folder (never config.json or weights)."""
+
+
+def has_tokenizer_files(folder: str | Path) -> bool:
+    folder = Path(folder)
+    return folder.is_dir() and any(any(folder.glob(p)) for p in TOKENIZER_PATTERNS)
+
+
+def locate_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path) -> Path | None:
+    """Where a run's tokenizer lives: `model.tokenizer`; else `model.path` if it holds
+    tokenizer files; else `<run.dir>/tokenizer` (where the built-in task's tokenizer is
+    built); else None."""
+    for candidate in (tokenizer, model_path, Path(run_dir) / "tokenizer"):
+        if candidate is not None and has_tokenizer_files(candidate):
+            return Path(candidate)
+    return None

@@ -48,23 +48,17 @@ def resolve_tokenizer(cfg: Config, runtime: Runtime):
     tokenizer built by rank 0 into run.dir/tokenizer."""
     from transformers import AutoTokenizer
 
-    path: str | None = cfg.model.tokenizer
-    if path is None and cfg.model.path is not None and _has_tokenizer(Path(cfg.model.path)):
-        path = cfg.model.path
-    if path is None:
-        from shardwise.data.tokenizer import build_char_tokenizer
+    from shardwise.data.tokenizer import build_char_tokenizer, has_tokenizer_files, locate_tokenizer
 
-        path = str(Path(cfg.run.dir) / "tokenizer")
+    if cfg.model.tokenizer is not None and not has_tokenizer_files(cfg.model.tokenizer):
+        raise ConfigError("model.tokenizer", f"{cfg.model.tokenizer!r} holds no tokenizer files")
+    found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+    if found is None:
+        found = Path(cfg.run.dir) / "tokenizer"
         if runtime.is_main:
-            build_char_tokenizer(path)
+            build_char_tokenizer(found)
         dist.barrier()
-    if not _has_tokenizer(Path(path)):
-        raise ConfigError("model.tokenizer", f"{path!r} holds no tokenizer files")
-    return AutoTokenizer.from_pretrained(path), path
-
-
-def _has_tokenizer(p: Path) -> bool:
-    return (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()
+    return AutoTokenizer.from_pretrained(str(found)), str(found)
 
 
 def check_vocab(tokenizer, hf_config) -> None:
