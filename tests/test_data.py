@@ -17,7 +17,7 @@ from shardwise.data.collate import (
     tokenize_pair,
     tokenize_prompt,
 )
-from shardwise.data.errors import DataError
+from shardwise.errors import DataError
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share
 from shardwise.data.sources import load_records
 from shardwise.data.tasks import (

@@ -196,12 +196,17 @@ def test_bad_response_mask_is_a_user_error(sharded):
         assert r["error"] is not None and "position 0" in r["error"]
 
 
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Independent formulation: log_softmax then gather. (batch, seq, vocab), (batch, seq) -> (batch, seq)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
 def test_compute_log_probs_with_grad_matches_token_log_probs():
     """The function the RL actor calls on the TrainEngine's model: differentiable, and the
-    same numbers as the loss module's `token_log_probs` under the documented alignment."""
+    same numbers as an independent log_softmax + gather (`token_log_probs` above) under the documented alignment."""
     from shardwise.config import load_config
     from shardwise.engine.infer import compute_log_probs
-    from shardwise.engine.losses import token_log_probs
     from shardwise.models.loading import build_full_model
 
     cfg = load_config(None, OVERRIDES)

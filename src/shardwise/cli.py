@@ -68,15 +68,6 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def _env_world_size() -> int:
-    from shardwise.errors import ConfigError
-
-    text = os.environ.get("WORLD_SIZE", "1")
-    if not text.isdigit():
-        raise ConfigError("WORLD_SIZE", f"environment variable is {text!r}, not a positive integer")
-    return int(text)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardwise.config import load_config
     from shardwise.distributed.mesh import mesh_spec
@@ -85,7 +76,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     local_files_only()
     cfg = load_config(args.config, args.overrides)
-    world = args.world_size if args.world_size is not None else _env_world_size()
+    from shardwise.distributed.runtime import env_world
+
+    world = args.world_size if args.world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     from shardwise.engine.batching import check_batch_sizes
 
@@ -100,12 +93,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _launch_torchrun(nproc: int, argv: list[str]) -> int:
     """Re-run this command under torchrun with `nproc` local processes."""
-    import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from shardwise.distributed.runtime import free_port
+
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "shardwise.cli", *argv]
     env = dict(os.environ)

@@ -31,6 +31,13 @@ class ConfigError(ShardwiseError, ValueError):
         super().__init__(msg)
 
 
+class DataError(ShardwiseError, ValueError):
+    """A data source, a record key, a task name or a length does not fit.
+
+    A `ValueError` too, so callers that only know the builtin hierarchy catch it.
+    """
+
+
 class PatternError(ConfigError):
     """A module path pattern is malformed or matches nothing."""
 

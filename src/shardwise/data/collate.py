@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shardwise.data.errors import DataError
+from shardwise.errors import DataError
 
 IGNORE_INDEX = -100
 """Label value the cross-entropy ignores (HF and torch default)."""
@@ -209,6 +209,13 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     the smallest finite value of `dtype` where False. Same shape, dtype `dtype`."""
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     return torch.where(mask, zero, torch.finfo(dtype).min)
+
+
+def example_loss_tokens(ex: Example) -> int:
+    """Loss tokens one tokenised example contributes (the positions `count_loss_tokens`
+    counts once the example is collated), so a caller can count a whole global batch
+    without collating it."""
+    return sum(1 for label in _example_labels(ex) if label != IGNORE_INDEX)
 
 
 def count_loss_tokens(batch: dict[str, torch.Tensor]) -> int:

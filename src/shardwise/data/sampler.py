@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shardwise.data.errors import DataError
+from shardwise.errors import DataError
 
 T = TypeVar("T")
 

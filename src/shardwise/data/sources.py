@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from shardwise.data.errors import DataError
+from shardwise.errors import DataError
 from shardwise.data.tasks import BUILTIN_PREFIX, get_builtin_task
 from shardwise.errors import nearest
 

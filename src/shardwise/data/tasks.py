@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardwise.data.errors import DataError
+from shardwise.errors import DataError
 from shardwise.errors import did_you_mean
 
 BUILTIN_PREFIX = "builtin:"

@@ -31,11 +31,24 @@ class Runtime:
 
 
 def env_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's environment, or (0, 1, 0)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-    return 0, 1, 0
+    """(rank, world_size, local_rank) from torchrun's environment, or (0, 1, 0).
+
+    A WORLD_SIZE that is not a positive integer is a ConfigError naming the variable.
+    """
+    from shardwise.errors import ConfigError
+
+    values = {}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        text = os.environ.get(var)
+        if text is not None and not text.isdigit():
+            raise ConfigError(var, f"environment variable is {text!r}, not a non-negative integer")
+        values[var] = None if text is None else int(text)
+    if values["WORLD_SIZE"] == 0:
+        raise ConfigError("WORLD_SIZE", "environment variable is 0, not a positive integer")
+    if values["WORLD_SIZE"] is None:
+        return 0, 1, 0
+    rank = values["RANK"] or 0
+    return rank, values["WORLD_SIZE"], values["LOCAL_RANK"] if values["LOCAL_RANK"] is not None else rank
 
 
 def accelerator_available() -> bool:
@@ -57,7 +70,7 @@ def init_distributed(timeout_s: float | None = None) -> Runtime:
     if not dist.is_initialized():
         if world == 1 and "MASTER_ADDR" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s),
                                 device_id=device if backend == "nccl" else None)
@@ -83,7 +96,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

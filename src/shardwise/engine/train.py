@@ -100,9 +100,7 @@ class TrainEngine:
 
     def finish_step(self, local_loss_sum: torch.Tensor, global_loss_tokens: int) -> StepResult:
         """All-reduce the loss, sync ignored grads, clip, step (or skip if non-finite)."""
-        dist.all_reduce(local_loss_sum)
-        # Every rank of a replica group computed the same data only under sequence
-        # parallel; without it each rank's sum is distinct, so the all-reduced sum is global.
+        dist.all_reduce(local_loss_sum)  # every rank saw distinct rows: the sum is global
         loss = float(local_loss_sum) / global_loss_tokens
         self._sync_ignored_grads()
         grad_norm = self.clip_grad_norm(self.cfg.train.grad_clip)

@@ -93,11 +93,12 @@ class SFTData:
 
     def next_step(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """(this rank's micro-batches, loss tokens in the whole global batch, tokens in it)."""
+        from shardwise.data.collate import example_loss_tokens
         from shardwise.data.sampler import micro_batches, rank_share
 
         indices = next(self._it)
         global_examples = [self.examples[i] for i in indices]
-        loss_tokens = sum(max(0, sum(ex["loss_mask"][1:])) for ex in global_examples)
+        loss_tokens = sum(example_loss_tokens(ex) for ex in global_examples)
         tokens = sum(len(ex["input_ids"]) for ex in global_examples)
         mine = rank_share(indices, self.dp_rank, self.dp_size)
         mbs = [self.collate([self.examples[i] for i in mb])

@@ -154,10 +154,6 @@ def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     return frozen
 
 
-def is_main_process() -> bool:
-    return (not dist.is_initialized()) or dist.get_rank() == 0
-
-
 def local_files_only() -> None:
     """No model hub: make HF libraries fail fast instead of trying the network."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
