@@ -91,12 +91,15 @@ class TrainEngine:
         scale = self.dp_size / global_loss_tokens
         local_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         for i, mb in enumerate(micro_batches):
-            mb = {k: v.to(self.runtime.device) if torch.is_tensor(v) else v for k, v in mb.items()}
+            mb = self._to_device(mb)
             with self.gradient_sync(i == len(micro_batches) - 1):
                 loss_sum = loss_fn(self.model, mb)
                 (loss_sum * scale).backward()
             local_sum += loss_sum.detach().double()
         return self.finish_step(local_sum, global_loss_tokens)
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.runtime.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def finish_step(self, local_loss_sum: torch.Tensor, global_loss_tokens: int) -> StepResult:
         """All-reduce the loss, sync ignored grads, clip, step (or skip if non-finite)."""
@@ -160,7 +163,7 @@ class TrainEngine:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         for mb in micro_batches:
-            mb = {k: v.to(self.runtime.device) if torch.is_tensor(v) else v for k, v in mb.items()}
+            mb = self._to_device(mb)
             total += loss_fn(self.model, mb).double()
         dist.all_reduce(total)
         return float(total) / global_loss_tokens

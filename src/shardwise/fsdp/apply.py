@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.config.dtypes import to_torch_dtype
-from shardwise.fsdp.plan import ShardingPlan, Unit, _is_under
+from shardwise.fsdp.plan import ShardingPlan, Unit, is_under
 
 
 def apply_plan(model: nn.Module, plan: ShardingPlan, mesh, *, pin_memory: bool = True) -> nn.Module:
@@ -80,7 +80,7 @@ def _checkpointed(forward, use_reentrant: bool):
 
 
 def ignored_parameters(model: nn.Module, ignored: list[str]) -> set[nn.Parameter]:
-    return {p for name, p in model.named_parameters() if any(_is_under(name, ig) for ig in ignored)}
+    return {p for name, p in model.named_parameters() if any(is_under(name, ig) for ig in ignored)}
 
 
 def offload_policy(enabled: bool, pin_memory: bool) -> OffloadPolicy:

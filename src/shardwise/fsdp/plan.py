@@ -133,14 +133,13 @@ class _Index:
 
     def resolve(self, spec: str, key: str) -> list[str]:
         """A class name or a path pattern -> module paths."""
-        if looks_like_class_name(spec) and spec in set(self.classes.values()):
-            return self.by_class(spec, key)
         if looks_like_class_name(spec) and spec not in self.modules:
-            return self.by_class(spec, key)  # raises with nearest class names
+            return self.by_class(spec, key)  # an unknown class raises with the nearest names
         return match_pattern(spec, self.modules, self.params, key=key)
 
 
-def _is_under(path: str, ancestor: str) -> bool:
+def is_under(path: str, ancestor: str) -> bool:
+    """`path` (a module or parameter path) is `ancestor` or lies inside it; "" is the root."""
     return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
 
 
@@ -231,7 +230,7 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
 
     # -- drop units inside ignored modules
     for path in list(sources):
-        if any(_is_under(path, ig) for ig in ignored):
+        if any(is_under(path, ig) for ig in ignored):
             notes.append(f"unit {path!r} lies inside ignored module; not wrapped")
             del sources[path]
 
@@ -247,7 +246,8 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     if tied:
         paths_now = list(sources)
         owner = _owner(f"{emb_path}.weight", paths_now)
-        if owner and not _is_under(head_path, owner) or _owner(f"{head_path}.weight", paths_now) != owner:
+        splits = (owner and not is_under(head_path, owner)) or _owner(f"{head_path}.weight", paths_now) != owner
+        if splits:
             srcs = sources.get(owner) or sources.get(head_path) or ["root"]
             raise ConfigError(_rule_key(srcs[0]), f"unit {owner or head_path!r} would split the weight "
                               f"that {emb_path!r} and {head_path!r} share (tie_word_embeddings)",
@@ -289,7 +289,7 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
         ))
 
     for ig in ignored:
-        around = next(u for u in units if _is_under(ig, u.path) and ig != u.path)
+        around = next(u for u in units if is_under(ig, u.path) and ig != u.path)
         if around.param_dtype != model_dtype:
             notes.append(f"ignored module {ig!r} keeps its {model_dtype} parameters while the unit "
                          f"around it ({around.path or 'root'}) computes in {around.param_dtype}; "
@@ -352,13 +352,13 @@ def _embedding_paths(model: nn.Module) -> tuple[str | None, str | None, bool]:
 
 def _outermost(paths: list[str]) -> list[str]:
     paths = list(dict.fromkeys(paths))
-    return [p for p in paths if not any(q != p and _is_under(p, q) for q in paths)]
+    return [p for p in paths if not any(q != p and is_under(p, q) for q in paths)]
 
 
 def _nearest_override(path: str, overrides: dict[str, PrecisionOverride]) -> str | None:
     best = None
     for o in overrides:
-        if _is_under(path, o) and path != "" and (best is None or len(o) > len(best)):
+        if is_under(path, o) and path != "" and (best is None or len(o) > len(best)):
             best = o
     return best
 
@@ -378,7 +378,7 @@ def _post_order(model: nn.Module) -> dict[str, int]:
 def _wire_prefetch(units: list[Unit], model: nn.Module, forward: int, backward: int) -> None:
     pre = {n: i for i, (n, _) in enumerate(model.named_modules())}
     inner = [u for u in units if u.path]
-    top = [u for u in inner if not any(o is not u and o.path and _is_under(u.path, o.path) for o in inner)]
+    top = [u for u in inner if not any(o is not u and o.path and is_under(u.path, o.path) for o in inner)]
     top.sort(key=lambda u: pre[u.path])
     for i, u in enumerate(top):
         u.prefetch_forward = [t.path for t in top[i + 1: i + 1 + forward]]
@@ -393,7 +393,7 @@ def _count_params(model: nn.Module, units: list[Unit], ignored: list[str]) -> No
     paths = [u.path for u in units]
     by_path = {u.path: u for u in units}
     for name, p in model.named_parameters():
-        if any(_is_under(name, ig) for ig in ignored):
+        if any(is_under(name, ig) for ig in ignored):
             continue
         u = by_path[_owner(name, paths)]
         u.num_params += p.numel()
@@ -418,7 +418,7 @@ def estimate_memory(model: nn.Module, units: list[Unit], ignored: list[str], mes
         shard_idx = rank % S
         params = grads = optim = 0
         for name, p in model.named_parameters():
-            is_ignored = any(_is_under(name, ig) for ig in ignored)
+            is_ignored = any(is_under(name, ig) for ig in ignored)
             if is_ignored:
                 dt = _param_storage(name, overrides, model_dtype)
                 nbytes = p.numel() * dtype_bytes(dt)

@@ -174,5 +174,4 @@ def run(cfg: Config, runtime: Runtime) -> dict:
         png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "sft.png",
                            [("loss", ["loss"]), ("learning rate", ["lr"]), ("grad norm", ["grad_norm"])])
         summary["plot"] = str(png)
-    summary["engine"] = engine
     return summary
