@@ -208,9 +208,13 @@ class RolloutConfig(Section):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
 
 
+KLKind = Literal["kl", "k1", "mse", "k2", "low_var_kl", "k3"]
+"""KL estimators: k1 (alias kl), k2 (mse), k3 (low_var_kl); see shardwise.rl.algorithms.kl_penalty."""
+
+
 class KLLossConfig(Section):
     enabled: bool = False
-    type: Literal["kl", "k1", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    type: KLKind = "low_var_kl"
     coef: Annotated[float, Field(ge=0)] = 0.001
 
 
@@ -242,7 +246,7 @@ class RewardConfig(Section):
 
 class KLInRewardConfig(Section):
     enabled: bool = False
-    type: Literal["kl", "k1", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    type: KLKind = "kl"
     coef: Annotated[float, Field(ge=0)] = 0.001
 
 
