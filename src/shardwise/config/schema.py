@@ -220,6 +220,9 @@ class KLLossConfig(Section):
 
 class ActorConfig(Section):
     ppo_epochs: Pos = 1
+    """Passes over each rollout batch (actor and critic)."""
+    ppo_mini_batches: Pos = 1
+    """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
     clip_ratio: Annotated[float, Field(gt=0)] = 0.2
     clip_ratio_low: Annotated[float, Field(gt=0)] | None = None
     clip_ratio_high: Annotated[float, Field(gt=0)] | None = None

@@ -1,0 +1,237 @@
+"""Worker groups on Ray: N Ray actors forming one torch.distributed group (seed 003).
+
+`RayWorkerGroup(worker_cls, world_size, *args, **kwargs)` reserves a placement group of
+``world_size`` bundles (1 CPU each, plus 1 GPU each where GPUs exist), starts one Ray
+actor per bundle, makes them ranks 0..N-1 of a process group (gloo on CPU, nccl on GPU;
+rank 0's node address and a free port there are the rendezvous) and builds
+``worker_cls(*args, runtime=runtime, **kwargs)`` in each. Colocated roles are one worker
+class holding several roles per rank (the hybrid engine: actor + rollout + reference in
+one process, sharing devices); a separate role is another group.
+
+Calling ``group.method(...)`` on a method marked with `shardwise.rl.dispatch.register`
+splits the arguments by the method's rule, runs it on the workers in parallel and joins
+the results. When a worker raises, the group is shut down (its peers may be blocked in a
+collective and would otherwise wait for the process-group timeout) and the error is
+re-raised in the controller.
+
+`init_ray` starts a local Ray with enough CPUs for the groups, or joins the cluster at
+``RAY_ADDRESS`` when that is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from shardwise.rl.dispatch import Layout, collect_results, dispatch_rule, split_arguments
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RayWorkerGroup", "WorkerError", "init_ray", "shutdown_ray"]
+
+# Variables every worker process gets (the driver's values win where set).
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class WorkerError(RuntimeError):
+    """A worker method raised; the message carries the worker's rank and error."""
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is a declared dependency of the rl extra
+        from shardwise.errors import ConfigError
+
+        raise ConfigError("rl", "Ray is not installed", "pip install 'shardwise[rl]'") from e
+    return ray
+
+
+def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Start (or join) Ray once per process.
+
+    With ``RAY_ADDRESS`` set, join that cluster; otherwise start a local one with
+    ``max(num_cpus, os.cpu_count())`` logical CPUs (a worker reserves one logical CPU,
+    so 4 workers can share 2 cores). The driver's ``sys.path`` is handed to the workers
+    through PYTHONPATH so they import the same code.
+    """
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    env_vars = {k: os.environ.get(k, v) for k, v in _WORKER_ENV.items()}
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env_vars.update(env or {})
+    runtime_env = {"env_vars": env_vars}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+    else:
+        cpus = max(num_cpus or 1, os.cpu_count() or 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
+                 configure_logging=False)
+
+
+def shutdown_ray() -> None:
+    ray = _ray()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+class _RankHost:
+    """The Ray actor behind one rank: sets the torch.distributed environment, starts the
+    process group and hosts the worker object."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+
+        from shardwise.distributed.runtime import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, rank: int, world_size: int, addr: str, port: int, worker_cls: type,
+              args: tuple, kwargs: dict) -> tuple[int, bool]:
+        import ray
+
+        from shardwise.distributed.runtime import init_distributed
+
+        gpus = ray.get_gpu_ids()
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
+                           "MASTER_PORT": str(port), "LOCAL_RANK": "0" if gpus else str(rank)})
+        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                            format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+        runtime = init_distributed()
+        self.worker = worker_cls(*args, runtime=runtime, **kwargs)
+        layout = getattr(self.worker, "dispatch_layout", None)
+        return layout() if callable(layout) else (rank, True)
+
+    def execute(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def teardown(self) -> None:
+        from shardwise.distributed.runtime import teardown
+
+        close = getattr(self.worker, "close", None)
+        if callable(close):
+            close()
+        teardown()
+
+
+class RayWorkerGroup:
+    """`world_size` Ray actors, each hosting ``worker_cls(*args, runtime=..., **kwargs)``
+    as one rank of a fresh process group. See the module docstring."""
+
+    def __init__(self, worker_cls: type, world_size: int, *args: Any, name: str = "workers",
+                 use_gpu: bool | None = None, setup_timeout_s: float = 900.0, **kwargs: Any):
+        ray = _ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.worker_cls = worker_cls
+        self.world_size = world_size
+        self.name = name
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) >= world_size
+        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK", name=name)
+        try:
+            ray.get(self._pg.ready(), timeout=setup_timeout_s)
+        except Exception:
+            remove_placement_group(self._pg)
+            raise
+        host = ray.remote(_RankHost)
+        self._actors = [
+            host.options(num_cpus=1, num_gpus=1 if use_gpu else 0, name=f"{name}-rank{i}-{os.getpid()}",
+                         scheduling_strategy=PlacementGroupSchedulingStrategy(
+                             self._pg, placement_group_bundle_index=i)).remote()
+            for i in range(world_size)
+        ]
+        self._alive = True
+        try:
+            addr, port = ray.get(self._actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
+            layouts = self._wait([a.setup.remote(i, world_size, addr, port, worker_cls, args, kwargs)
+                                  for i, a in enumerate(self._actors)], "setup", timeout=setup_timeout_s)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        self.layout = Layout(tuple(d for d, _ in layouts), tuple(c for _, c in layouts))
+
+    # -- calling worker methods
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        rule = dispatch_rule(self.worker_cls, name)
+        if rule is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{name} is not a worker method registered "
+                                 "with shardwise.rl.dispatch.register")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.call(name, *args, **kwargs)
+
+        call.__name__ = name
+        return call
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        rule = dispatch_rule(self.worker_cls, name)
+        if rule is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{name} has no dispatch rule")
+        if not self._alive:
+            raise WorkerError(f"worker group {self.name!r} was shut down")
+        calls, pad = split_arguments(rule, self.layout, name, args, kwargs)
+        futures = {i: self._actors[i].execute.remote(name, *c) for i, c in enumerate(calls) if c is not None}
+        done = self._wait(list(futures.values()), name)
+        results: list[Any] = [None] * self.world_size
+        for i, r in zip(futures, done):
+            results[i] = r
+        return collect_results(rule, self.layout, name, results, pad)
+
+    def _wait(self, futures: list, what: str, timeout: float | None = None) -> list[Any]:
+        """All results in order; on the first failure shut the group down and raise."""
+        ray = _ray()
+        index = {f: i for i, f in enumerate(futures)}
+        pending = list(futures)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                self.shutdown(graceful=False)
+                raise WorkerError(f"{self.name}.{what} did not finish in {timeout} s")
+            try:
+                ray.get(ready[0])
+            except Exception as e:
+                rank = index[ready[0]]
+                self.shutdown(graceful=False)
+                cause = getattr(e, "cause", None) or e
+                raise WorkerError(f"{self.name}.{what} failed on rank {rank}: {type(cause).__name__}: "
+                                  f"{cause}") from e
+        return ray.get(futures)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Tear down the process group (graceful) and release actors and the placement group."""
+        if not getattr(self, "_alive", False):
+            return
+        ray = _ray()
+        from ray.util.placement_group import remove_placement_group
+
+        self._alive = False
+        if graceful:
+            try:
+                ray.get([a.teardown.remote() for a in self._actors], timeout=120)
+            except Exception as e:  # the actors are killed below either way
+                log.warning("worker group %s: teardown failed: %s", self.name, e)
+        for a in self._actors:
+            ray.kill(a, no_restart=True)
+        remove_placement_group(self._pg)
+
+    def __enter__(self) -> RayWorkerGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown(graceful=exc[0] is None)
