@@ -40,7 +40,8 @@ from shardwise.fsdp.build import build_sharded_model
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InferEngine", "compute_log_probs", "default_position_ids", "log_probs_from_logits"]
+__all__ = ["InferEngine", "compute_log_probs", "default_position_ids", "forward_by_micro_batch",
+           "log_probs_from_logits"]
 
 
 def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,9 @@ class InferEngine:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
             return {"logits": out.logits.float()}
 
-        return self._by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size)["logits"]
+        self.model.eval()
+        return forward_by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size,
+                                      self.runtime.device)["logits"]
 
     @torch.no_grad()
     def log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
@@ -154,53 +157,56 @@ class InferEngine:
         def run(ids, mask, pos):
             return compute_log_probs(self.model, ids, mask, pos, with_entropy)
 
-        out = self._by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size)
+        self.model.eval()
+        out = forward_by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size,
+                                     self.runtime.device)
         drop = ~keep.to(out["log_probs"].device)
         return {k: v.masked_fill(drop, 0.0) for k, v in out.items()}
 
-    # -- internals
-    def _by_micro_batch(self, fn: Callable[..., dict[str, torch.Tensor]], input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
-                        micro_batch_size: int | None) -> dict[str, torch.Tensor]:
-        """Run `fn` over row chunks and concatenate; every rank runs the same number of
-        forwards (each forward all-gathers parameters), padding with a throw-away one-row
-        forward where it has fewer chunks than the busiest rank."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of "
-                             f"input_ids {tuple(input_ids.shape)}")
-        if position_ids is not None and position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of "
-                             f"input_ids {tuple(input_ids.shape)}")
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
-        self.model.eval()
-        device = self.runtime.device
-        rows, seq = input_ids.shape
-        if micro_batch_size is None:
-            size, n_local, n_all = max(rows, 1), 1 if rows else 0, 1
-        else:
-            size = micro_batch_size
-            n_local = math.ceil(rows / size)
-            n = torch.tensor(n_local, dtype=torch.int64, device=device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-            n_all = int(n)
-        n_all = max(n_all, 1)  # every rank's rows empty: still one (throw-away) forward, for shapes
 
-        chunks: list[dict[str, torch.Tensor]] = []
-        template = None
-        for i in range(n_all):
-            if i < n_local:
-                sl = slice(i * size, (i + 1) * size)
-                ids = input_ids[sl].to(device)
-                mask = attention_mask[sl].to(device)
-                pos = position_ids[sl].to(device) if position_ids is not None else None
-                chunks.append(fn(ids, mask, pos))
-            else:
-                dummy = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
-                template = fn(dummy, torch.ones_like(dummy), None)
-        if not chunks:
-            assert template is not None
-            return {k: v[:0, :seq].to(input_ids.device) for k, v in template.items()}
-        return {k: torch.cat([c[k] for c in chunks]).to(input_ids.device) for k in chunks[0]}
+def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
+                           micro_batch_size: int | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """Run `fn(ids, mask, pos)` (one forward of a sharded model, returning ``(rows, ...)``
+    tensors) over row chunks of `micro_batch_size` and concatenate. Collective: every rank
+    runs the same number of forwards (each forward all-gathers parameters), padding with a
+    throw-away one-row forward where it has fewer chunks than the busiest rank, so ranks
+    may hold different numbers of rows, zero included. Results come back on the device of
+    `input_ids`."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of "
+                         f"input_ids {tuple(input_ids.shape)}")
+    if position_ids is not None and position_ids.shape != input_ids.shape:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of "
+                         f"input_ids {tuple(input_ids.shape)}")
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+    rows, seq = input_ids.shape
+    if micro_batch_size is None:
+        size, n_local, n_all = max(rows, 1), 1 if rows else 0, 1
+    else:
+        size = micro_batch_size
+        n_local = math.ceil(rows / size)
+        n = torch.tensor(n_local, dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        n_all = int(n)
+    n_all = max(n_all, 1)  # every rank's rows empty: still one (throw-away) forward, for shapes
+
+    chunks: list[dict[str, torch.Tensor]] = []
+    template = None
+    for i in range(n_all):
+        if i < n_local:
+            sl = slice(i * size, (i + 1) * size)
+            ids = input_ids[sl].to(device)
+            mask = attention_mask[sl].to(device)
+            pos = position_ids[sl].to(device) if position_ids is not None else None
+            chunks.append(fn(ids, mask, pos))
+        else:
+            dummy = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
+            template = fn(dummy, torch.ones_like(dummy), None)
+    if not chunks:
+        assert template is not None
+        return {k: v[:0, :seq].to(input_ids.device) for k, v in template.items()}
+    return {k: torch.cat([c[k] for c in chunks]).to(input_ids.device) for k in chunks[0]}

@@ -1,0 +1,158 @@
+"""The actor (policy) and the reference policy.
+
+ActorWorker owns a TrainEngine (fsdp2_train) over the policy; `compute_log_prob` scores
+sequences with it, `update_actor` runs PPO on a rollout batch. ReferenceWorker owns an
+InferEngine (fsdp2_infer, no optimizer) over the initial policy.
+
+Loss scaling in `update_actor`: every term is aggregated with the token / sequence counts
+of the whole mini-batch over all ranks (`global_counts`), so the micro-batch losses of all
+ranks add up to the loss of the unsharded mini-batch; multiplied by the dp size before
+backward because FSDP averages gradients over the data-parallel ranks. An update under N
+processes therefore equals the 1-process update on the same rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+
+from shardwise.config.schema import Config
+from shardwise.distributed.runtime import Runtime
+from shardwise.engine.infer import InferEngine, compute_log_probs, forward_by_micro_batch
+from shardwise.engine.train import TrainEngine
+from shardwise.rl import algorithms as alg
+from shardwise.rl.batch import Batch
+from shardwise.rl.workers.common import global_counts, mean_over_ranks, micro_batches, rl_engine_config
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ActorWorker", "ReferenceWorker", "sequence_log_probs"]
+
+_SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
+
+
+def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.device, micro_batch_size: int,
+                       with_entropy: bool) -> dict[str, torch.Tensor]:
+    """Log-probs (and entropy) of `batch`'s sequences under `model`, 0 outside
+    ``response_mask``; collective (ranks may hold different numbers of rows)."""
+    t = batch.tensors
+
+    def run(ids, mask, pos):
+        return compute_log_probs(model, ids, mask, pos, with_entropy)
+
+    with torch.no_grad():
+        out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
+                                     micro_batch_size, device)
+    keep = t["response_mask"].bool().to(out["log_probs"].device)
+    return {k: v.masked_fill(~keep, 0.0).cpu() for k, v in out.items()}
+
+
+class ActorWorker:
+    """The policy under training (see the module docstring)."""
+
+    def __init__(self, cfg: Config, runtime: Runtime):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.engine = TrainEngine(rl_engine_config(cfg), runtime)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """``old_log_probs`` and ``entropy`` ``(B, T)`` of this rank's sequences."""
+        self.model.eval()
+        out = sequence_log_probs(self.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
+                                 with_entropy=True)
+        self.model.train()
+        return Batch.from_dict({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO on this rank's rows: ``ppo_epochs`` passes, each over ``ppo_mini_batches``
+        equal mini-batches (one optimizer step each). Needs the layout tensors plus
+        ``old_log_probs``, ``advantages`` and, with the KL loss, ``ref_log_probs``.
+        Returns metrics averaged over steps and ranks."""
+        a = self.cfg.rl.actor
+        n_mini = a.ppo_mini_batches
+        if len(batch) % n_mini:
+            raise ValueError(f"update_actor: {len(batch)} rows on rank {self.runtime.rank} do not split into "
+                             f"rl.actor.ppo_mini_batches={n_mini} equal mini-batches")
+        needed = [*_SEQ_KEYS, "old_log_probs", "advantages"] + (["ref_log_probs"] if a.kl_loss.enabled else [])
+        missing = [k for k in needed if k not in batch.tensors]
+        if missing:
+            raise ValueError(f"update_actor: the batch lacks {missing}")
+        clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+        clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+        mode = a.loss_agg_mode
+        device = self.runtime.device
+        dp = self.engine.dp_size
+        metrics: dict[str, list[float]] = defaultdict(list)
+        self.model.train()
+        mini_size = len(batch) // n_mini
+        for _ in range(a.ppo_epochs):
+            for mini in batch.split(mini_size):
+                tokens, seqs = global_counts(mini.tensors["response_mask"], device)
+                local = torch.zeros((), dtype=torch.float64, device=device)
+                mbs = micro_batches(mini, self.cfg.train.micro_batch_size)
+                for i, mb in enumerate(mbs):
+                    t = {k: v.to(device) for k, v in mb.tensors.items()}
+                    mask = t["response_mask"].bool()
+                    with self.engine.gradient_sync(i == len(mbs) - 1):
+                        out = compute_log_probs(self.model, t["input_ids"], t["attention_mask"],
+                                                t["position_ids"], with_entropy=a.entropy_coef != 0)
+                        logp = out["log_probs"]
+                        pg, m = alg.policy_loss(t["old_log_probs"], logp, t["advantages"], mask,
+                                                clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
+                                                mode=mode, global_tokens=tokens, global_seqs=seqs)
+                        loss = pg
+                        if a.entropy_coef != 0:
+                            ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs)
+                            loss = loss - a.entropy_coef * ent
+                            metrics["actor/entropy_loss"].append(float(ent))
+                        if a.kl_loss.enabled:
+                            kl = alg.aggregate_loss(alg.kl_penalty(logp, t["ref_log_probs"], a.kl_loss.type),
+                                                    mask, mode, tokens, seqs)
+                            loss = loss + a.kl_loss.coef * kl
+                            metrics["actor/kl_loss"].append(float(kl))
+                        (loss * dp).backward()
+                    local += loss.detach().double()
+                    metrics["actor/pg_loss"].append(float(pg))
+                    metrics["actor/pg_clipfrac"].append(m["clipfrac"])
+                    metrics["actor/pg_clipfrac_lower"].append(m["clipfrac_lower"])
+                    metrics["actor/ppo_kl"].append(m["approx_kl"])
+                res = self.engine.finish_step(local, 1)
+                metrics["actor/loss"].append(res.loss)
+                metrics["actor/grad_norm"].append(res.grad_norm)
+                metrics["actor/lr"].append(res.lr)
+                metrics["actor/skipped_steps"].append(float(res.skipped))
+        # Per-micro-batch values are summed shares of the mini-batch total: report totals
+        # per mini-batch, i.e. sum over a rank's micro-batches, then over ranks.
+        out = mean_over_ranks({k: v for k, v in metrics.items() if not _is_share(k)}, device)
+        shares = {k: v for k, v in metrics.items() if _is_share(k)}
+        steps = a.ppo_epochs * n_mini
+        for k, v in sorted(shares.items()):
+            total = torch.tensor(sum(v) / steps, dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(total)
+            out[k] = float(total)
+        return out
+
+
+def _is_share(key: str) -> bool:
+    """Loss terms aggregated with global counts: each micro-batch holds a share."""
+    return key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss")
+
+
+class ReferenceWorker:
+    """The frozen initial policy (no optimizer)."""
+
+    def __init__(self, cfg: Config, runtime: Runtime):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.engine = InferEngine(cfg, runtime)
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        out = sequence_log_probs(self.engine.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
+                                 with_entropy=False)
+        return Batch.from_dict({"ref_log_probs": out["log_probs"]})

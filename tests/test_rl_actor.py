@@ -1,0 +1,97 @@
+"""The actor's PPO update under 2 processes equals the 1-process update on the same rows,
+for each loss aggregation mode, with mini-batches, 2 epochs, dual clip, entropy bonus and
+the KL loss on; and the reference worker's log-probs equal the actor's before training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist.common import FP32, TINY_QWEN3, full_params
+from dist.launcher import run_ranks
+
+ROWS, PROMPT, RESP = 8, 5, 6
+BASE = [TINY_QWEN3, *FP32, "train.optimizer.lr=1e-2", "train.scheduler.name=constant",
+        "train.scheduler.warmup_steps=0", "train.micro_batch_size=1", "train.max_steps=4",
+        "rl.actor.ppo_epochs=2", "rl.actor.ppo_mini_batches=2", "rl.actor.entropy_coef=0.01",
+        "rl.actor.kl_loss.enabled=true", "rl.actor.kl_loss.type=k3", "rl.actor.kl_loss.coef=0.1",
+        "rl.actor.clip_ratio_low=0.1", "rl.actor.clip_ratio_high=0.3"]
+# Rank r takes rows [4r, 4r+4) and its mini-batch i is its rows [4r+2i, 4r+2i+2): global
+# mini-batch i is therefore rows {2i, 2i+1, 4+2i, 4+2i+1}. The 1-process run sees them in
+# that order.
+ONE_PROCESS_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+def rollout_batch():
+    """A hand-made rollout batch in the worker layout: left-padded prompts, responses of
+    different lengths, advantages of both signs, old log-probs off-policy enough to clip."""
+    from shardwise.engine.infer import default_position_ids
+    from shardwise.rl.batch import Batch
+
+    g = torch.Generator().manual_seed(7)
+    T = PROMPT + RESP
+    ids = torch.randint(3, 64, (ROWS, T), generator=g)
+    attn = torch.ones(ROWS, T, dtype=torch.long)
+    resp = torch.zeros(ROWS, T, dtype=torch.long)
+    for r in range(ROWS):
+        pad = r % 3
+        attn[r, :pad] = 0
+        ids[r, :pad] = 0
+        n = 2 + r % (RESP - 1)
+        resp[r, PROMPT:PROMPT + n] = 1
+        attn[r, PROMPT + n:] = 0
+        ids[r, PROMPT + n:] = 0
+    adv = torch.randn(ROWS, T, generator=g) * resp
+    noise = 0.3 * torch.randn(ROWS, T, generator=g)
+    return Batch.from_dict({"input_ids": ids, "attention_mask": attn, "position_ids": default_position_ids(attn),
+                            "response_mask": resp, "advantages": adv}), noise
+
+
+def actor_body(rank: int, world: int, overrides: list[str]) -> dict:
+    from shardwise.config import load_config
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.rl.batch import Batch
+    from shardwise.rl.workers.actor import ActorWorker, ReferenceWorker
+
+    runtime = init_distributed(timeout_s=60)
+    cfg = load_config(None, overrides)
+    actor = ActorWorker(cfg, runtime)
+    batch, noise = rollout_batch()
+    if world == 1:
+        batch, noise = batch.reorder(ONE_PROCESS_ORDER), noise[ONE_PROCESS_ORDER]
+    else:
+        share = ROWS // world
+        batch, noise = batch[rank * share:(rank + 1) * share], noise[rank * share:(rank + 1) * share]
+    scored = actor.compute_log_prob(batch)
+    ref = ReferenceWorker(cfg, runtime).compute_ref_log_prob(batch)
+    mask = batch.tensors["response_mask"].bool()
+    same_as_ref = bool(torch.equal(scored.tensors["old_log_probs"], ref.tensors["ref_log_probs"]))
+    old = (scored.tensors["old_log_probs"] + noise).masked_fill(~mask, 0.0)
+    batch = batch.union(Batch.from_dict({"old_log_probs": old,
+                                         "ref_log_probs": ref.tensors["ref_log_probs"] - 0.2 * noise}))
+    metrics = actor.update_actor(batch)
+    after = actor.compute_log_prob(batch).tensors["old_log_probs"]
+    params = full_params(actor.model)
+    teardown()
+    return {"metrics": metrics, "params": params if rank == 0 else None, "same_as_ref": same_as_ref,
+            "before": scored.tensors["old_log_probs"], "after": after, "entropy_zero_outside": bool((scored.tensors["entropy"][~mask] == 0).all())}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_actor_update_two_processes_equals_one(mode):
+    overrides = [*BASE, f"rl.actor.loss_agg_mode={mode}"]
+    one = run_ranks(actor_body, 1, overrides, timeout=180)[0]
+    two = run_ranks(actor_body, 2, overrides, timeout=180)
+    assert one["same_as_ref"] and all(r["same_as_ref"] for r in two)
+    assert one["entropy_zero_outside"]
+    m1, m2 = one["metrics"], two[0]["metrics"]
+    assert two[1]["metrics"] == m2  # every rank reports the same (all-reduced) metrics
+    for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "actor/grad_norm"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    # the batch was off-policy enough for the clip (both sides) to act
+    assert m1["actor/pg_clipfrac"] > 0 and m1["actor/pg_clipfrac_lower"] >= 0
+    for k, v in one["params"].items():
+        torch.testing.assert_close(two[0]["params"][k], v, rtol=0, atol=2e-6, msg=k)
+    after_two = torch.cat([r["after"] for r in two])[ONE_PROCESS_ORDER]
+    torch.testing.assert_close(after_two, one["after"], rtol=0, atol=1e-5)
+    assert float((one["after"] - one["before"]).abs().max()) > 1e-2  # the update did move the policy
