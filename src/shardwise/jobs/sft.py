@@ -52,8 +52,14 @@ def resolve_tokenizer(cfg: Config, runtime: Runtime):
 
     if cfg.model.tokenizer is not None and not has_tokenizer_files(cfg.model.tokenizer):
         raise ConfigError("model.tokenizer", f"{cfg.model.tokenizer!r} holds no tokenizer files")
-    found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
-    if found is None:
+    # Rank 0 decides whether to build, and every rank follows its decision: a rank that
+    # looked after rank 0 had written the folder would otherwise skip the barrier.
+    found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir) if runtime.is_main else None
+    decision = [None if found is None else str(found)]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None:
+        found = Path(decision[0])
+    else:
         found = Path(cfg.run.dir) / "tokenizer"
         if runtime.is_main:
             build_char_tokenizer(found)
