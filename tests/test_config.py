@@ -400,9 +400,12 @@ def test_check_batch_sizes_rejects(micro: int, global_: int, dp: int, fragments:
         assert f in str(info.value)
 
 
-def test_global_batch_must_be_a_multiple_of_micro_before_any_world_size() -> None:
+def test_global_batch_not_a_multiple_of_micro_is_an_sft_error_not_a_schema_error() -> None:
+    # The RL job counts prompts in global_batch_size and rows in micro_batch_size, so the
+    # schema accepts any pair; the SFT job (and `plan`) check it with the world size.
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=18"])
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=18"])
+        check_batch_sizes(cfg.train, 1)
     assert info.value.key == "train.global_batch_size"
-    assert "18 is not a multiple of train.micro_batch_size (4)" in str(info.value)
+    assert "18 is not a multiple of micro_batch_size x data-parallel size (4 x 1 = 4)" in str(info.value)
     assert "try 16" in str(info.value)

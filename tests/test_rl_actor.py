@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist.common import FP32, TINY_QWEN3, full_params
 from dist.launcher import run_ranks
 
@@ -15,7 +14,7 @@ BASE = [TINY_QWEN3, *FP32, "train.optimizer.lr=1e-2", "train.scheduler.name=cons
         "train.scheduler.warmup_steps=0", "train.micro_batch_size=1", "train.max_steps=4",
         "rl.actor.ppo_epochs=2", "rl.actor.ppo_mini_batches=2", "rl.actor.entropy_coef=0.01",
         "rl.actor.kl_loss.enabled=true", "rl.actor.kl_loss.type=k3", "rl.actor.kl_loss.coef=0.1",
-        "rl.actor.clip_ratio_low=0.1", "rl.actor.clip_ratio_high=0.3"]
+        "rl.actor.clip_ratio_low=0.1", "rl.actor.clip_ratio_high=0.3", "rl.rollout.temperature=0.7"]
 # Rank r takes rows [4r, 4r+4) and its mini-batch i is its rows [4r+2i, 4r+2i+2): global
 # mini-batch i is therefore rows {2i, 2i+1, 4+2i, 4+2i+1}. The 1-process run sees them in
 # that order.

@@ -139,6 +139,38 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(args: argparse.Namespace) -> int:
+    """RL post-training: this process is the single controller; `--nproc` Ray workers
+    (default 1) form the FSDP process group."""
+    from shardwise.config import load_config
+    from shardwise.models.loading import local_files_only
+    from shardwise.rl import trainer
+
+    local_files_only()
+    cfg = load_config(args.config, args.overrides)
+    nproc = args.nproc or 1
+    if nproc < 1:
+        from shardwise.errors import ConfigError
+
+        raise ConfigError("--nproc", f"{nproc} is not a positive number of processes", "e.g. --nproc 2")
+    trainer.prepare(cfg, nproc)  # config errors exit 2 here, before Ray starts
+    summary = trainer.run(cfg, nproc)
+    last = summary["history"][-1] if summary.get("history") else {}
+    print(f"done: {summary['steps']} {cfg.rl.algorithm} steps"
+          + (f", final reward {last['reward/mean']:.3f}" if last else ""))
+    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    if before is not None and after is not None:
+        print(f"  held-out accuracy (greedy): before RL {before:.1%}, after RL {after:.1%}")
+    if last:
+        phases = {k[5:]: v for k, v in last.items() if k.startswith("time/") and k != "time/step"}
+        print(f"  seconds per step {last['time/step']:.2f} ("
+              + ", ".join(f"{k} {v / last['time/step']:.0%}" for k, v in phases.items()) + ")")
+    for key in ("metrics", "checkpoint", "hf", "plot"):
+        if summary.get(key):
+            print(f"  {key:<10} {summary[key]}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from shardwise.checkpoint.hf_export import export_checkpoint
     from shardwise.models.loading import local_files_only
@@ -150,7 +182,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "plan": cmd_plan, "train": cmd_train, "export": cmd_export}
+    "plan": cmd_plan, "train": cmd_train, "rl": cmd_rl, "export": cmd_export}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")
     tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
+    rp = sub.add_parser("rl", help="RL post-training (GRPO, PPO): a single controller over Ray workers")
+    rp.add_argument("config")
+    rp.add_argument("overrides", nargs="*", help="key.sub=value")
+    rp.add_argument("--nproc", type=int, default=None, help="number of worker processes (Ray actors); default 1")
     ep = sub.add_parser("export", help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
     ep.add_argument("checkpoint_dir")
     ep.add_argument("out_dir")

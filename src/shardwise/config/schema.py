@@ -153,9 +153,11 @@ class SchedulerConfig(Section):
 
 class TrainConfig(Section):
     micro_batch_size: Pos = 4
-    """Per rank, per forward."""
+    """Rows per rank, per forward."""
     global_batch_size: Pos = 16
-    """micro x grad accumulation x data-parallel size."""
+    """SFT: examples per optimizer step = micro x grad accumulation x data-parallel size
+    (checked by `shardwise.engine.batching.check_batch_sizes`). RL: prompts per step, each
+    sampled rl.rollout.n times."""
     max_steps: Pos = 100
     """Optimizer steps."""
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -163,17 +165,6 @@ class TrainConfig(Section):
     grad_clip: Annotated[float, Field(gt=0)] | None = 1.0
     """Global-norm clip; null disables."""
     log_every: Pos = 1
-
-    @model_validator(mode="after")
-    def _micro_divides_global(self) -> "TrainConfig":
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(
-                "train.global_batch_size",
-                f"{self.global_batch_size} is not a multiple of train.micro_batch_size "
-                f"({self.micro_batch_size})",
-                f"try {self.global_batch_size // self.micro_batch_size * self.micro_batch_size or self.micro_batch_size}",
-            )
-        return self
 
 
 class DataConfig(Section):

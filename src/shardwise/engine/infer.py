@@ -79,7 +79,7 @@ def log_probs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
 
 def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor | None = None,
-                      with_entropy: bool = False) -> dict[str, torch.Tensor]:
+                      with_entropy: bool = False, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """One forward of `model` and its per-token log-probs, in the module's convention.
 
     input_ids, attention_mask ``(batch, seq)`` on the model's compute device; position_ids
@@ -87,13 +87,15 @@ def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     ``entropy`` with `with_entropy`), ``(batch, seq)`` fp32, aligned with input_ids, 0 at
     position 0, NOT masked (callers apply their response mask). Runs under whatever grad
     mode the caller set: the RL actor calls it with grad on the TrainEngine's model; the
-    InferEngine under ``torch.no_grad()``.
+    InferEngine under ``torch.no_grad()``. `temperature` divides the logits first: the RL
+    roles score sequences under the distribution the rollout sampled from.
     """
     if position_ids is None:
         position_ids = default_position_ids(attention_mask)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=False)
-    return log_probs_from_logits(out.logits, input_ids, with_entropy)
+    logits = out.logits if temperature == 1.0 else out.logits / temperature
+    return log_probs_from_logits(logits, input_ids, with_entropy)
 
 
 class InferEngine:

@@ -90,16 +90,17 @@ def build_full_model(model: ModelConfig, seed: int, task: str = "causal_lm", **c
     """
     dtype = to_torch_dtype(model.dtype)
     cls = _auto_class(task)
-    if model.path is not None:
-        cfg = load_hf_config(model, **config_extra)
-        m = cls.from_pretrained(model.path, config=cfg, dtype=dtype,
-                                attn_implementation=model.attn_implementation,
-                                trust_remote_code=model.trust_remote_code)
-    else:
-        cfg = load_hf_config(model, **config_extra)
-        fork_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=fork_devices):
-            torch.manual_seed(seed)
+    cfg = load_hf_config(model, **config_extra)
+    # Seeded either way: from a folder, weights the folder lacks (a new value or reward
+    # head) are initialised too, and must not depend on the process's RNG history.
+    fork_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)
+        if model.path is not None:
+            m = cls.from_pretrained(model.path, config=cfg, dtype=dtype,
+                                    attn_implementation=model.attn_implementation,
+                                    trust_remote_code=model.trust_remote_code)
+        else:
             m = cls.from_config(cfg, dtype=dtype, attn_implementation=model.attn_implementation,
                                 trust_remote_code=model.trust_remote_code)
     return m
@@ -120,7 +121,10 @@ def load_full_weights(sharded: nn.Module, full: nn.Module | None, device: torch.
     `full` is the CPU model on rank 0 and None elsewhere. Each rank keeps only its shard;
     host memory holds one full copy (rank 0's), whatever the number of ranks.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     rank = dist.get_rank()
     assert (full is not None) == (rank == 0), "exactly rank 0 passes the full model"

@@ -526,7 +526,7 @@ def value_loss(
     ``v_clip = clamp(values, old_values - clip, old_values + clip)``; per token
     ``max((values - returns)^2, (v_clip - returns)^2)``; loss = ``0.5 *`` its
     `aggregate_loss`. Returns ``(loss, {"vf_clipfrac": share of masked tokens where the
-    clipped term is the larger})``; the loss is differentiable w.r.t. `values`.
+    value left ``old_values +- clip`` and the clipped term is the larger})``; the loss is differentiable w.r.t. `values`.
     """
     m = _bool_mask(mask, values)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
@@ -538,7 +538,11 @@ def value_loss(
     l2 = (v_clip - r).square()
     loss = 0.5 * aggregate_loss(torch.maximum(l1, l2), m, mode, global_tokens=global_tokens, global_seqs=global_seqs)
     with torch.no_grad():
-        metrics = {"vf_clipfrac": float(masked_mean((l2 > l1).float(), m))}
+        # A token is clipped when its value left the trust region and the clipped term won;
+        # comparing l2 > l1 alone would count unclipped tokens whose old + (v - old) rounds
+        # differently from v.
+        clipped = ((v - old).abs() > clip) & (l2 > l1)
+        metrics = {"vf_clipfrac": float(masked_mean(clipped.float(), m))}
     return loss, metrics
 
 

@@ -26,7 +26,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from shardwise.rl.dispatch import Layout, collect_results, dispatch_rule, split_arguments
+from shardwise.rl.dispatch import (
+    Layout,
+    collect_results,
+    dispatch_rule,
+    split_arguments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -233,5 +238,5 @@ class RayWorkerGroup:
     def __enter__(self) -> RayWorkerGroup:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown(graceful=exc[0] is None)

@@ -20,11 +20,21 @@ import torch
 
 from shardwise.config.schema import Config
 from shardwise.distributed.runtime import Runtime
-from shardwise.engine.infer import InferEngine, compute_log_probs, forward_by_micro_batch
+from shardwise.engine.infer import (
+    InferEngine,
+    compute_log_probs,
+    forward_by_micro_batch,
+)
 from shardwise.engine.train import TrainEngine
 from shardwise.rl import algorithms as alg
 from shardwise.rl.batch import Batch
-from shardwise.rl.workers.common import global_counts, mean_over_ranks, micro_batches, rl_engine_config
+from shardwise.rl.workers.common import (
+    check_equal_rows,
+    global_counts,
+    mean_over_ranks,
+    micro_batches,
+    rl_engine_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +43,21 @@ __all__ = ["ActorWorker", "ReferenceWorker", "sequence_log_probs"]
 _SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
 
 
+def scoring_temperature(cfg: Config) -> float:
+    """The temperature log-probs are computed at: the rollout's sampling temperature (1
+    for greedy), so the PPO ratio compares the distribution the samples came from."""
+    t = cfg.rl.rollout.temperature
+    return t if t > 0 else 1.0
+
+
 def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.device, micro_batch_size: int,
-                       with_entropy: bool) -> dict[str, torch.Tensor]:
-    """Log-probs (and entropy) of `batch`'s sequences under `model`, 0 outside
-    ``response_mask``; collective (ranks may hold different numbers of rows)."""
+                       with_entropy: bool, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """Log-probs (and entropy) of `batch`'s sequences under `model` at `temperature`, 0
+    outside ``response_mask``; collective (ranks may hold different numbers of rows)."""
     t = batch.tensors
 
     def run(ids, mask, pos):
-        return compute_log_probs(model, ids, mask, pos, with_entropy)
+        return compute_log_probs(model, ids, mask, pos, with_entropy, temperature)
 
     with torch.no_grad():
         out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
@@ -65,7 +82,7 @@ class ActorWorker:
         """``old_log_probs`` and ``entropy`` ``(B, T)`` of this rank's sequences."""
         self.model.eval()
         out = sequence_log_probs(self.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
-                                 with_entropy=True)
+                                 with_entropy=True, temperature=scoring_temperature(self.cfg))
         self.model.train()
         return Batch.from_dict({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
@@ -76,9 +93,7 @@ class ActorWorker:
         Returns metrics averaged over steps and ranks."""
         a = self.cfg.rl.actor
         n_mini = a.ppo_mini_batches
-        if len(batch) % n_mini:
-            raise ValueError(f"update_actor: {len(batch)} rows on rank {self.runtime.rank} do not split into "
-                             f"rl.actor.ppo_mini_batches={n_mini} equal mini-batches")
+        check_equal_rows(len(batch), n_mini, self.runtime.device, "update_actor")
         needed = [*_SEQ_KEYS, "old_log_probs", "advantages"] + (["ref_log_probs"] if a.kl_loss.enabled else [])
         missing = [k for k in needed if k not in batch.tensors]
         if missing:
@@ -86,6 +101,7 @@ class ActorWorker:
         clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         mode = a.loss_agg_mode
+        temperature = scoring_temperature(self.cfg)
         device = self.runtime.device
         dp = self.engine.dp_size
         metrics: dict[str, list[float]] = defaultdict(list)
@@ -101,7 +117,8 @@ class ActorWorker:
                     mask = t["response_mask"].bool()
                     with self.engine.gradient_sync(i == len(mbs) - 1):
                         out = compute_log_probs(self.model, t["input_ids"], t["attention_mask"],
-                                                t["position_ids"], with_entropy=a.entropy_coef != 0)
+                                                t["position_ids"], with_entropy=a.entropy_coef != 0,
+                                                temperature=temperature)
                         logp = out["log_probs"]
                         pg, m = alg.policy_loss(t["old_log_probs"], logp, t["advantages"], mask,
                                                 clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
@@ -110,15 +127,15 @@ class ActorWorker:
                         if a.entropy_coef != 0:
                             ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs)
                             loss = loss - a.entropy_coef * ent
-                            metrics["actor/entropy_loss"].append(float(ent))
+                            metrics["actor/entropy_loss"].append(float(ent.detach()))
                         if a.kl_loss.enabled:
                             kl = alg.aggregate_loss(alg.kl_penalty(logp, t["ref_log_probs"], a.kl_loss.type),
                                                     mask, mode, tokens, seqs)
                             loss = loss + a.kl_loss.coef * kl
-                            metrics["actor/kl_loss"].append(float(kl))
+                            metrics["actor/kl_loss"].append(float(kl.detach()))
                         (loss * dp).backward()
                     local += loss.detach().double()
-                    metrics["actor/pg_loss"].append(float(pg))
+                    metrics["actor/pg_loss"].append(float(pg.detach()))
                     metrics["actor/pg_clipfrac"].append(m["clipfrac"])
                     metrics["actor/pg_clipfrac_lower"].append(m["clipfrac_lower"])
                     metrics["actor/ppo_kl"].append(m["approx_kl"])
@@ -154,5 +171,5 @@ class ReferenceWorker:
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         out = sequence_log_probs(self.engine.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
-                                 with_entropy=False)
+                                 with_entropy=False, temperature=scoring_temperature(self.cfg))
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})

@@ -22,6 +22,22 @@ def global_counts(mask: torch.Tensor, device: torch.device, group=None) -> tuple
     return max(tokens, 1.0), max(seqs, 1.0)
 
 
+def check_equal_rows(rows: int, n_mini: int, device: torch.device, what: str) -> None:
+    """Collective: every rank holds `rows` rows that split into `n_mini` equal mini-batches,
+    or every rank raises the same ValueError (a rank raising alone would leave its peers
+    waiting in the next collective)."""
+    counts = torch.tensor([rows], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, counts)
+    per_rank = [int(c) for c in gathered]
+    if len(set(per_rank)) > 1:
+        raise ValueError(f"{what}: ranks hold different numbers of rows {per_rank}; an update needs "
+                         "the same rows on every rank (dispatch with DP_COMPUTE, pad=False)")
+    if rows % n_mini:
+        raise ValueError(f"{what}: {rows} rows per rank do not split into rl.actor.ppo_mini_batches={n_mini} "
+                         "equal mini-batches")
+
+
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
     """`batch` in pieces of `size` rows (the last may be smaller); [] for an empty batch."""
     return batch.split(size) if len(batch) else []

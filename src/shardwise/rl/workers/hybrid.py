@@ -1,0 +1,157 @@
+"""RLWorker: the roles one rank hosts, and the dispatch rule of each method (seed 003).
+
+The hybrid engine is ``roles=("actor", "rollout", "ref")`` in one worker: the rollout
+generates with the actor's own FSDP model (parameters gathered for generation, then
+resharded), so there is no second copy of the policy and no weight transfer; the
+reference sits on the same devices. "critic" and "reward_model" may join the same worker
+(colocated) or form a group of their own (separate processes and process group).
+
+Methods a role does not host raise a clear error. Every method is collective over the
+worker group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shardwise.config.load import config_from_dict
+from shardwise.distributed.runtime import Runtime, seed_everything
+from shardwise.rl.batch import Batch
+from shardwise.rl.dispatch import Dispatch, register
+
+log = logging.getLogger(__name__)
+
+ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
+CRITIC_DIR = "critic"
+
+
+class RLWorker:
+    def __init__(self, cfg: dict[str, Any], roles: Sequence[str], pad_id: int, eos_id: int, *, runtime: Runtime):
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; valid roles are {list(ROLES)}")
+        if "rollout" in roles and "actor" not in roles:
+            raise ValueError("the HF rollout generates with the actor's model: colocate 'rollout' with 'actor'")
+        self.cfg = config_from_dict(cfg)
+        self.runtime = runtime
+        self.roles = tuple(roles)
+        seed_everything(self.cfg.run.seed)
+        self.actor = self.rollout = self.ref = self.critic = self.reward_model = None
+        self._ckpt = self._critic_ckpt = None
+        run_dir = Path(self.cfg.run.dir)
+        from shardwise.checkpoint.dcp import CheckpointManager
+
+        if "actor" in roles:
+            from shardwise.rl.workers.actor import ActorWorker
+
+            self.actor = ActorWorker(self.cfg, runtime)
+            self._ckpt = CheckpointManager(run_dir, self.cfg.checkpoint, runtime)
+        if "rollout" in roles:
+            from shardwise.rl.workers.rollout import HFRollout
+
+            self.rollout = HFRollout(self.actor.model, self.cfg.rl.rollout, runtime, pad_id, eos_id)
+        if "ref" in roles:
+            from shardwise.rl.workers.actor import ReferenceWorker
+
+            self.ref = ReferenceWorker(self.cfg, runtime)
+        if "critic" in roles:
+            from shardwise.rl.workers.critic import CriticWorker
+
+            self.critic = CriticWorker(self.cfg, runtime)
+            self._critic_ckpt = CheckpointManager(run_dir / CRITIC_DIR, self.cfg.checkpoint, runtime)
+        if "reward_model" in roles:
+            from shardwise.rl.workers.reward import RewardModelWorker
+
+            self.reward_model = RewardModelWorker(self.cfg, runtime)
+
+    def _need(self, role: str) -> Any:
+        obj = getattr(self, role)
+        if obj is None:
+            raise RuntimeError(f"this worker hosts {list(self.roles)}, not {role!r}")
+        return obj
+
+    # -- rollout, scoring, updates
+    @register(Dispatch.DP_COMPUTE)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        return self._need("rollout").generate_sequences(prompts)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        return self._need("actor").compute_log_prob(batch)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        return self._need("ref").compute_ref_log_prob(batch)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        return self._need("critic").compute_values(batch)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        return self._need("reward_model").compute_rm_score(batch)
+
+    @register(Dispatch.DP_COMPUTE, collect="first", pad=False)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return self._need("actor").update_actor(batch)
+
+    @register(Dispatch.DP_COMPUTE, collect="first", pad=False)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self._need("critic").update_critic(batch)
+
+    # -- checkpoints and export
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def save_checkpoint(self, step: int, extra: dict[str, Any], final: bool = False) -> str:
+        """Actor (with the controller's `extra`) under run.dir/checkpoints, critic under
+        run.dir/critic/checkpoints, same step."""
+        if self._ckpt is not None:
+            self._ckpt.save(self.actor.engine, step, extra=extra, final=final)
+            self._ckpt.prune()
+        if self._critic_ckpt is not None:
+            self._critic_ckpt.save(self.critic.engine, step, extra=extra, final=final)
+            self._critic_ckpt.prune()
+        return str((self._ckpt or self._critic_ckpt).dir)
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """Resume per `checkpoint.resume`; returns the saved `extra` (None: fresh start)."""
+        main = self._ckpt or self._critic_ckpt
+        if main is None:
+            return None
+        path = main.resolve_resume()
+        if path is None:
+            return None
+        extra = None
+        if self._ckpt is not None:
+            extra = self._ckpt.load(self.actor.engine, path)
+        if self._critic_ckpt is not None:
+            critic_path = path if self._ckpt is None else self._critic_ckpt.dir / path.name
+            critic_extra = self._critic_ckpt.load(self.critic.engine, critic_path)
+            extra = critic_extra if extra is None else extra
+        if self.runtime.is_main:
+            log.info("resumed from %s", path)
+        return extra
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def wait_checkpoint(self) -> None:
+        for m in (self._ckpt, self._critic_ckpt):
+            if m is not None:
+                m.wait()
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def export_hf(self, out_dir: str, tokenizer_dir: str | None) -> str:
+        """The actor as an HF folder (safetensors), written by rank 0."""
+        from shardwise.checkpoint.hf_export import export_model
+        from shardwise.models.loading import load_hf_config
+
+        export_model(self._need("actor").model, Path(out_dir), load_hf_config(self.cfg.model),
+                     tokenizer_dir=tokenizer_dir)
+        return out_dir
+
+    def close(self) -> None:
+        for m in (self._ckpt, self._critic_ckpt):
+            if m is not None:
+                m.close()
