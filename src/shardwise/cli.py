@@ -161,10 +161,12 @@ def cmd_rl(args: argparse.Namespace) -> int:
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     if before is not None and after is not None:
         print(f"  held-out accuracy (greedy): before RL {before:.1%}, after RL {after:.1%}")
-    if last:
-        phases = {k[5:]: v for k, v in last.items() if k.startswith("time/") and k != "time/step"}
-        print(f"  seconds per step {last['time/step']:.2f} ("
-              + ", ".join(f"{k} {v / last['time/step']:.0%}" for k, v in phases.items()) + ")")
+    timing = summary.get("timing") or {}
+    if timing.get("time/step"):
+        step_s = timing["time/step"]
+        phases = {k[5:]: v for k, v in timing.items() if k != "time/step"}
+        print(f"  seconds per step {step_s:.2f} (mean; "
+              + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
     for key in ("metrics", "checkpoint", "hf", "plot"):
         if summary.get(key):
             print(f"  {key:<10} {summary[key]}")

@@ -299,7 +299,7 @@ def _generation_config(model: nn.Module):
 # --------------------------------------------------------------------- live export
 
 
-def _gather(value: torch.Tensor) -> torch.Tensor:
+def gather_full(value: torch.Tensor) -> torch.Tensor:
     """The full tensor of a state-dict value (collective for a DTensor)."""
     from torch.distributed.tensor import DTensor
 
@@ -349,7 +349,7 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
             error = e
     for e in entries:
         value = sd[e.source]
-        full = _gather(value)
+        full = gather_full(value)
         if writer is not None:
             try:
                 t = full.to(device="cpu", dtype=e.dtype)

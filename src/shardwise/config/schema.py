@@ -227,6 +227,9 @@ class CriticConfig(Section):
     enabled: bool = False
     lr: Annotated[float, Field(gt=0)] = 1.0e-5
     cliprange_value: Annotated[float, Field(gt=0)] = 0.5
+    colocated: bool = True
+    """true: the critic lives in the actor's worker processes; false: a worker group of
+    its own (as many processes again, its own process group)."""
 
 
 class ReferenceConfig(Section):
@@ -235,7 +238,12 @@ class ReferenceConfig(Section):
 
 class RewardConfig(Section):
     function: str | None = "builtin:arithmetic"
+    """Rule-based reward: builtin:NAME or module:function, called as
+    fn(prompt, response, ground_truth) -> float on decoded text."""
     model: str | None = None
+    """A sequence-classification model folder; its score at the last token is added."""
+    colocated: bool = True
+    """Reward model in the actor's worker processes (true) or a worker group of its own."""
 
 
 class KLInRewardConfig(Section):

@@ -97,16 +97,19 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     return Prepared(cfg, spec, rows)
 
 
-def roles_of(cfg: Config) -> list[str]:
-    """The roles of the (single, colocated) worker group this config needs."""
-    roles = ["actor", "rollout"]
+def worker_groups(cfg: Config) -> dict[str, list[str]]:
+    """Worker groups this config needs, name -> roles. "rl" is the hybrid engine (actor +
+    rollout [+ reference]); the critic and the reward model join it when colocated."""
+    groups: dict[str, list[str]] = {"rl": ["actor", "rollout"]}
     if cfg.rl.reference.enabled:
-        roles.append("ref")
+        groups["rl"].append("ref")
     if cfg.rl.critic.enabled:
-        roles.append("critic")
+        groups["rl" if cfg.rl.critic.colocated else "critic"] = \
+            groups.get("rl" if cfg.rl.critic.colocated else "critic", []) + ["critic"]
     if cfg.rl.reward.model is not None:
-        roles.append("reward_model")
-    return roles
+        name = "rl" if cfg.rl.reward.colocated else "reward"
+        groups[name] = groups.get(name, []) + ["reward_model"]
+    return groups
 
 
 def controller_tokenizer(cfg: Config):
@@ -183,22 +186,36 @@ class Controller:
             self.reward_fn = resolve_reward_fn(cfg.rl.reward.function)
         self.kl_ctl = alg.FixedKLController(cfg.rl.kl_in_reward.coef)
         self.step = 0
-        self.group = None
+        self.groups: dict[str, Any] = {}
 
-    # -- the worker group
+    # -- the worker groups
     def start(self) -> None:
         from shardwise.rl.cluster import RayWorkerGroup, init_ray
         from shardwise.rl.workers.hybrid import RLWorker
 
-        init_ray(num_cpus=self.world_size)
+        plan = worker_groups(self.cfg)
+        init_ray(num_cpus=self.world_size * len(plan))
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
-        self.group = RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles_of(self.cfg), self.pad_id,
-                                    self.eos_id, name="rl")
+        for name, roles in plan.items():
+            self.groups[name] = RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id,
+                                               self.eos_id, name=name)
+
+    @property
+    def group(self):
+        """The hybrid engine's group (actor, rollout, reference)."""
+        return self.groups["rl"]
+
+    def group_of(self, role: str):
+        """The group hosting `role`."""
+        for name, roles in worker_groups(self.cfg).items():
+            if role in roles:
+                return self.groups[name]
+        raise KeyError(role)
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        for g in self.groups.values():
+            g.shutdown()
+        self.groups = {}
 
     # -- state
     def state_dict(self) -> dict[str, Any]:
@@ -211,11 +228,23 @@ class Controller:
         self.kl_ctl.value = float(state["kl_coef"])
 
     def resume(self) -> bool:
-        extra = self.group.load_checkpoint()
-        if extra is None:
+        extras = {name: g.load_checkpoint() for name, g in self.groups.items()}
+        steps = {name: None if e is None else e["step"] for name, e in extras.items()}
+        if len(set(steps.values())) > 1:
+            raise RuntimeError(f"the worker groups' checkpoints are at different steps {steps}; "
+                               "set checkpoint.resume to one step's folder or never")
+        if extras["rl"] is None:
             return False
-        self.load_state_dict(extra)
+        self.load_state_dict(extras["rl"])
         return True
+
+    def save(self, final: bool) -> None:
+        for g in self.groups.values():
+            g.save_checkpoint(self.step, self.state_dict(), final)
+
+    def wait_checkpoints(self) -> None:
+        for g in self.groups.values():
+            g.wait_checkpoint()
 
     # -- one step
     def next_prompts(self) -> Batch:
@@ -243,7 +272,7 @@ class Controller:
             metrics["accuracy"] = float((rule >= 1.0).float().mean())
             metrics["reward/rule_mean"] = float(rule.mean())
         if self.cfg.rl.reward.model is not None:
-            rm = self.group.compute_rm_score(batch).tensors["rm_scores"].float()
+            rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
             rows = torch.arange(len(batch))[has]
             scores[rows, last[has]] += rm[has]
             metrics["reward/model_mean"] = float(rm.mean())
@@ -304,13 +333,13 @@ class Controller:
                 alg.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], "k1"), mask))
         if rl.critic.enabled:
             with timer("values"):
-                batch = batch.union(g.compute_values(batch))
+                batch = batch.union(self.group_of("critic").compute_values(batch))
         with timer("advantage"):
             batch, m = self.advantages(batch)
             metrics.update(m)
         if rl.critic.enabled:
             with timer("update_critic"):
-                metrics.update(g.update_critic(batch))
+                metrics.update(self.group_of("critic").update_critic(batch))
         with timer("update_actor"):
             metrics.update(g.update_actor(batch))
         lengths = mask.sum(-1).float()
@@ -320,7 +349,7 @@ class Controller:
         max_steps = self.cfg.train.max_steps
         if _should_save(self.cfg, self.step, max_steps):
             with timer("checkpoint"):
-                g.save_checkpoint(self.step, self.state_dict(), self.step == max_steps)
+                self.save(final=self.step == max_steps)
         metrics.update(timer.as_dict())
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
@@ -339,6 +368,14 @@ class Controller:
         batch.meta.update(seed=0, greedy=True)
         out = score_sequences(self.group.generate_sequences(batch), self.tokenizer, self.reward_fn)
         return float((out.tensors["token_level_scores"].sum(-1) >= 1.0).float().mean())
+
+
+def mean_timing(history: list[dict[str, float]]) -> dict[str, float]:
+    """Mean seconds of each phase per step (the first step, which warms up, left out when
+    there are others); phases that did not run in a step count 0 there."""
+    steps = history[1:] if len(history) > 1 else history
+    keys = sorted({k for m in steps for k in m if k.startswith("time/")})
+    return {k: sum(m.get(k, 0.0) for m in steps) / len(steps) for k in keys} if steps else {}
 
 
 def _should_save(cfg: Config, step: int, max_steps: int) -> bool:
@@ -375,12 +412,13 @@ def run(cfg: Config, world_size: int) -> dict[str, Any]:
                 if ctl.step % cfg.train.log_every == 0 or ctl.step == max_steps:
                     writer.log(ctl.step, m)
                 bar.update(1, reward=m["reward/mean"], **({"acc": m["accuracy"]} if "accuracy" in m else {}))
-            ctl.group.wait_checkpoint()
+            ctl.wait_checkpoints()
         finally:
             bar.close()
             writer.close()
         summary["steps"] = ctl.step
         summary["history"] = history
+        summary["timing"] = mean_timing(history)
         summary["accuracy_after"] = ctl.evaluate()
         if cfg.checkpoint.export_hf:
             summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
@@ -388,9 +426,10 @@ def run(cfg: Config, world_size: int) -> dict[str, Any]:
     finally:
         ctl.close()
     if (ctl.run_dir / "metrics.jsonl").is_file():
-        panels = [("reward", ["reward/mean"]), ("accuracy", ["accuracy"]),
-                  ("response length", ["response_length/mean"]), ("KL / entropy", ["kl", "entropy"]),
-                  ("actor", ["actor/pg_clipfrac", "actor/ppo_kl"])]
+        panels = [("reward / accuracy", ["reward/mean", "accuracy"]),
+                  ("response length", ["response_length/mean"]), ("KL to reference / entropy", ["kl", "entropy"]),
+                  ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
+                  ("seconds per phase", ["time/step", "time/generate", "time/update_actor", "time/old_log_prob"])]
         if cfg.rl.critic.enabled:
             panels.append(("critic", ["critic/vf_loss"]))
         summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))

@@ -52,7 +52,10 @@ class RLWorker:
         if "rollout" in roles:
             from shardwise.rl.workers.rollout import HFRollout
 
+            from shardwise.rl.weight_sync import WeightSync
+
             self.rollout = HFRollout(self.actor.model, self.cfg.rl.rollout, runtime, pad_id, eos_id)
+            self.weight_sync = WeightSync(self.actor.model, self.rollout)
         if "ref" in roles:
             from shardwise.rl.workers.actor import ReferenceWorker
 
@@ -76,7 +79,9 @@ class RLWorker:
     # -- rollout, scoring, updates
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch) -> Batch:
-        return self._need("rollout").generate_sequences(prompts)
+        rollout = self._need("rollout")
+        self.weight_sync.sync()  # a no-op for the HF engine, which uses the actor's parameters
+        return rollout.generate_sequences(prompts)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -109,26 +114,30 @@ class RLWorker:
         run.dir/critic/checkpoints, same step."""
         if self._ckpt is not None:
             self._ckpt.save(self.actor.engine, step, extra=extra, final=final)
-            self._ckpt.prune()
         if self._critic_ckpt is not None:
             self._critic_ckpt.save(self.critic.engine, step, extra=extra, final=final)
-            self._critic_ckpt.prune()
         return str((self._ckpt or self._critic_ckpt).dir)
 
     @register(Dispatch.ONE_TO_ALL, collect="first")
     def load_checkpoint(self) -> dict[str, Any] | None:
-        """Resume per `checkpoint.resume`; returns the saved `extra` (None: fresh start)."""
-        main = self._ckpt or self._critic_ckpt
-        if main is None:
+        """Resume per `checkpoint.resume` (which names the actor's checkpoints, as does
+        auto: the latest under run.dir/checkpoints); the critic loads the same step from
+        run.dir/critic/checkpoints. Returns the saved `extra` (None: fresh start)."""
+        from shardwise.checkpoint.dcp import CheckpointManager, is_complete
+
+        if self._ckpt is None and self._critic_ckpt is None:
             return None
-        path = main.resolve_resume()
+        actor_ckpts = self._ckpt or CheckpointManager(Path(self.cfg.run.dir), self.cfg.checkpoint, self.runtime)
+        path = actor_ckpts.resolve_resume()
         if path is None:
             return None
         extra = None
         if self._ckpt is not None:
             extra = self._ckpt.load(self.actor.engine, path)
         if self._critic_ckpt is not None:
-            critic_path = path if self._ckpt is None else self._critic_ckpt.dir / path.name
+            critic_path = self._critic_ckpt.dir / path.name
+            if not is_complete(critic_path):
+                raise RuntimeError(f"resuming from {path}: the critic has no complete checkpoint at {critic_path}")
             critic_extra = self._critic_ckpt.load(self.critic.engine, critic_path)
             extra = critic_extra if extra is None else extra
         if self.runtime.is_main:

@@ -42,6 +42,9 @@ class RolloutEngine(abc.ABC):
     Both methods are collective: every rank calls them, each with its own rows.
     """
 
+    shares_actor_parameters: bool = False
+    """True for an engine that generates with the actor's own parameters (nothing to sync)."""
+
     @abc.abstractmethod
     def generate_sequences(self, prompts: Batch) -> Batch:
         """This rank's prompts (any number of rows, 0 included) -> their sequences.
@@ -206,6 +209,8 @@ class HFRollout(RolloutEngine):
     `model` is the actor's sharded causal LM (``TrainEngine.model``), shared, not copied:
     every call samples from its current weights. `pad_id` / `eos_id` are the tokenizer's.
     """
+
+    shares_actor_parameters = True
 
     def __init__(self, model: nn.Module, cfg: RolloutConfig, runtime: Runtime, pad_id: int, eos_id: int):
         self.model = model

@@ -1,0 +1,73 @@
+"""Weight sync from the FSDP actor into a rollout engine that keeps its own copy: after a
+training step the copy equals the actor's full parameters, tensor by tensor and in its
+logits; the HF engine, which generates with the actor's parameters, needs no sync."""
+
+from __future__ import annotations
+
+import torch
+
+from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, full_params, loss_tokens, make_global_batch, micro_batches_of
+from dist.launcher import run_ranks
+
+
+def sync_body(rank: int, world: int, model_override: str) -> dict:
+    from shardwise.config import load_config
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.train import TrainEngine
+    from shardwise.models.loading import build_full_model
+    from shardwise.rl.weight_sync import WeightSync, iter_full_tensors
+    from shardwise.rl.workers.rollout import HFRollout, RolloutEngine
+
+    class OwnCopyEngine(RolloutEngine):
+        """An engine with its own plain copy of the model (as vLLM would have)."""
+
+        def __init__(self, model):
+            self.model = model
+            self.loaded: list[str] = []
+
+        def sync_weights(self, named_tensors):
+            params = dict(self.model.state_dict())
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+                self.loaded.append(name)
+
+        def generate_sequences(self, prompts):
+            raise NotImplementedError("not needed to test the weight sync")
+
+    runtime = init_distributed(timeout_s=60)
+    cfg = load_config(None, [model_override, *FP32, "train.optimizer.lr=1e-2"])
+    engine = TrainEngine(cfg, runtime)
+    rows = make_global_batch(0, 4)
+    engine.train_step(micro_batches_of(rows, rank, world, 2), loss_tokens(rows))
+    copy = OwnCopyEngine(build_full_model(cfg.model, seed=123))  # different init: the sync must overwrite it
+    sync = WeightSync(engine.model, copy)
+    assert sync.sync() is True
+    want = full_params(engine.model)
+    got = {k: v.detach().clone() for k, v in copy.model.state_dict().items()}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        engine.model.eval()
+        sharded_logits = engine.model(input_ids=ids).logits
+        copy_logits = copy.model(input_ids=ids).logits
+    names = [n for n, _ in iter_full_tensors(engine.model)]
+    hf = WeightSync(engine.model, HFRollout(engine.model, cfg.rl.rollout, runtime, 0, 2))
+    shared = hf.sync()
+    teardown()
+    return {"want": want, "got": got, "loaded": copy.loaded, "names": names, "shared_sync": shared,
+            "logits_diff": float((sharded_logits - copy_logits).abs().max())}
+
+
+def test_sync_into_an_engine_with_its_own_copy_qwen3():
+    for out in run_ranks(sync_body, 2, TINY_QWEN3, timeout=120):
+        assert out["shared_sync"] is False
+        assert out["loaded"] == out["names"] and len(set(out["names"])) == len(out["names"])
+        for k, v in out["want"].items():
+            assert torch.equal(out["got"][k], v), k
+        assert out["logits_diff"] < 1e-5
+
+
+def test_sync_sends_a_tied_weight_once_llama():
+    out = run_ranks(sync_body, 2, TINY_LLAMA, timeout=120)[0]
+    assert "lm_head.weight" not in out["names"] and "model.embed_tokens.weight" in out["names"]
+    assert torch.equal(out["got"]["lm_head.weight"], out["want"]["model.embed_tokens.weight"])
+    assert out["logits_diff"] < 1e-5
