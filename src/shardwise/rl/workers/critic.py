@@ -11,6 +11,7 @@ before token t, i.e. the head's output at position ``t - 1``, so a mask aligned 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -232,6 +233,11 @@ class CriticWorker:
         """The head's per-token output ``(b, T, 1)`` (model dtype), under the caller's grad mode."""
         if position_ids is None:
             position_ids = default_position_ids(attention_mask)
-        out = self.engine.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
+        with warnings.catch_warnings():
+            # HF's token-classification output is a view; FSDP2 warns that an in-place op on
+            # it would skip the pre-backward all-gather. Only out-of-place ops touch it here
+            # (values_from_head), and the 2-rank vs unsharded parity test holds.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            out = self.engine.model(input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids, use_cache=False)
         return out.logits

@@ -1,0 +1,116 @@
+"""`shardwise rl` end to end through the real CLI: 2 Ray worker processes forming one gloo
+group, the single controller in the CLI process.
+
+- resume: a PPO run (critic and reward model colocated with the actor, a user reward
+  function) stopped at step 2 and resumed to step 4 logs exactly the metrics of an
+  uninterrupted 4-step run (actor, critic, optimizers, sampler, sampling seeds restored);
+- GRPO from an SFT warm start on builtin:arithmetic raises the mean reward;
+- PPO with the critic in a worker group of its own (GAE) lowers its value loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dist.common import TINY_QWEN3
+from dist.launcher import REPO_ROOT, run_cli
+
+pytest.importorskip("ray")
+
+GRPO = str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml")
+SFT = str(REPO_ROOT / "examples" / "sft_arithmetic.yaml")
+TINY = ["model.path=null", TINY_QWEN3, "train.global_batch_size=4", "train.micro_batch_size=8",
+        "rl.rollout.n=4", "rl.rollout.max_new_tokens=4", "train.optimizer.lr=1e-3"]
+
+
+def rl(run_dir: Path, *overrides: str, timeout: float = 400, cwd: Path | None = None):
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={run_dir}", *overrides], timeout=timeout, cwd=cwd)
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    return res
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+TOY_REWARD = "def ones(prompt, response, ground_truth):\n    return response.count('1') / 4\n"
+
+
+def save_tiny_reward_model(path: Path) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=64,
+                      num_labels=1, pad_token_id=0)
+    Qwen3ForSequenceClassification(cfg).save_pretrained(path)
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    # An untrained model never answers right: a user reward function (module:function,
+    # imported from the working directory) gives the advantages something to work with.
+    (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
+    save_tiny_reward_model(tmp_path / "rm")
+    common = [*TINY, "checkpoint.every_steps=2", "checkpoint.export_hf=false",
+              "rl.reward.function=toy_reward:ones", f"rl.reward.model={tmp_path / 'rm'}",
+              "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true", "rl.critic.lr=1e-3"]
+    whole = tmp_path / "whole"
+    rl(whole, *common, "train.max_steps=4", cwd=tmp_path)
+    parts = tmp_path / "parts"
+    rl(parts, *common, "train.max_steps=2", cwd=tmp_path)
+    assert sorted(p.name for p in (parts / "checkpoints").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in (parts / "critic" / "checkpoints").iterdir()) == ["step_00000002"]
+    res = rl(parts, *common, "train.max_steps=4", cwd=tmp_path)
+    assert "ppo" in res.stderr  # the progress bar
+    a, b = metrics(whole), metrics(parts)
+    assert [m["step"] for m in a] == [1, 2, 3, 4] and [m["step"] for m in b] == [1, 2, 3, 4]
+    for key in ("reward/mean", "reward/model_mean", "response_length/mean", "entropy", "kl", "actor/loss",
+                "actor/grad_norm", "actor/pg_clipfrac", "critic/vf_loss", "critic/grad_norm"):
+        assert [m[key] for m in b[2:]] == [m[key] for m in a[2:]], key
+    assert a[3]["actor/grad_norm"] > 0 and a[3]["actor/loss"] != a[2]["actor/loss"]  # real updates
+    for key in ("time/generate", "time/reward", "time/old_log_prob", "time/ref", "time/values", "time/advantage",
+                "time/update_critic", "time/update_actor", "time/step", "accuracy", "actor/lr", "response_length/clip_frac"):
+        assert all(isinstance(m[key], (int, float)) for m in a), key
+    assert (whole / "rl.png").stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory) -> Path:
+    """The SFT demo's model (examples/sft_arithmetic.yaml as it is, 1000 steps, ~100 s):
+    33.5% greedy accuracy on the held-out prompts."""
+    run_dir = tmp_path_factory.mktemp("sft")
+    res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={run_dir}", "checkpoint.every_steps=0",
+                   "train.log_every=50"], timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert (run_dir / "hf" / "model.safetensors").is_file() or (run_dir / "hf" / "model.safetensors.index.json").is_file()
+    return run_dir / "hf"
+
+
+def test_grpo_from_sft_raises_mean_reward(warm_start, tmp_path):
+    run_dir = tmp_path / "grpo"
+    res = rl(run_dir, f"model.path={warm_start}", "train.max_steps=40", "checkpoint.every_steps=0")
+    m = metrics(run_dir)
+    first = sum(x["reward/mean"] for x in m[:10]) / 10
+    last = sum(x["reward/mean"] for x in m[-10:]) / 10
+    assert last > first + 0.02, (first, last, [round(x["reward/mean"], 3) for x in m])
+    assert "held-out accuracy (greedy): before RL" in res.stdout
+    assert (run_dir / "hf" / "config.json").is_file() and (run_dir / "rl.png").is_file()
+
+
+def test_ppo_with_critic_lowers_value_loss(warm_start, tmp_path):
+    run_dir = tmp_path / "ppo"
+    rl(run_dir, f"model.path={warm_start}", "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true",
+       "rl.critic.lr=1e-3", "rl.critic.colocated=false", "train.max_steps=8", "train.global_batch_size=16", "checkpoint.every_steps=4",
+       "checkpoint.export_hf=false")
+    m = metrics(run_dir)
+    vf = [x["critic/vf_loss"] for x in m]
+    # The targets move with the policy, so the loss is not monotone; measured on this
+    # machine: 0.156 at step 1, 0.088 at step 5, ~0.1 at steps 6-8.
+    assert min(vf[-4:]) < 0.7 * vf[0] and sum(vf[-4:]) / 4 < 0.85 * vf[0], vf
+    assert all("time/values" in x and "time/update_critic" in x for x in m)
+    assert sorted(p.name for p in (run_dir / "critic" / "checkpoints").iterdir()) == ["step_00000004",
+                                                                                    "step_00000008"]
