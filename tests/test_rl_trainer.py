@@ -93,6 +93,10 @@ def warm_start(tmp_path_factory) -> Path:
 def test_grpo_from_sft_raises_mean_reward(warm_start, tmp_path):
     run_dir = tmp_path / "grpo"
     res = rl(run_dir, f"model.path={warm_start}", "train.max_steps=40", "checkpoint.every_steps=0")
+    # Measured on this machine (the run is deterministic: seeded init, data and sampling,
+    # gloo sums): mean sampled reward 0.329 over steps 1-10, 0.362 over steps 31-40
+    # (64 prompts x 8 samples per step, lr 1e-4). The greedy held-out accuracy moves less
+    # (33.5% -> ~35% after 60 steps in `make demo`): RL first sharpens the sampling.
     m = metrics(run_dir)
     first = sum(x["reward/mean"] for x in m[:10]) / 10
     last = sum(x["reward/mean"] for x in m[-10:]) / 10
