@@ -161,3 +161,58 @@ def test_ray_group_failure_raises_instead_of_hanging():
         group.fail_on(1)
     with pytest.raises(WorkerError, match="shut down"):
         group.hello("again")
+
+
+JOIN_SCRIPT = """
+import os, ray
+from shardwise.rl.cluster import RayWorkerGroup, init_ray
+from test_rl_dispatch import EchoWorker, rows
+init_ray()
+group = RayWorkerGroup(EchoWorker, 2, 0.5, name="joined")
+out = group.double(rows(3))
+print("gcs", ray.get_runtime_context().gcs_address)
+print("hello", group.hello("hi"))
+print("rows", out.tensors["y"].flatten().tolist())
+group.shutdown()
+"""
+
+
+def test_ray_address_joins_an_existing_cluster():
+    """With RAY_ADDRESS set, the worker group lands on that cluster (a head started here
+    with `ray start --head --block`, killed with its process group afterwards)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dist.launcher import REPO_ROOT, free_port
+
+    pytest.importorskip("ray")
+    ray_bin = Path(sys.executable).parent / "ray"
+    import tempfile
+
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
+    # token auth off for this throw-away local head (and its client): no token file to manage
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", f"--temp-dir={temp_dir}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    try:
+        pythonpath = os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT / "tests"), env.get("PYTHONPATH", "")])
+        proc = subprocess.run([sys.executable, "-c", JOIN_SCRIPT], capture_output=True, text=True, timeout=180,
+                              env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": pythonpath})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.splitlines()[0].endswith(f":{port}"), proc.stdout  # the head we started
+        assert "hello ['hi from 0/2', 'hi from 1/2']" in proc.stdout
+        assert "rows [0.5, 2.5, 4.5]" in proc.stdout
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        import shutil
+
+        shutil.rmtree(temp_dir, ignore_errors=True)

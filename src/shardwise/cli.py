@@ -160,7 +160,9 @@ def cmd_rl(args: argparse.Namespace) -> int:
           + (f", final reward {last['reward/mean']:.3f}" if last else ""))
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     if before is not None and after is not None:
-        print(f"  held-out accuracy (greedy): before RL {before:.1%}, after RL {after:.1%}")
+        start = summary.get("resumed_from_step")
+        label = "before RL" if not start else f"at step {start} (resumed)"
+        print(f"  held-out accuracy (greedy): {label} {before:.1%}, after RL {after:.1%}")
     timing = summary.get("timing") or {}
     if timing.get("time/step"):
         step_s = timing["time/step"]

@@ -39,7 +39,9 @@ __all__ = ["RayWorkerGroup", "WorkerError", "init_ray", "shutdown_ray"]
 
 # Variables every worker process gets (the driver's values win where set).
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               # the controller shows the progress; weight-loading bars from every worker are noise
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 class WorkerError(RuntimeError):

@@ -212,9 +212,11 @@ class Controller:
                 return self.groups[name]
         raise KeyError(role)
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """Release the worker groups; not graceful after an error (workers may be stuck in
+        a collective, a teardown barrier would wait for them)."""
         for g in self.groups.values():
-            g.shutdown()
+            g.shutdown(graceful=graceful)
         self.groups = {}
 
     # -- state
@@ -423,7 +425,10 @@ def run(cfg: Config, world_size: int) -> dict[str, Any]:
         if cfg.checkpoint.export_hf:
             summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
         summary["checkpoint"] = str(ctl.run_dir / "checkpoints")
-    finally:
+    except BaseException:
+        ctl.close(graceful=False)
+        raise
+    else:
         ctl.close()
     if (ctl.run_dir / "metrics.jsonl").is_file():
         panels = [("reward / accuracy", ["reward/mean", "accuracy"]),
