@@ -15,10 +15,24 @@ BASE = [TINY_QWEN3, *FP32, "train.optimizer.lr=1e-2", "train.scheduler.name=cons
         "rl.actor.ppo_epochs=2", "rl.actor.ppo_mini_batches=2", "rl.actor.entropy_coef=0.01",
         "rl.actor.kl_loss.enabled=true", "rl.actor.kl_loss.type=k3", "rl.actor.kl_loss.coef=0.1",
         "rl.actor.clip_ratio_low=0.1", "rl.actor.clip_ratio_high=0.3", "rl.rollout.temperature=0.7"]
-# Rank r takes rows [4r, 4r+4) and its mini-batch i is its rows [4r+2i, 4r+2i+2): global
-# mini-batch i is therefore rows {2i, 2i+1, 4+2i, 4+2i+1}. The 1-process run sees them in
-# that order.
-ONE_PROCESS_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+def shares(split: tuple[int, ...]) -> list[list[int]]:
+    """The rows of each rank: consecutive runs of the given sizes."""
+    starts = [sum(split[:r]) for r in range(len(split))]
+    return [list(range(s, s + n)) for s, n in zip(starts, split)]
+
+
+def one_process_order(split: tuple[int, ...], n_mini: int = 2) -> list[int]:
+    """Rank r's mini-batch i is the i-th of `n_mini` equal parts of its rows; global
+    mini-batch i is those parts of all ranks together. The 1-process run sees the rows
+    in that order, so its mini-batches are the same sets."""
+    order = []
+    for i in range(n_mini):
+        for rows in shares(split):
+            k = len(rows) // n_mini
+            order += rows[i * k:(i + 1) * k]
+    return order
 
 
 def rollout_batch():
@@ -46,7 +60,7 @@ def rollout_batch():
                             "response_mask": resp, "advantages": adv}), noise
 
 
-def actor_body(rank: int, world: int, overrides: list[str]) -> dict:
+def actor_body(rank: int, world: int, overrides: list[str], split: tuple[int, ...]) -> dict:
     from shardwise.config import load_config
     from shardwise.distributed.runtime import init_distributed, teardown
     from shardwise.rl.batch import Batch
@@ -56,11 +70,8 @@ def actor_body(rank: int, world: int, overrides: list[str]) -> dict:
     cfg = load_config(None, overrides)
     actor = ActorWorker(cfg, runtime)
     batch, noise = rollout_batch()
-    if world == 1:
-        batch, noise = batch.reorder(ONE_PROCESS_ORDER), noise[ONE_PROCESS_ORDER]
-    else:
-        share = ROWS // world
-        batch, noise = batch[rank * share:(rank + 1) * share], noise[rank * share:(rank + 1) * share]
+    rows = one_process_order(split) if world == 1 else shares(split)[rank]
+    batch, noise = batch[rows], noise[rows]
     scored = actor.compute_log_prob(batch)
     ref = ReferenceWorker(cfg, runtime).compute_ref_log_prob(batch)
     mask = batch.tensors["response_mask"].bool()
@@ -76,11 +87,17 @@ def actor_body(rank: int, world: int, overrides: list[str]) -> dict:
             "before": scored.tensors["old_log_probs"], "after": after, "entropy_zero_outside": bool((scored.tensors["entropy"][~mask] == 0).all())}
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_actor_update_two_processes_equals_one(mode):
+@pytest.mark.parametrize("mode,split", [
+    ("token-mean", (4, 4)), ("seq-mean-token-sum", (4, 4)), ("seq-mean-token-mean", (4, 4)),
+    ("token-mean", (6, 2)), ("seq-mean-token-sum", (8, 0)),
+], ids=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-mean-rows-6-2",
+        "seq-mean-token-sum-rows-8-0"])
+def test_actor_update_two_processes_equals_one(mode, split):
+    # Uneven splits: the rank with fewer micro-batches runs throw-away forwards/backwards
+    # so that every rank issues the same collectives.
     overrides = [*BASE, f"rl.actor.loss_agg_mode={mode}"]
-    one = run_ranks(actor_body, 1, overrides, timeout=180)[0]
-    two = run_ranks(actor_body, 2, overrides, timeout=180)
+    one = run_ranks(actor_body, 1, overrides, split, timeout=180)[0]  # the same mini-batch sets
+    two = run_ranks(actor_body, 2, overrides, split, timeout=180)
     assert one["same_as_ref"] and all(r["same_as_ref"] for r in two)
     assert one["entropy_zero_outside"]
     m1, m2 = one["metrics"], two[0]["metrics"]
@@ -91,6 +108,8 @@ def test_actor_update_two_processes_equals_one(mode):
     assert m1["actor/pg_clipfrac"] > 0 and m1["actor/pg_clipfrac_lower"] >= 0
     for k, v in one["params"].items():
         torch.testing.assert_close(two[0]["params"][k], v, rtol=0, atol=2e-6, msg=k)
-    after_two = torch.cat([r["after"] for r in two])[ONE_PROCESS_ORDER]
-    torch.testing.assert_close(after_two, one["after"], rtol=0, atol=1e-5)
+    order = one_process_order(split)
+    after_two = torch.cat([r["after"] for r in two])  # rows 0..7: the ranks' shares are consecutive
+    after_one = one["after"][[order.index(i) for i in range(ROWS)]]
+    torch.testing.assert_close(after_two, after_one, rtol=0, atol=1e-5)
     assert float((one["after"] - one["before"]).abs().max()) > 1e-2  # the update did move the policy

@@ -14,7 +14,6 @@ processes therefore equals the 1-process update on the same rows.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 
 import torch
 
@@ -29,10 +28,11 @@ from shardwise.engine.train import TrainEngine
 from shardwise.rl import algorithms as alg
 from shardwise.rl.batch import Batch
 from shardwise.rl.workers.common import (
-    check_equal_rows,
+    agreed_micro_batches,
+    check_mini_batches,
+    dummy_inputs,
     global_counts,
     mean_over_ranks,
-    micro_batches,
     rl_engine_config,
 )
 
@@ -90,10 +90,11 @@ class ActorWorker:
         """PPO on this rank's rows: ``ppo_epochs`` passes, each over ``ppo_mini_batches``
         equal mini-batches (one optimizer step each). Needs the layout tensors plus
         ``old_log_probs``, ``advantages`` and, with the KL loss, ``ref_log_probs``.
-        Returns metrics averaged over steps and ranks."""
+        Ranks may hold different numbers of rows (0 included). Returns metrics averaged
+        over steps and ranks."""
         a = self.cfg.rl.actor
         n_mini = a.ppo_mini_batches
-        check_equal_rows(len(batch), n_mini, self.runtime.device, "update_actor")
+        check_mini_batches(len(batch), n_mini, self.runtime.device)
         needed = [*_SEQ_KEYS, "old_log_probs", "advantages"] + (["ref_log_probs"] if a.kl_loss.enabled else [])
         missing = [k for k in needed if k not in batch.tensors]
         if missing:
@@ -104,18 +105,32 @@ class ActorWorker:
         temperature = scoring_temperature(self.cfg)
         device = self.runtime.device
         dp = self.engine.dp_size
-        metrics: dict[str, list[float]] = defaultdict(list)
+        # The same keys on every rank (a rank without rows still reports them): the
+        # reductions below are collective.
+        names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/loss",
+                 "actor/grad_norm", "actor/lr", "actor/skipped_steps"]
+        names += ["actor/entropy_loss"] * (a.entropy_coef != 0) + ["actor/kl_loss"] * a.kl_loss.enabled
+        metrics: dict[str, list[float]] = {k: [] for k in names}
         self.model.train()
         mini_size = len(batch) // n_mini
+        size = self.cfg.train.micro_batch_size
+        seq = batch.tensors["input_ids"].shape[1]
         for _ in range(a.ppo_epochs):
-            for mini in batch.split(mini_size):
+            for mini in (batch.split(mini_size) if mini_size else [batch] * n_mini):
                 tokens, seqs = global_counts(mini.tensors["response_mask"], device)
                 local = torch.zeros((), dtype=torch.float64, device=device)
-                mbs = micro_batches(mini, self.cfg.train.micro_batch_size)
-                for i, mb in enumerate(mbs):
-                    t = {k: v.to(device) for k, v in mb.tensors.items()}
-                    mask = t["response_mask"].bool()
-                    with self.engine.gradient_sync(i == len(mbs) - 1):
+                n_local, n_all = agreed_micro_batches(len(mini), size, device)
+                for i in range(n_all):
+                    # Gradients are reduced once per step, in the last backward of every rank.
+                    with self.engine.gradient_sync(i == n_all - 1):
+                        if i >= n_local:
+                            # Throw-away forward and backward (zero gradient): this rank has
+                            # fewer rows, its peers' all-gathers and reduce-scatter still need it.
+                            out = compute_log_probs(self.model, **dummy_inputs(seq, device))
+                            out["log_probs"].sum().mul(0.0).backward()
+                            continue
+                        t = {k: v[i * size:(i + 1) * size].to(device) for k, v in mini.tensors.items()}
+                        mask = t["response_mask"].bool()
                         out = compute_log_probs(self.model, t["input_ids"], t["attention_mask"],
                                                 t["position_ids"], with_entropy=a.entropy_coef != 0,
                                                 temperature=temperature)
@@ -133,6 +148,8 @@ class ActorWorker:
                                                     mask, mode, tokens, seqs)
                             loss = loss + a.kl_loss.coef * kl
                             metrics["actor/kl_loss"].append(float(kl.detach()))
+                        # FSDP averages gradients over dp ranks; the loss is already over the
+                        # global mini-batch, so undo that average.
                         (loss * dp).backward()
                     local += loss.detach().double()
                     metrics["actor/pg_loss"].append(float(pg.detach()))

@@ -22,20 +22,44 @@ def global_counts(mask: torch.Tensor, device: torch.device, group=None) -> tuple
     return max(tokens, 1.0), max(seqs, 1.0)
 
 
-def check_equal_rows(rows: int, n_mini: int, device: torch.device, what: str) -> None:
-    """Collective: every rank holds `rows` rows that split into `n_mini` equal mini-batches,
-    or every rank raises the same ValueError (a rank raising alone would leave its peers
-    waiting in the next collective)."""
-    counts = torch.tensor([rows], dtype=torch.int64, device=device)
-    gathered = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, counts)
-    per_rank = [int(c) for c in gathered]
-    if len(set(per_rank)) > 1:
-        raise ValueError(f"{what}: ranks hold different numbers of rows {per_rank}; an update needs "
-                         "the same rows on every rank (dispatch with DP_COMPUTE, pad=False)")
-    if rows % n_mini:
-        raise ValueError(f"{what}: {rows} rows per rank do not split into rl.actor.ppo_mini_batches={n_mini} "
-                         "equal mini-batches")
+def check_mini_batches(rows: int, n_mini: int, device: torch.device) -> None:
+    """Collective: every rank's rows cut into `n_mini` equal mini-batches, or every rank
+    raises the same ConfigError (a rank raising alone would leave its peers waiting in
+    the next collective)."""
+    from shardwise.errors import ConfigError
+
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([rows], dtype=torch.int64, device=device))
+    rows_per_rank = [int(c) for c in counts]
+    if any(r % n_mini for r in rows_per_rank):
+        raise ConfigError("rl.actor.ppo_mini_batches",
+                          f"the ranks hold {rows_per_rank} rows, which do not all divide into "
+                          f"{n_mini} equal mini-batches",
+                          "choose ppo_mini_batches dividing the rows each rank gets "
+                          "(rollout rows / data-parallel ranks)")
+
+
+def agreed_micro_batches(rows: int, size: int, device: torch.device) -> tuple[int, int]:
+    """(this rank's micro-batches of `size` rows, the most any rank has); collective.
+
+    Every forward all-gathers parameters and the last backward reduce-scatters
+    gradients, so a rank with fewer micro-batches than the busiest one runs throw-away
+    forwards and backwards (on `dummy_inputs`, loss x 0) up to that count: the training
+    twin of `shardwise.engine.infer.forward_by_micro_batch`.
+    """
+    local = -(-rows // size)
+    n = torch.tensor(local, dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return local, int(n)
+
+
+def dummy_inputs(seq: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One row of `seq` tokens for a throw-away forward."""
+    from shardwise.engine.infer import default_position_ids
+
+    ids = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": default_position_ids(mask)}
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -44,16 +68,14 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
 
 
 def mean_over_ranks(values: dict[str, list[float]], device: torch.device) -> dict[str, float]:
-    """Average each metric over its local entries, then over ranks (collective; every
-    rank must pass the same keys)."""
+    """The mean of each metric over all its entries on all ranks (collective; every rank
+    must pass the same keys; a rank may have no entries for a key)."""
     keys = sorted(values)
     if not keys:
         return {}
-    local = torch.tensor([sum(values[k]) / max(len(values[k]), 1) for k in keys], dtype=torch.float64,
-                         device=device)
-    dist.all_reduce(local)
-    local /= dist.get_world_size()
-    return {k: float(v) for k, v in zip(keys, local.tolist())}
+    sums = torch.tensor([[sum(values[k]), len(values[k])] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    return {k: float(total / max(count, 1.0)) for k, (total, count) in zip(keys, sums.tolist())}
 
 
 def rl_engine_config(cfg, lr: float | None = None):

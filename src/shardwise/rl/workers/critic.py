@@ -10,7 +10,6 @@ before token t, i.e. the head's output at position ``t - 1``, so a mask aligned 
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -21,10 +20,15 @@ from shardwise.config.schema import Config
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids, forward_by_micro_batch
 from shardwise.engine.train import TrainEngine
-from shardwise.errors import ConfigError
 from shardwise.rl.algorithms import value_loss
 from shardwise.rl.batch import Batch
-from shardwise.rl.workers.common import global_counts, rl_engine_config
+from shardwise.rl.workers.common import (
+    agreed_micro_batches,
+    check_mini_batches,
+    dummy_inputs,
+    global_counts,
+    rl_engine_config,
+)
 
 __all__ = ["VALUE_HEAD", "CriticWorker", "clipped_tokens", "values_from_head"]
 
@@ -55,26 +59,6 @@ def clipped_tokens(values: torch.Tensor, returns: torch.Tensor, old_values: torc
     v_clip = old_values + moved.clamp(-clip, clip)
     larger = (v_clip - returns).square() > (values - returns).square()
     return (m & (moved.abs() > clip) & larger).sum()
-
-
-def _chunk_counts(rows: int, size: int, device: torch.device) -> tuple[int, int]:
-    """(this rank's micro-batches of `size` rows, the most any rank has); collective.
-
-    Every forward all-gathers parameters and the last backward reduce-scatters
-    gradients, so a rank with fewer micro-batches than the busiest one runs throw-away
-    forwards and backwards up to that count (the training-side twin of
-    `forward_by_micro_batch`).
-    """
-    local = math.ceil(rows / size)
-    n = torch.tensor(local, dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return local, int(n)
-
-
-def _dummy_inputs(seq: int, device: torch.device) -> dict[str, torch.Tensor]:
-    ids = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
-    mask = torch.ones_like(ids)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": default_position_ids(mask)}
 
 
 class CriticWorker:
@@ -141,7 +125,7 @@ class CriticWorker:
         """
         data = self._inputs(batch, extra=("values", "returns"))
         n_mini = self.cfg.rl.actor.ppo_mini_batches
-        self._check_divides(len(data), n_mini)
+        check_mini_batches(len(data), n_mini, self.runtime.device)
         self.engine.model.train()
         steps: list[dict[str, float]] = []
         sums: list[torch.Tensor] = []
@@ -170,7 +154,7 @@ class CriticWorker:
         mode = self.cfg.rl.actor.loss_agg_mode
         tokens, seqs = global_counts(mini.tensors["response_mask"], device)
         size = self.cfg.train.micro_batch_size
-        n_local, n_all = _chunk_counts(len(mini), size, device)
+        n_local, n_all = agreed_micro_batches(len(mini), size, device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         local = torch.zeros(2, dtype=torch.float64, device=device)
         seq = mini.tensors["input_ids"].shape[1]
@@ -180,7 +164,7 @@ class CriticWorker:
                 if i >= n_local:
                     # Throw-away forward and backward (zero gradient) keeping the
                     # all-gathers and the reduce-scatter of all ranks in step.
-                    self._forward(**_dummy_inputs(seq, device)).sum().mul(0.0).backward()
+                    self._forward(**dummy_inputs(seq, device)).sum().mul(0.0).backward()
                     continue
                 t = {k: v[i * size:(i + 1) * size].to(device) for k, v in mini.tensors.items()}
                 values = values_from_head(self._forward(t["input_ids"], t["attention_mask"], t.get("position_ids")))
@@ -214,19 +198,6 @@ class CriticWorker:
                 raise ValueError(f"{k} has shape {tuple(v.shape)} but input_ids has {tuple(shape)}; "
                                  "every per-token tensor is (B, T) aligned with input_ids")
         return data
-
-    def _check_divides(self, rows: int, n_mini: int) -> None:
-        """Every rank's rows must cut into `n_mini` equal mini-batches; raised on every rank."""
-        device = self.runtime.device
-        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-        dist.all_gather(counts, torch.tensor([rows], dtype=torch.int64, device=device))
-        rows_per_rank = [int(c) for c in counts]
-        if any(r % n_mini for r in rows_per_rank):
-            raise ConfigError("rl.actor.ppo_mini_batches",
-                              f"the ranks hold {rows_per_rank} rows, which do not all divide into "
-                              f"{n_mini} equal mini-batches",
-                              "choose ppo_mini_batches dividing the rows each rank gets "
-                              "(rollout rows / data-parallel ranks)")
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:

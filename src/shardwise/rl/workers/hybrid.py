@@ -50,9 +50,8 @@ class RLWorker:
             self.actor = ActorWorker(self.cfg, runtime)
             self._ckpt = CheckpointManager(run_dir, self.cfg.checkpoint, runtime)
         if "rollout" in roles:
-            from shardwise.rl.workers.rollout import HFRollout
-
             from shardwise.rl.weight_sync import WeightSync
+            from shardwise.rl.workers.rollout import HFRollout
 
             self.rollout = HFRollout(self.actor.model, self.cfg.rl.rollout, runtime, pad_id, eos_id)
             self.weight_sync = WeightSync(self.actor.model, self.rollout)
