@@ -124,6 +124,10 @@ ROWS = [
                  id="global-not-multiple-of-micro-x-dp"),
     pytest.param(Bad(("parallel.ulysses_size=3",), "parallel.ulysses_size", "use one of [1, 2]"),
                  id="ulysses-not-dividing"),
+    pytest.param(Bad(("fsdp.tiled_mlp.enabled=true",), "fsdp.tiled_mlp.enabled", "not available yet"),
+                 id="tiled-mlp-not-built"),
+    pytest.param(Bad(("fsdp.moe_expert_patch=true",), "fsdp.moe_expert_patch", "not available yet"),
+                 id="moe-expert-patch-not-built"),
     # ---- module path patterns and class names
     pytest.param(Bad(("fsdp.recompute.modules=[model.layerz.{0}]",), "fsdp.recompute.modules[0]",
                      "model.layers.{*}"), id="pattern-matches-nothing"),

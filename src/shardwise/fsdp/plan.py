@@ -158,8 +158,15 @@ def _higher(a: str, b: str) -> str:
 
 def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     """Compute the plan. Raises ConfigError for any rule that names nothing real."""
-    idx = _Index.of(model)
     fcfg = cfg.fsdp
+    if fcfg.tiled_mlp.enabled:
+        raise ConfigError("fsdp.tiled_mlp.enabled", "tiled MLP is not available yet",
+                          "set fsdp.tiled_mlp.enabled=false (fsdp.recompute.modules saves activation memory now)")
+    if fcfg.moe_expert_patch:
+        raise ConfigError("fsdp.moe_expert_patch", "the MoE expert patch is not available yet",
+                          "set fsdp.moe_expert_patch=false (transformers 5's fused experts run every rank's "
+                          "expert module, so they need no patch)")
+    idx = _Index.of(model)
     notes: list[str] = []
     model_dtype = canonical_dtype(cfg.model.dtype)
 
