@@ -48,9 +48,9 @@ def load_records(
         columns = list(rows[0]) if rows else ["prompt", "response"]
     else:
         rows, columns = _read_file(source, cache_dir)
-    _check_key(prompt_key, columns, source)
+    _check_key(prompt_key, columns, source, "data.prompt_key")
     if response_key is not None:
-        _check_key(response_key, columns, source)
+        _check_key(response_key, columns, source, "data.response_key")
 
     records = []
     for i, row in enumerate(rows):
@@ -93,14 +93,14 @@ def _read_file(source: str, cache_dir: str | None) -> tuple[list[dict[str, Any]]
     return ds.to_list(), list(ds.column_names)
 
 
-def _check_key(key: str, columns: list[str], source: str) -> None:
+def _check_key(key: str, columns: list[str], source: str, config_key: str) -> None:
     if key in columns:
         return
     near = nearest(key, columns)
     ordered = near + [c for c in columns if c not in near]
     hint = f"; did you mean '{near[0]}'?" if near else ""
     raise DataError(
-        f"key '{key}' not found in data source '{source}'; its keys are "
+        f"{config_key}: key '{key}' not found in data source '{source}'; its keys are "
         f"{', '.join(repr(c) for c in ordered) or '(none)'}{hint}"
     )
 

@@ -15,6 +15,11 @@ from shardwise.errors import DataError
 from shardwise.errors import did_you_mean
 
 BUILTIN_PREFIX = "builtin:"
+HELDOUT_SEED_OFFSET = 10_000
+"""Held-out prompts of a built-in task are generated from run.seed + this offset (the SFT
+job's and the RL trainer's accuracy and `shardwise infer` all use them)."""
+HELDOUT_PROMPTS = 200
+"""How many held-out prompts the accuracy figures score."""
 
 ARITHMETIC_OPS = "+-*"
 

@@ -173,9 +173,11 @@ def run(cfg: Config, runtime: Runtime) -> dict:
         export_model(engine.model, out, load_hf_config(cfg.model), tokenizer_dir=tok_dir)
         summary["hf"] = str(out)
         if runtime.is_main and cfg.data.source.startswith("builtin:"):
+            from shardwise.data.tasks import HELDOUT_PROMPTS, HELDOUT_SEED_OFFSET
             from shardwise.jobs.evaluate import task_accuracy
 
-            summary["accuracy"] = task_accuracy(out, cfg.data.source.split(":", 1)[1], seed=cfg.run.seed + 10_000)
+            summary["accuracy"] = task_accuracy(out, cfg.data.source.split(":", 1)[1], n=HELDOUT_PROMPTS,
+                                                seed=cfg.run.seed + HELDOUT_SEED_OFFSET)
     if runtime.is_main and (run_dir / "metrics.jsonl").is_file():
         png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "sft.png",
                            [("loss", ["loss"]), ("learning rate", ["lr"]), ("grad norm", ["grad_norm"])])

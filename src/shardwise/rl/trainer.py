@@ -31,17 +31,18 @@ from typing import Any
 import torch
 
 from shardwise.config.schema import Config
+from shardwise.data.tasks import HELDOUT_PROMPTS, HELDOUT_SEED_OFFSET
 from shardwise.distributed.mesh import MeshSpec, mesh_spec
 from shardwise.errors import ConfigError
 from shardwise.rl import algorithms as alg
 from shardwise.rl.batch import Batch
+from shardwise.rl.workers.rollout import prompt_batch
 
 log = logging.getLogger(__name__)
 
-EVAL_PROMPTS = 200
+EVAL_PROMPTS = HELDOUT_PROMPTS
 """Held-out prompts of a built-in task scored (greedy) before and after RL."""
-EVAL_SEED_OFFSET = 10_000
-"""Held-out prompts come from run.seed + this offset (the SFT job's evaluation uses the same)."""
+EVAL_SEED_OFFSET = HELDOUT_SEED_OFFSET
 
 
 @dataclass
@@ -134,25 +135,6 @@ def controller_tokenizer(cfg: Config):
         raise ConfigError("model.tokenizer", f"the tokenizer in {str(found)!r} has no eos token",
                           "RL generation stops at eos; use a tokenizer that defines one")
     return tok, str(found)
-
-
-def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str]) -> Batch:
-    """Left-padded prompt ids in the worker layout (see shardwise.rl.workers)."""
-    from shardwise.data.collate import tokenize_prompt
-
-    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length) for r in records]
-    width = max(len(x) for x in ids)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompt_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, x in enumerate(ids):
-        prompt_ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
-        prompt_mask[i, width - len(x):] = 1
-    return Batch.from_dict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask},
-                           {"prompt": [r["prompt"] for r in records],
-                            "ground_truth": ["" if r.get("response") is None else str(r["response"])
-                                             for r in records],
-                            "uid": uids})
 
 
 class Controller:

@@ -35,7 +35,8 @@ from shardwise.errors import ConfigError, ShardwiseError, did_you_mean
 from shardwise.models.loading import load_hf_config
 from shardwise.rl.batch import Batch
 
-__all__ = ["RewardFn", "RewardFunctionError", "RewardModelWorker", "resolve_reward_fn", "score_sequences"]
+__all__ = ["RewardFn", "RewardFunctionError", "RewardModelWorker", "decode_responses", "resolve_reward_fn",
+           "score_sequences"]
 
 RewardFn = Callable[[str, str, str], float]
 """``(prompt, response_text, ground_truth) -> reward``."""
@@ -51,47 +52,48 @@ class RewardFunctionError(ShardwiseError, RuntimeError):
 # ---------------------------------------------------------------------- resolving
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
-    """The reward function named by `spec` (the value of ``rl.reward.function``).
+def resolve_reward_fn(spec: str, key: str = _KEY) -> RewardFn:
+    """The reward function named by `spec` (the value of config key `key`, by default
+    ``rl.reward.function``).
 
     - ``builtin:NAME``: the scorer of the built-in task NAME (`shardwise.data.tasks`);
     - ``module:function``: ``function`` (a dotted attribute path is allowed, e.g.
       ``mod:Scorer.score``) of ``module``, imported with the current working directory
       and ``PYTHONPATH``'s entries on ``sys.path`` for the duration of the import.
 
-    Raises ConfigError on ``rl.reward.function`` for a malformed spec, an unknown
+    Raises ConfigError on `key` for a malformed spec, an unknown
     builtin, a module that is missing or fails to import, a missing attribute (with the
     nearest names) and a value that is not callable with three arguments.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(_KEY, f"{spec!r} names no reward function", f"use {_FORMS}")
+        raise ConfigError(key, f"{spec!r} names no reward function", f"use {_FORMS}")
     spec = spec.strip()
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_TASKS:
-            raise ConfigError(_KEY, f"unknown built-in task {name!r}",
+            raise ConfigError(key, f"unknown built-in task {name!r}",
                               did_you_mean(name, BUILTIN_TASKS, prefix=BUILTIN_PREFIX))
         return get_builtin_task(name).score
     module_name, _, attr_path = spec.partition(":")
     if not (_dotted_name(module_name) and _dotted_name(attr_path)):
-        raise ConfigError(_KEY, f"{spec!r} is not of the form {_FORMS}", "write module:function, with a dotted "
+        raise ConfigError(key, f"{spec!r} is not of the form {_FORMS}", "write module:function, with a dotted "
                           "module path and a function name, or builtin:NAME")
-    module = _import(module_name)
+    module = _import(module_name, key)
     obj: object = module
     for i, part in enumerate(attr_path.split(".")):
         if not hasattr(obj, part):
             owner = module_name + "".join(f".{p}" for p in attr_path.split(".")[:i])
             names = [n for n in dir(obj) if not n.startswith("_")]
-            raise ConfigError(_KEY, f"{owner} has no attribute {part!r}",
+            raise ConfigError(key, f"{owner} has no attribute {part!r}",
                               did_you_mean(part, names) or f"define {part}(prompt, response, ground_truth)")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(_KEY, f"{spec} is a {type(obj).__name__}, not a function",
+        raise ConfigError(key, f"{spec} is a {type(obj).__name__}, not a function",
                           "point it at a function (prompt, response, ground_truth) -> float")
     try:
         inspect.signature(obj).bind("", "", "")
     except TypeError as e:
-        raise ConfigError(_KEY, f"{spec} cannot be called with (prompt, response, ground_truth): {e}",
+        raise ConfigError(key, f"{spec} cannot be called with (prompt, response, ground_truth): {e}",
                           "give it the signature (prompt: str, response: str, ground_truth: str) -> float") from None
     except ValueError:  # no signature to inspect (some builtins): find out at call time
         pass
@@ -117,21 +119,21 @@ def _import_path() -> Iterator[None]:
                 sys.path.remove(p)
 
 
-def _import(module_name: str):
+def _import(module_name: str, key: str):
     with _import_path():
         try:
             return importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             missing = e.name or ""
             if module_name == missing or module_name.startswith(missing + "."):
-                raise ConfigError(_KEY, f"no module named {missing!r} (looked in the working directory "
+                raise ConfigError(key, f"no module named {missing!r} (looked in the working directory "
                                   f"{os.getcwd()!r}, PYTHONPATH and the installed packages)",
                                   f"run from the folder that holds {module_name.split('.')[0]}.py, or add "
                                   "that folder to PYTHONPATH") from None
-            raise ConfigError(_KEY, f"importing {module_name!r} failed: {e}",
+            raise ConfigError(key, f"importing {module_name!r} failed: {e}",
                               "install what the module imports") from e
         except Exception as e:  # the module's own code raised while being imported
-            raise ConfigError(_KEY, f"importing {module_name!r} failed: {type(e).__name__}: {e}",
+            raise ConfigError(key, f"importing {module_name!r} failed: {type(e).__name__}: {e}",
                               "fix the module so that it imports cleanly") from e
 
 
@@ -166,6 +168,27 @@ def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int) -> flo
     return value
 
 
+def decode_responses(batch: Batch, tokenizer) -> tuple[list[str], list[int | None]]:
+    """Each row's response text and the column of its last response token (None for a
+    row without one). The text is the ``response_mask`` tokens of ``input_ids`` up to (not
+    including) the first EOS, decoded without special tokens."""
+    ids = batch.tensors["input_ids"].cpu()
+    mask = batch.tensors["response_mask"].cpu().bool()
+    if mask.shape != ids.shape:
+        raise ValueError(f"response_mask {tuple(mask.shape)} must have the shape of input_ids {tuple(ids.shape)}")
+    eos = tokenizer.eos_token_id
+    token_lists, last = [], []
+    for row in range(ids.shape[0]):
+        where = mask[row].nonzero().flatten()
+        tokens = ids[row, where].tolist()
+        if eos is not None and eos in tokens:
+            tokens = tokens[:tokens.index(eos)]
+        token_lists.append(tokens)
+        last.append(int(where[-1]) if len(where) else None)
+    texts = tokenizer.batch_decode(token_lists, skip_special_tokens=True) if token_lists else []
+    return texts, last
+
+
 def score_sequences(batch: Batch, tokenizer, fn: RewardFn) -> Batch:
     """Score each row's response text with `fn`; not collective (any rows, any process).
 
@@ -184,20 +207,8 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn) -> Batch:
     """
     data = batch.select(tensor_keys=["input_ids", "response_mask"], array_keys=["prompt", "ground_truth"],
                         meta_keys=[])
-    ids = data.tensors["input_ids"].cpu()
-    mask = data.tensors["response_mask"].cpu().bool()
-    if mask.shape != ids.shape:
-        raise ValueError(f"response_mask {tuple(mask.shape)} must have the shape of input_ids {tuple(ids.shape)}")
-    eos = tokenizer.eos_token_id
-    token_lists, last = [], []
-    for row in range(ids.shape[0]):
-        where = mask[row].nonzero().flatten()
-        tokens = ids[row, where].tolist()
-        if eos is not None and eos in tokens:
-            tokens = tokens[:tokens.index(eos)]
-        token_lists.append(tokens)
-        last.append(int(where[-1]) if len(where) else None)
-    texts = tokenizer.batch_decode(token_lists, skip_special_tokens=True) if token_lists else []
+    ids = data.tensors["input_ids"]
+    texts, last = decode_responses(data, tokenizer)
     prompts, truths = data.arrays["prompt"], data.arrays["ground_truth"]
     scores = torch.zeros(ids.shape, dtype=torch.float32)
     row_scores = []

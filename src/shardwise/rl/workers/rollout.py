@@ -33,7 +33,7 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids
 from shardwise.rl.batch import Batch
 
-__all__ = ["HFRollout", "RolloutEngine", "gathered_for_generation", "sampling_seed"]
+__all__ = ["HFRollout", "RolloutEngine", "gathered_for_generation", "prompt_batch", "sampling_seed"]
 
 
 class RolloutEngine(abc.ABC):
@@ -64,6 +64,27 @@ class RolloutEngine(abc.ABC):
         their own copy of the weights (e.g. vLLM, a later issue) load them here; an engine
         that shares the actor's parameters (`HFRollout`) has nothing to do.
         """
+
+
+def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str]) -> Batch:
+    """The input of `RolloutEngine.generate_sequences`: left-padded ``prompt_ids`` /
+    ``prompt_mask`` and the arrays ``prompt``, ``ground_truth`` ("" where a record has no
+    response) and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`)."""
+    from shardwise.data.collate import tokenize_prompt
+
+    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length) for r in records]
+    width = max((len(x) for x in ids), default=1)  # no records: a (0, 1) batch
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompt_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        prompt_ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
+        prompt_mask[i, width - len(x):] = 1
+    return Batch.from_dict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask},
+                           {"prompt": [r["prompt"] for r in records],
+                            "ground_truth": ["" if r.get("response") is None else str(r["response"])
+                                             for r in records],
+                            "uid": uids})
 
 
 # ------------------------------------------------------------------ FSDP2 gathering
