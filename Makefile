@@ -29,12 +29,15 @@ test: $(STAMP)
 
 # The main job, on CPU with 2 processes (about 4 minutes): a tiny Qwen3 learns
 # builtin:arithmetic by SFT, then GRPO (Ray workers, FSDP2 actor + rollout + reference)
-# starts from the exported SFT model. Prints the held-out accuracy before and after RL.
+# starts from the exported SFT model. Prints the held-out accuracy before and after RL;
+# `shardwise infer` then answers the held-out prompts with the RL model (FSDP2 infer engine).
 demo: $(STAMP)
-	rm -rf runs/sft_arithmetic runs/grpo_arithmetic
+	rm -rf runs/sft_arithmetic runs/grpo_arithmetic runs/infer_arithmetic
 	$(VENV)/bin/shardwise plan examples/sft_arithmetic.yaml --world-size $(NPROC)
 	$(VENV)/bin/shardwise train examples/sft_arithmetic.yaml --nproc $(NPROC)
 	$(VENV)/bin/shardwise rl examples/grpo_arithmetic.yaml --nproc $(NPROC)
+	$(VENV)/bin/shardwise infer examples/infer_arithmetic.yaml --nproc $(NPROC)
+	head -n 5 runs/infer_arithmetic/generations.jsonl
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)

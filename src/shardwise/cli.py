@@ -139,6 +139,40 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_infer(args: argparse.Namespace) -> int:
+    """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
+    from shardwise.config import load_config
+    from shardwise.jobs import infer
+    from shardwise.models.loading import local_files_only
+
+    local_files_only()
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc and not _under_torchrun():
+        infer.prepare(cfg, world_size=args.nproc)  # config and data errors exit 2 here
+        return _launch_torchrun(args.nproc, ["infer", args.config, *args.overrides])
+    infer.prepare(cfg)
+    from shardwise.distributed.runtime import init_distributed, seed_everything, teardown
+
+    runtime = init_distributed()
+    try:
+        seed_everything(cfg.run.seed)
+        s = infer.run(cfg, runtime)
+        if runtime.is_main:
+            mode = "greedy" if s["greedy"] else f"temperature {cfg.infer.temperature}, top_p {cfg.infer.top_p}"
+            print(f"done: {s['prompts']} prompts x {s['samples_per_prompt']} ({mode}), {s['world_size']} ranks")
+            if "accuracy" in s:
+                print(f"  accuracy ({s['reward']}): {s['accuracy']:.1%}")
+            elif "score_mean" in s:
+                print(f"  mean score ({s['reward']}): {s['score_mean']:.4f}")
+            print(f"  response length {s['response_length_mean']:.1f} tokens (mean), "
+                  f"{s['ended_with_eos']:.0%} ended with eos; {s['tokens_per_s']:.0f} tokens/s over {s['seconds']:.1f} s")
+            for key in ("output", "summary"):
+                print(f"  {key:<10} {s[key]}")
+    finally:
+        teardown()
+    return 0
+
+
 def cmd_rl(args: argparse.Namespace) -> int:
     """RL post-training: this process is the single controller; `--nproc` Ray workers
     (default 1) form the FSDP process group."""
@@ -186,7 +220,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "plan": cmd_plan, "train": cmd_train, "rl": cmd_rl, "export": cmd_export}
+    "plan": cmd_plan, "train": cmd_train, "infer": cmd_infer, "rl": cmd_rl, "export": cmd_export}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")
     tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
+    ip = sub.add_parser("infer", help="generate (and score) responses to data.source's prompts with the FSDP2 "
+                        "infer engine")
+    ip.add_argument("config")
+    ip.add_argument("overrides", nargs="*", help="key.sub=value")
+    ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
     rp = sub.add_parser("rl", help="RL post-training (GRPO, PPO): a single controller over Ray workers")
     rp.add_argument("config")
     rp.add_argument("overrides", nargs="*", help="key.sub=value")

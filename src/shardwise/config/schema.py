@@ -271,6 +271,26 @@ class RLConfig(Section):
         return self
 
 
+class InferConfig(Section):
+    """Read by `shardwise infer` only: generation with the FSDP2 infer engine."""
+
+    max_new_tokens: Pos = 16
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    """0: greedy decoding; > 0: sampling at this temperature."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n: Pos = 1
+    """Responses per prompt (sampling; with temperature 0 they are all the same)."""
+    batch_size: Pos = 64
+    """Prompts per rank in one generate call."""
+    num_prompts: Pos | None = None
+    """The first N records of data.source; built-in tasks: N held-out prompts (default 200)."""
+    reward: str | None = None
+    """Score responses against data.response_key with builtin:NAME or module:function;
+    default: a built-in task's own scorer, no scoring for files."""
+    output: str | None = None
+    """The JSONL file of generations; default run.dir/generations.jsonl."""
+
+
 class Config(Section):
     """The whole run."""
 
@@ -282,6 +302,7 @@ class Config(Section):
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     rl: RLConfig = RLConfig()
+    infer: InferConfig = InferConfig()
 
     @model_validator(mode="after")
     def _strategy_agrees(self) -> "Config":

@@ -1,0 +1,214 @@
+"""`shardwise infer`: generate responses to the prompts of ``data.source`` with the FSDP2
+infer engine (fsdp2_infer) and write them, scored where there is something to score
+against, to a JSONL file.
+
+The model is sharded exactly as for training (same plan, same precision) and generates
+with the rollout's HF engine (`shardwise.rl.workers.rollout.HFRollout`): every unit is
+gathered once per call, so ranks whose rows end early never desynchronise the others.
+Prompts are split over the data-parallel ranks in contiguous slices; every rank makes the
+same number of generate calls (a rank short of prompts makes some with none).
+
+Prompts: a file's records in file order (the first ``infer.num_prompts``), or a built-in
+task's held-out prompts (``run.seed`` + `HELDOUT_SEED_OFFSET`, ``infer.num_prompts`` of
+them, default `HELDOUT_PROMPTS`): the prompts behind the accuracy the SFT and RL jobs
+print, so greedy ``shardwise infer`` on their exported model reproduces that figure.
+
+Scoring: ``infer.reward`` (builtin:NAME or module:function, as ``rl.reward.function``)
+against ``data.response_key``; by default a built-in task is scored by its own scorer and
+a file is not scored (its ``response_key`` column is then not read).
+
+Sampling (``infer.temperature`` > 0) is seeded by ``run.seed``, the call and the rank: a
+run repeats exactly with the same world size and ``infer.batch_size``. Greedy output does
+not depend on either.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.config.schema import Config, RolloutConfig
+from shardwise.data.tasks import BUILTIN_PREFIX, HELDOUT_PROMPTS, HELDOUT_SEED_OFFSET
+from shardwise.distributed.mesh import MeshSpec, mesh_spec
+from shardwise.distributed.runtime import Runtime, env_world
+from shardwise.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+REWARD_KEY = "infer.reward"
+SUMMARY_FILE = "infer_summary.json"
+
+
+@dataclass
+class Prepared:
+    spec: MeshSpec
+    records: list[dict[str, Any]]
+    reward_spec: str | None
+
+
+def reward_spec(cfg: Config) -> str | None:
+    """The scorer's name: ``infer.reward``, else a built-in source's own task, else None."""
+    if cfg.infer.reward is not None:
+        return cfg.infer.reward
+    return cfg.data.source if cfg.data.source.startswith(BUILTIN_PREFIX) else None
+
+
+def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
+    """The records to generate for (see the module docstring); raises DataError /
+    ConfigError for a source that cannot be read or holds no records."""
+    from shardwise.data.sources import load_records
+
+    data, n = cfg.data, cfg.infer.num_prompts
+    response_key = data.response_key if scored else None
+    if data.source.startswith(BUILTIN_PREFIX):
+        return load_records(data.source, data.prompt_key, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET,
+                            num_builtin=n or HELDOUT_PROMPTS)
+    records = load_records(data.source, data.prompt_key, response_key, seed=cfg.run.seed)
+    if not records:
+        raise ConfigError("data.source", f"{data.source!r} holds no records", "point it at a file with prompts")
+    return records[:n] if n else records
+
+
+def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
+    """Every check that can fail on the user's input, before any process group exists:
+    mesh, sharding plan, reward function, prompts."""
+    from shardwise.fsdp.build import plan_for
+    from shardwise.rl.workers.reward import resolve_reward_fn
+
+    world = world_size if world_size is not None else env_world()[1]
+    spec = mesh_spec(cfg.parallel, world)
+    plan_for(cfg, spec)
+    name = reward_spec(cfg)
+    if name is not None:
+        resolve_reward_fn(name, key=REWARD_KEY)
+    return Prepared(spec, load_prompts(cfg, scored=name is not None), name)
+
+
+def _my_prompts(num: int, dp_rank: int, dp_size: int) -> range:
+    """This rank's contiguous slice of ``range(num)``; the last ranks may get fewer, or none."""
+    per = math.ceil(num / dp_size)
+    return range(min(num, dp_rank * per), min(num, (dp_rank + 1) * per))
+
+
+def run(cfg: Config, runtime: Runtime) -> dict[str, Any]:
+    """Generate, score and write; returns the summary (complete on rank 0)."""
+    from shardwise.engine.infer import InferEngine
+    from shardwise.jobs.sft import check_vocab, resolve_tokenizer
+    from shardwise.models.loading import load_hf_config
+    from shardwise.rl.workers.reward import (
+        decode_responses,
+        resolve_reward_fn,
+        score_sequences,
+    )
+    from shardwise.rl.workers.rollout import HFRollout, prompt_batch
+    from shardwise.telemetry import Progress, peak_memory_bytes
+
+    prepared = prepare(cfg, runtime.world_size)
+    icfg = cfg.infer
+    fn = resolve_reward_fn(prepared.reward_spec, key=REWARD_KEY) if prepared.reward_spec else None
+    records = prepared.records
+    run_dir = Path(cfg.run.dir)
+    if runtime.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, _ = resolve_tokenizer(cfg, runtime)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("model.tokenizer", "the tokenizer has no eos token", "generation stops at eos; "
+                          "use a tokenizer that defines one")
+    check_vocab(tokenizer, load_hf_config(cfg.model))
+    engine = InferEngine(cfg, runtime)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rollout = HFRollout(engine.model, RolloutConfig(n=icfg.n, max_new_tokens=icfg.max_new_tokens,
+                                                    temperature=icfg.temperature, top_p=icfg.top_p),
+                        runtime, pad_id=pad, eos_id=tokenizer.eos_token_id)
+
+    dp_size = engine.spec.dp_size
+    mine = _my_prompts(len(records), runtime.rank, dp_size)
+    calls = math.ceil(math.ceil(len(records) / dp_size) / icfg.batch_size)
+    rows: list[dict[str, Any]] = []
+    tokens = 0
+    bar = Progress(total=calls, enabled=runtime.is_main, desc="infer")
+    t0 = time.perf_counter()
+    try:
+        for call in range(calls):
+            idx = list(mine[call * icfg.batch_size:(call + 1) * icfg.batch_size])
+            batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length, [str(i) for i in idx])
+            batch = batch.repeat(icfg.n, interleave=True)
+            batch.meta["seed"] = cfg.run.seed * 1_000_003 + call
+            out = rollout.generate_sequences(batch)
+            texts, _ = decode_responses(out, tokenizer)
+            scores = None
+            if fn is not None and len(out):
+                scores = score_sequences(out, tokenizer, fn).tensors["token_level_scores"].sum(-1).tolist()
+            resp = out.tensors["responses"]
+            lengths = out.tensors["response_mask"].sum(-1).tolist()
+            ended = (resp == tokenizer.eos_token_id).any(-1).tolist()
+            tokens += int(sum(lengths))
+            for j, text in enumerate(texts):
+                i = idx[j // icfg.n]
+                row = {"index": i, "sample": j % icfg.n, "prompt": records[i]["prompt"], "response": text,
+                       "response_tokens": int(lengths[j]), "ended_with_eos": bool(ended[j])}
+                if fn is not None:
+                    row["ground_truth"] = records[i]["response"]
+                    row["score"] = float(scores[j])
+                rows.append(row)
+            bar.update(1)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+
+    gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
+    # Our own processes' plain dicts of str / int / float (never a file from outside).
+    dist.gather_object({"rows": rows, "tokens": tokens, "peak": peak_memory_bytes(runtime.device)},
+                       gathered, dst=0)
+    summary: dict[str, Any] = {"prompts": len(records), "samples_per_prompt": icfg.n,
+                               "greedy": icfg.temperature == 0, "world_size": runtime.world_size,
+                               "seconds": seconds}
+    if runtime.is_main:
+        assert gathered is not None
+        all_rows = sorted((r for part in gathered for r in part["rows"]), key=lambda r: (r["index"], r["sample"]))
+        assert len(all_rows) == len(records) * icfg.n, (len(all_rows), len(records), icfg.n)
+        generated = sum(part["tokens"] for part in gathered)
+        summary.update(
+            responses=len(all_rows),
+            response_length_mean=generated / len(all_rows),
+            ended_with_eos=sum(r["ended_with_eos"] for r in all_rows) / len(all_rows),
+            tokens_per_s=generated / seconds if seconds > 0 else float("nan"),
+            peak_memory_bytes=max(part["peak"] for part in gathered),
+        )
+        if fn is not None:
+            summary["reward"] = prepared.reward_spec
+            summary["score_mean"] = sum(r["score"] for r in all_rows) / len(all_rows)
+            if prepared.reward_spec.startswith(BUILTIN_PREFIX):
+                summary["accuracy"] = sum(r["score"] >= 1.0 for r in all_rows) / len(all_rows)
+        output = Path(icfg.output) if icfg.output else run_dir / "generations.jsonl"
+        summary["output"] = str(_write_jsonl(output, all_rows))
+        summary["summary"] = str(_write_json(run_dir / SUMMARY_FILE, summary))
+    dist.barrier()
+    return summary
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = ["Prepared", "load_prompts", "prepare", "reward_spec", "run"]
