@@ -124,8 +124,9 @@ ROWS = [
                  id="global-not-multiple-of-micro-x-dp"),
     pytest.param(Bad(("parallel.ulysses_size=3",), "parallel.ulysses_size", "use one of [1, 2]"),
                  id="ulysses-not-dividing"),
-    pytest.param(Bad(("fsdp.tiled_mlp.enabled=true",), "fsdp.tiled_mlp.enabled", "not available yet"),
-                 id="tiled-mlp-not-built"),
+    pytest.param(Bad(("fsdp.tiled_mlp.enabled=true", "fsdp.tiled_mlp.modules=[model.layers.{*}.mpl]"),
+                     "fsdp.tiled_mlp.modules[0]", "model.layers.{*}.mlp"), id="tiled-mlp-pattern-matches-nothing"),
+    pytest.param(Bad(("fsdp.tiled_mlp.shards=0",), "fsdp.tiled_mlp.shards", None), id="tiled-mlp-zero-shards"),
     pytest.param(Bad(("fsdp.moe_expert_patch=true",), "fsdp.moe_expert_patch", "not available yet"),
                  id="moe-expert-patch-not-built"),
     # ---- module path patterns and class names

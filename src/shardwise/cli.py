@@ -54,6 +54,8 @@ def format_plan(plan) -> str:
     recompute_only = [p for p in plan.recompute if p not in {u.path for u in plan.units}]
     if recompute_only:
         extra.append("recompute (inside units): " + ", ".join(recompute_only))
+    if plan.tiled_mlp:
+        extra.append(f"tiled MLP ({plan.tiled_mlp_shards} slices of the sequence): " + ", ".join(plan.tiled_mlp))
     if plan.buffer_casts:
         extra.append("layered precision: " + ", ".join(f"{p}={d}" for p, d in plan.buffer_casts.items()))
     if plan.frozen:

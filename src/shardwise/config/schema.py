@@ -118,7 +118,12 @@ class RecomputeConfig(Section):
 
 class TiledMLPConfig(Section):
     enabled: bool = False
+    """Run each MLP over slices of the sequence, keeping only its input for backward."""
     shards: Pos = 4
+    """Slices of the sequence (seed 001's tiled_num_shards)."""
+    modules: list[str] = []
+    """Position-wise modules to tile (patterns or class names); empty: every module whose
+    class name ends in MLP."""
 
 
 class FsdpConfig(Section):

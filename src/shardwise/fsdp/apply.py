@@ -2,7 +2,7 @@
 
 `apply_plan` is the recipe, top to bottom:
   1. layered precision casts (modules kept at their own dtype, parameters and buffers)
-  2. activation recompute wrappers
+  2. tiled MLP forwards, then activation recompute wrappers
   3. inner units, bottom-up, then the root
   4. explicit forward / backward prefetch
 """
@@ -19,11 +19,13 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwise.config.dtypes import to_torch_dtype
 from shardwise.fsdp.plan import ShardingPlan, Unit, is_under
+from shardwise.fsdp.tiled import apply_tiled_mlp
 
 
 def apply_plan(model: nn.Module, plan: ShardingPlan, mesh, *, pin_memory: bool = True) -> nn.Module:
     """Shard `model` in place as `plan` says; returns the model (its root is an FSDPModule)."""
     cast_layered_precision(model, plan)
+    apply_tiled_mlp(model, plan.tiled_mlp, plan.tiled_mlp_shards)
     apply_recompute(model, plan.recompute, plan.use_reentrant)
     ignored = ignored_parameters(model, plan.ignored)
     for unit in plan.units:

@@ -1,7 +1,7 @@
 """The sharding plan: pure data computed from (model, config, mesh shape).
 
 `build_plan` decides which modules get their own `fully_shard` call and with which
-precision, reshard, offload, recompute and prefetch settings, and estimates the bytes each
+precision, reshard, offload, recompute, tiling and prefetch settings, and estimates the bytes each
 rank will hold. It reads only module/parameter names, shapes and dtypes, so it runs on a
 meta-device model before any process group exists.
 
@@ -75,6 +75,9 @@ class ShardingPlan:
     ignored: list[str]
     recompute: list[str]
     use_reentrant: bool
+    tiled_mlp: list[str]
+    """Modules whose forward runs over slices of the sequence (fsdp/tiled.py)."""
+    tiled_mlp_shards: int
     frozen: list[str]
     buffer_casts: dict[str, str]
     """Module path -> dtype its buffers (and parameters) are cast to (layered precision)."""
@@ -100,6 +103,7 @@ class ShardingPlan:
             "ignored_modules": self.ignored,
             "recompute": self.recompute,
             "use_reentrant": self.use_reentrant,
+            "tiled_mlp": {"modules": self.tiled_mlp, "shards": self.tiled_mlp_shards},
             "frozen": self.frozen,
             "buffer_casts": self.buffer_casts,
             "memory_per_rank_bytes": {**peak, "by_rank": per_rank},
@@ -159,9 +163,6 @@ def _higher(a: str, b: str) -> str:
 def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     """Compute the plan. Raises ConfigError for any rule that names nothing real."""
     fcfg = cfg.fsdp
-    if fcfg.tiled_mlp.enabled:
-        raise ConfigError("fsdp.tiled_mlp.enabled", "tiled MLP is not available yet",
-                          "set fsdp.tiled_mlp.enabled=false (fsdp.recompute.modules saves activation memory now)")
     if fcfg.moe_expert_patch:
         raise ConfigError("fsdp.moe_expert_patch", "the MoE expert patch is not available yet",
                           "set fsdp.moe_expert_patch=false (transformers 5's fused experts run every rank's "
@@ -266,6 +267,8 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
         recompute += idx.resolve(spec, f"fsdp.recompute.modules[{i}]")
     recompute = list(dict.fromkeys(recompute))
 
+    tiled = _tiled_modules(idx, fcfg.tiled_mlp) if fcfg.tiled_mlp.enabled else []
+
     # -- per-unit settings
     mp = fcfg.mixed_precision
     reshard = _reshard_setting(cfg, mesh)
@@ -307,10 +310,25 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     memory = estimate_memory(model, units, ignored, mesh, overrides, model_dtype)
     return ShardingPlan(
         world_size=mesh.world_size, mesh=mesh, units=units, ignored=ignored,
-        recompute=recompute, use_reentrant=fcfg.recompute.use_reentrant, frozen=frozen,
+        recompute=recompute, use_reentrant=fcfg.recompute.use_reentrant,
+        tiled_mlp=tiled, tiled_mlp_shards=fcfg.tiled_mlp.shards, frozen=frozen,
         buffer_casts=buffer_casts, memory_per_rank_bytes=memory, model_dtype=model_dtype,
         warnings=notes,
     )
+
+
+def _tiled_modules(idx: _Index, cfg) -> list[str]:
+    """The modules `fsdp.tiled_mlp` tiles: its patterns / class names, or every module
+    whose class name ends in MLP (the outermost of nested ones)."""
+    found: list[str] = []
+    for i, spec in enumerate(cfg.modules):
+        found += idx.resolve(spec, f"fsdp.tiled_mlp.modules[{i}]")
+    if not cfg.modules:
+        found = [p for p, c in idx.classes.items() if p and c.endswith("MLP")]
+        if not found:
+            raise ConfigError("fsdp.tiled_mlp.modules", "no module of this model has a class name ending in MLP",
+                              "name the position-wise modules to tile, e.g. [model.layers.{*}.mlp]")
+    return _outermost(list(dict.fromkeys(found)))
 
 
 def _rule_key(source: str) -> str:
