@@ -127,8 +127,8 @@ ROWS = [
     pytest.param(Bad(("fsdp.tiled_mlp.enabled=true", "fsdp.tiled_mlp.modules=[model.layers.{*}.mpl]"),
                      "fsdp.tiled_mlp.modules[0]", "model.layers.{*}.mlp"), id="tiled-mlp-pattern-matches-nothing"),
     pytest.param(Bad(("fsdp.tiled_mlp.shards=0",), "fsdp.tiled_mlp.shards", None), id="tiled-mlp-zero-shards"),
-    pytest.param(Bad(("fsdp.moe_expert_patch=true",), "fsdp.moe_expert_patch", "not available yet"),
-                 id="moe-expert-patch-not-built"),
+    pytest.param(Bad(("fsdp.moe_expert_patch=true",), "fsdp.moe_expert_patch", "set fsdp.moe_expert_patch=false"),
+                 id="moe-expert-patch-on-a-dense-model"),
     # ---- module path patterns and class names
     pytest.param(Bad(("fsdp.recompute.modules=[model.layerz.{0}]",), "fsdp.recompute.modules[0]",
                      "model.layers.{*}"), id="pattern-matches-nothing"),

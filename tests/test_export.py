@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, loss_tokens, make_global_batch, micro_batches_of
+from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, loss_tokens, make_global_batch, micro_batches_of
 from dist.launcher import run_ranks
 
 MODELS = {
@@ -29,6 +29,9 @@ MODELS = {
     "llama_tied": [TINY_LLAMA],
     # 2-D (replicate, shard) mesh of shape (2, 1): every rank holds whole parameters.
     "qwen3_no_shard": [TINY_QWEN3, "parallel.sharding_strategy=no_shard"],
+    # fused experts split per expert (each its own unit): written in the original checkpoint
+    # layout (experts.{e}.gate_proj.weight), which transformers 5 fuses again on load.
+    "qwen3_moe_per_expert": [TINY_QWEN3_MOE, "fsdp.moe_expert_patch=true", "fsdp.wrap.moe_experts=[Qwen3MoeMLP]"],
 }
 """Named configurations, each run on 2 ranks and exported; a new feature is a new row."""
 COMMON = [*FP32, "train.scheduler.name=constant", "train.scheduler.warmup_steps=0",
@@ -192,8 +195,11 @@ def test_export_holds_trained_weights_not_the_seeded_init(exported):
     from shardwise.config import load_config
     from shardwise.models.loading import build_full_model
 
+    from shardwise.models.patches import patch_model
+
     for name in MODELS:
-        init = build_full_model(load_config(None, overrides(name)).model, 0).state_dict()
+        cfg = load_config(None, overrides(name))
+        init = patch_model(build_full_model(cfg.model, 0), cfg).state_dict()
         written = _tensors(exported["root"] / name / "hf")
         moved = [k for k in written if not torch.equal(written[k], init[k])]
         assert len(moved) == len(written), f"{name}: not updated by the training step: {set(written) - set(moved)}"

@@ -13,6 +13,11 @@ TINY_LLAMA = ("model.config={model_type: llama, hidden_size: 32, intermediate_si
               "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
               "vocab_size: 64, max_position_embeddings: 64, tie_word_embeddings: true}")
 
+TINY_QWEN3_MOE = ("model.config={model_type: qwen3_moe, hidden_size: 32, intermediate_size: 64, "
+                  "moe_intermediate_size: 16, num_experts: 8, num_experts_per_tok: 2, num_hidden_layers: 2, "
+                  "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, vocab_size: 64, "
+                  "max_position_embeddings: 64, tie_word_embeddings: false}")
+
 FP32 = ["fsdp.mixed_precision.param_dtype=fp32"]
 
 

@@ -437,6 +437,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     from shardwise.checkpoint.dcp import COMMITTED, DCP_METADATA, SafeFileSystemReader
     from shardwise.config import config_from_dict
     from shardwise.models.loading import build_meta_model, load_hf_config
+    from shardwise.models.patches import patch_model
 
     ckpt = Path(checkpoint_dir)
     meta_path = ckpt / "meta.json"
@@ -451,7 +452,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
         raise ExportError(f"{str(meta_path)!r} has no 'config' entry (the run's config)")
     cfg = config_from_dict(meta["config"])
     hf_config = load_hf_config(cfg.model)
-    model = build_meta_model(cfg.model, task or meta.get("task", "causal_lm"))  # names only, no memory
+    # names only, no memory; patched like the run's model so the names match its checkpoint
+    model = patch_model(build_meta_model(cfg.model, task or meta.get("task", "causal_lm")), cfg)
     dtype = _resolve_dtype(dtype)
 
     md = SafeFileSystemReader(str(ckpt)).read_metadata()

@@ -10,11 +10,12 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.fsdp.apply import apply_plan
 from shardwise.fsdp.plan import ShardingPlan, build_plan, warn_plan
 from shardwise.models.loading import build_full_model, build_meta_model, freeze, load_full_weights
+from shardwise.models.patches import patch_model
 
 
 def plan_for(cfg: Config, spec: MeshSpec, task: str = "causal_lm", **config_extra) -> tuple[nn.Module, ShardingPlan]:
     """The meta model (frozen as configured) and its plan; no process group needed."""
-    model = build_meta_model(cfg.model, task, **config_extra)
+    model = patch_model(build_meta_model(cfg.model, task, **config_extra), cfg)
     freeze(model, cfg.model.freeze)
     return model, build_plan(model, cfg, spec)
 
@@ -29,7 +30,7 @@ def build_sharded_model(cfg: Config, runtime: Runtime, spec: MeshSpec, mesh, tas
     warn_plan(plan, runtime.is_main)
     apply_plan(model, plan, mesh, pin_memory=cfg.fsdp.offload.pin_memory)
     model.to_empty(device="cpu" if cfg.fsdp.offload.enabled else runtime.device)
-    full = build_full_model(cfg.model, cfg.run.seed, task, **config_extra) if runtime.is_main else None
+    full = patch_model(build_full_model(cfg.model, cfg.run.seed, task, **config_extra), cfg) if runtime.is_main else None
     load_full_weights(model, full, runtime.device)
     del full
     _retie(model)

@@ -163,10 +163,6 @@ def _higher(a: str, b: str) -> str:
 def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     """Compute the plan. Raises ConfigError for any rule that names nothing real."""
     fcfg = cfg.fsdp
-    if fcfg.moe_expert_patch:
-        raise ConfigError("fsdp.moe_expert_patch", "the MoE expert patch is not available yet",
-                          "set fsdp.moe_expert_patch=false (transformers 5's fused experts run every rank's "
-                          "expert module, so they need no patch)")
     idx = _Index.of(model)
     notes: list[str] = []
     model_dtype = canonical_dtype(cfg.model.dtype)
@@ -213,7 +209,7 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
                     raise ConfigError("fsdp.wrap.lm_head", "this model has no output head module")
                 add([head_path], "lm_head")
     for i, spec in enumerate(wrap.moe_experts):
-        add(idx.resolve(spec, f"fsdp.wrap.moe_experts[{i}]"), f"moe_experts:{spec}")
+        add(_resolve_experts(idx, spec, f"fsdp.wrap.moe_experts[{i}]"), f"moe_experts:{spec}")
 
     # -- layered precision entries
     overrides: dict[str, PrecisionOverride] = {}
@@ -245,7 +241,7 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     # -- a unit must have a forward of its own (fully_shard hooks forward)
     for path, srcs in sources.items():
         mod = model.get_submodule(path)
-        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and type(mod).forward is nn.Module.forward:
             raise ConfigError(_rule_key(srcs[0]), f"{path!r} is a {type(mod).__name__}, a container "
                               "without forward, and cannot be its own unit",
                               f"name its children instead, e.g. {path}.{{*}}")
@@ -315,6 +311,23 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
         buffer_casts=buffer_casts, memory_per_rank_bytes=memory, model_dtype=model_dtype,
         warnings=notes,
     )
+
+
+def _resolve_experts(idx: _Index, spec: str, key: str) -> list[str]:
+    """`wrap.moe_experts` entry -> module paths; on a model whose experts are fused (one
+    module of 3-D parameters, transformers 5), the error says how to get one per expert."""
+    try:
+        return idx.resolve(spec, key)
+    except ConfigError as e:
+        from shardwise.models.patches.moe import SUPPORTED
+
+        fused = sorted({c for c in idx.classes.values() if c in SUPPORTED})
+        if not fused:
+            raise
+        raise ConfigError(key, f"{spec!r} matches no module: this model's experts are fused ({fused[0]}, "
+                          "3-D parameters of one module per layer)",
+                          f"set fsdp.moe_expert_patch=true for one {SUPPORTED[fused[0]]} per expert, or wrap "
+                          f"the fused module: {fused[0]}") from e
 
 
 def _tiled_modules(idx: _Index, cfg) -> list[str]:
