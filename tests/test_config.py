@@ -342,6 +342,13 @@ def test_mesh_spec(world: int, fsdp_size, strategy: str, dim_names, shape, dp_si
     assert spec.to_json()["dim_names"] == list(dim_names)
 
 
+def test_mesh_spec_with_ulysses_keeps_fsdp_over_all_ranks() -> None:
+    spec = mesh_spec(ParallelConfig(ulysses_size=2), 4)
+    assert (spec.dim_names, spec.shape, spec.ulysses, spec.dp_size) == (("shard",), (4,), 2, 2)
+    hsdp = mesh_spec(ParallelConfig(ulysses_size=4, fsdp_size=2), 8)
+    assert (hsdp.shape, hsdp.dp_size) == ((4, 2), 2)
+
+
 @pytest.mark.parametrize(
     ("world", "overrides", "key", "fragment"),
     [
@@ -354,7 +361,6 @@ def test_mesh_spec(world: int, fsdp_size, strategy: str, dim_names, shape, dp_si
         (0, {}, "world_size", "must be >= 1, got 0"),
         (-2, {}, "world_size", "must be >= 1"),
         (3, {"ulysses_size": 2}, "parallel.ulysses_size", "2 does not divide the world size 3"),
-        (4, {"ulysses_size": 2}, "parallel.ulysses_size", "not available yet"),
     ],
 )
 def test_mesh_spec_rejects(world: int, overrides: dict, key: str, fragment: str) -> None:

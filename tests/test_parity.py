@@ -55,6 +55,9 @@ CASES = {
                                                      "fsdp.recompute.modules=[model.layers.{*}]"], "fp32"),
     "freeze_and_ignored": (2, 2, TINY_QWEN3, ["model.freeze=[model.embed_tokens]",
                                               "fsdp.ignored_modules=[model.layers.1.mlp]"], "fp32"),
+    "ulysses_sp2": (2, 2, TINY_QWEN3, ["parallel.ulysses_size=2"], "fp32"),
+    "ulysses_dp2_sp2_llama_tied": (4, 1, TINY_LLAMA, ["parallel.ulysses_size=2"], "fp32"),
+    "ulysses_sp4_kv_repeat_hsdp": (4, 2, TINY_QWEN3, ["parallel.ulysses_size=4", "parallel.fsdp_size=2"], "fp32"),
     "bf16_params": (2, 2, TINY_QWEN3, [], "bf16"),
     "layered_fp32_in_bf16": (2, 2, TINY_QWEN3, ["fsdp.module_precision={model.norm: fp32, lm_head: fp32}"], "bf16"),
 }

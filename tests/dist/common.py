@@ -100,7 +100,8 @@ def sharded_run(rank: int, world: int, overrides: list[str], steps: int, global_
     losses = []
     for step in range(steps):
         rows = make_global_batch(step, global_batch)
-        res = engine.train_step(micro_batches_of(rows, rank, world, micro), loss_tokens(rows))
+        # sequence-parallel peers share rows: the data split is by data-parallel rank
+        res = engine.train_step(micro_batches_of(rows, engine.dp_rank, engine.dp_size, micro), loss_tokens(rows))
         losses.append(res.loss)
     params = full_params(engine.model)
     teardown()

@@ -52,9 +52,6 @@ def mesh_spec(parallel: ParallelConfig, world_size: int) -> MeshSpec:
     if world_size % uly:
         raise ConfigError("parallel.ulysses_size", f"{uly} does not divide the world size {world_size}",
                           f"use one of {_divisors(world_size)}")
-    if uly > 1:
-        raise ConfigError("parallel.ulysses_size", "Ulysses sequence parallel is not available yet",
-                          "set parallel.ulysses_size=1")
     strategy = parallel.sharding_strategy
     size = parallel.fsdp_size
     if strategy == "no_shard":

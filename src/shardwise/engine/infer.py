@@ -112,6 +112,9 @@ class InferEngine:
         self.runtime = runtime
         self.task = task
         self.spec = mesh_spec(cfg.parallel, runtime.world_size)
+        from shardwise.distributed.ulysses import train_only
+
+        train_only(self.spec.ulysses, "the infer engine (fsdp2_infer)")  # its forwards take whole sequences
         self.mesh = build_mesh(self.spec, runtime.device.type)
         self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, **config_extra)
         self.model.eval()

@@ -1,9 +1,12 @@
 """TrainEngine (fsdp2_train): forward / backward / optimizer step on the planned model.
 
 Loss scaling: every micro-batch returns the SUM of its token losses; the engine multiplies
-by dp_size / global_loss_tokens before backward. FSDP averages gradients over the dp_size
-data-parallel ranks, so the final gradient is sum(all token losses in the global batch) /
+by world_size / global_loss_tokens before backward. FSDP averages gradients over all
+world_size ranks, so the final gradient is sum(all token losses in the global batch) /
 global_loss_tokens: the unsharded run's gradient whatever the micro-batching and world size.
+(Without sequence parallelism every rank is its own data-parallel rank; with Ulysses the
+sp ranks of a group hold slices of the same rows, and each slice's token losses are summed
+on the rank holding it.)
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ class TrainEngine:
         self.spec = mesh_spec(cfg.parallel, runtime.world_size)
         self.mesh = build_mesh(self.spec, runtime.device.type)
         self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, **config_extra)
+        self.sp_group = None
+        if self.spec.ulysses > 1:
+            from shardwise.distributed import ulysses
+
+            self.sp_group = ulysses.sp_group(self.spec.ulysses, runtime.device.type)
+            ulysses.enable(self.model, self.sp_group)
         self.optimizer = build_optimizer(self.model, cfg.train.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.scheduler, cfg.train.max_steps)
         self.step = 0
@@ -67,7 +76,18 @@ class TrainEngine:
 
     @property
     def dp_size(self) -> int:
+        """Ranks that see different rows (sequence-parallel peers share theirs)."""
         return self.spec.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: sp groups are blocks of consecutive ranks."""
+        return self.runtime.rank // self.spec.ulysses
+
+    @property
+    def grad_average_size(self) -> int:
+        """Ranks whose gradients FSDP averages: all of them."""
+        return self.runtime.world_size
 
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
@@ -88,8 +108,10 @@ class TrainEngine:
         """
         assert global_loss_tokens > 0, "a global batch with no loss tokens"
         self.model.train()
-        scale = self.dp_size / global_loss_tokens
+        scale = self.grad_average_size / global_loss_tokens
         local_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        if self.sp_group is not None:
+            loss_fn = self._ulysses_loss_fn(loss_fn)
         for i, mb in enumerate(micro_batches):
             mb = self._to_device(mb)
             with self.gradient_sync(i == len(micro_batches) - 1):
@@ -98,12 +120,21 @@ class TrainEngine:
             local_sum += loss_sum.detach().double()
         return self.finish_step(local_sum, global_loss_tokens)
 
+    def _ulysses_loss_fn(self, loss_fn: LossFn) -> LossFn:
+        """The causal-LM loss on this rank's slice of each row (`shardwise.distributed.ulysses`)."""
+        from shardwise.distributed import ulysses
+
+        if loss_fn is not lm_loss_sum:
+            raise ValueError("Ulysses sequence parallel trains the causal-LM loss only (lm_loss_sum)")
+        sp, sp_rank = self.spec.ulysses, dist.get_rank(self.sp_group)
+        return lambda model, mb: ulysses.loss_sum(model, ulysses.slice_batch(mb, sp_rank, sp))
+
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.runtime.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def finish_step(self, local_loss_sum: torch.Tensor, global_loss_tokens: int) -> StepResult:
         """All-reduce the loss, sync ignored grads, clip, step (or skip if non-finite)."""
-        dist.all_reduce(local_loss_sum)  # every rank saw distinct rows: the sum is global
+        dist.all_reduce(local_loss_sum)  # every rank summed distinct tokens: the sum is global
         loss = float(local_loss_sum) / global_loss_tokens
         self._sync_ignored_grads()
         grad_norm = self.clip_grad_norm(self.cfg.train.grad_clip)
@@ -127,7 +158,7 @@ class TrainEngine:
         for p in self._ignored:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
-                p.grad.div_(self.dp_size)
+                p.grad.div_(self.grad_average_size)
 
     def grad_norm_sq_local(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.runtime.device)

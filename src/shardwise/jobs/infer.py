@@ -80,11 +80,13 @@ def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
 def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     """Every check that can fail on the user's input, before any process group exists:
     mesh, sharding plan, reward function, prompts."""
+    from shardwise.distributed.ulysses import train_only
     from shardwise.fsdp.build import plan_for
     from shardwise.rl.workers.reward import resolve_reward_fn
 
     world = world_size if world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
+    train_only(spec.ulysses, "`shardwise infer`")
     plan_for(cfg, spec)
     name = reward_spec(cfg)
     if name is not None:

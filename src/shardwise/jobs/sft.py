@@ -40,6 +40,14 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     from shardwise.fsdp.build import plan_for
 
     plan_for(cfg, spec)  # pattern errors surface here, on the meta device
+    if spec.ulysses > 1:
+        from shardwise.distributed.ulysses import check_model
+        from shardwise.models.loading import load_hf_config
+
+        if cfg.data.packing:
+            raise ConfigError("data.packing", "packed rows cannot be split by Ulysses sequence parallel",
+                              "set data.packing=false, or parallel.ulysses_size=1")
+        check_model(load_hf_config(cfg.model), spec.ulysses)
     return Prepared(cfg, spec, accum)
 
 
@@ -133,7 +141,7 @@ def run(cfg: Config, runtime: Runtime) -> dict:
     tokenizer, tok_dir = resolve_tokenizer(cfg, runtime)
     check_vocab(tokenizer, load_hf_config(cfg.model))
     engine = TrainEngine(cfg, runtime)
-    data = SFTData(cfg, tokenizer, runtime.rank, engine.dp_size)
+    data = SFTData(cfg, tokenizer, engine.dp_rank, engine.dp_size)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, runtime)
     start = ckpt.resolve_resume()
     if start is not None:

@@ -56,6 +56,9 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     """Every check that needs the world size; raises ConfigError, starts nothing."""
     rl = cfg.rl
     spec = mesh_spec(cfg.parallel, world_size)
+    from shardwise.distributed.ulysses import train_only
+
+    train_only(spec.ulysses, "`shardwise rl`")
     if rl.rollout.engine != "hf":
         raise ConfigError("rl.rollout.engine", f"{rl.rollout.engine!r} is not available yet", "use hf")
     if rl.algorithm == "ppo" and not rl.critic.enabled:
