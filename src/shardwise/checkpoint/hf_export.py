@@ -22,9 +22,11 @@ Layout decisions, matched to `PreTrainedModel.save_pretrained`:
   dropped while another name remains (tied Llama: ``model.embed_tokens.weight`` is written,
   ``lm_head.weight`` is not); `from_pretrained` re-ties from ``tie_word_embeddings``.
 - Non-persistent buffers (rotary ``inv_freq``) are not in any state dict and not written.
-- Names are the model's runtime state-dict names. Models whose transformers class declares
-  a weight-conversion mapping (fused MoE experts in transformers 5) are written in that
-  runtime layout, not reverted to the original checkpoint layout.
+- Names are the model's state-dict names, except fused MoE experts (transformers 5 keeps
+  a layer's experts as 3-D ``gate_up_proj`` / ``down_proj``): they are cut into the
+  original checkpoint layout, ``experts.{e}.gate_proj.weight`` ..., as `save_pretrained`
+  writes them and transformers fuses them again on load
+  (`shardwise.models.patches.moe.checkpoint_layout`).
 - Shards are planned up front from shapes and dtypes, so each file gets its final
   ``-of-0000N`` name; a tensor never spans files and a file exceeds ``max_shard_bytes``
   only when one tensor alone does.
@@ -56,6 +58,7 @@ __all__ = [
     "ExportError",
     "ExportReport",
     "TensorEntry",
+    "checkpoint_entries",
     "export_checkpoint",
     "export_model",
     "find_tokenizer_dir",
@@ -91,6 +94,15 @@ class TensorEntry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     """dtype written (the export dtype for floating tensors, else the source's)."""
+    part: tuple[int, int, int] | None = None
+    """``(i, a, b)``: the tensor is ``source[i, a:b]`` (one expert cut from fused experts)."""
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This entry's tensor out of its source's full tensor."""
+        if self.part is None:
+            return full
+        i, a, b = self.part
+        return full[i, a:b]
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +136,22 @@ class ExportReport:
 
 
 # --------------------------------------------------------------------- pure helpers
+
+
+def checkpoint_entries(model: nn.Module, names: Iterable[tuple[str, str, tuple[int, ...], torch.dtype]]
+                       ) -> list[TensorEntry]:
+    """Entries for ``(name, source, shape, dtype)`` rows, fused expert parameters cut into
+    their per-expert tensors (see the module docstring); an entry's cuts follow it."""
+    from shardwise.models.patches.moe import checkpoint_layout
+
+    layout = checkpoint_layout(model)
+    out = []
+    for name, source, shape, dtype in names:
+        if name in layout:
+            out += [TensorEntry(n, source, cut_shape, dtype, part) for n, part, cut_shape in layout[name]]
+        else:
+            out.append(TensorEntry(name, source, shape, dtype))
+    return out
 
 
 def plan_shards(entries: Iterable[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
@@ -338,8 +366,8 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
     rank = dist.get_rank() if dist.is_initialized() else 0
     sd = model.state_dict()  # sharded DTensors (FSDP's pre-save hook reshards): no copy
     aliases = tied_aliases(model)
-    entries = [TensorEntry(k, k, tuple(v.shape), _out_dtype(v.dtype, dtype))
-               for k, v in sd.items() if k not in aliases]
+    entries = checkpoint_entries(model, [(k, k, tuple(v.shape), _out_dtype(v.dtype, dtype))
+                                         for k, v in sd.items() if k not in aliases])
 
     writer, error = None, None
     if rank == 0:
@@ -347,18 +375,21 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
             writer = _ShardWriter(out, plan_shards(entries, max_shard_bytes))
         except Exception as e:  # keep taking part in the collectives, report at the end
             error = e
+    full, gathered = None, None
     for e in entries:
         value = sd[e.source]
-        full = gather_full(value)
+        if gathered != e.source:  # one gather per source (the cuts of fused experts follow it)
+            full = None  # drop the previous full tensor before gathering the next
+            full, gathered = gather_full(value), e.source
         if writer is not None:
             try:
-                t = full.to(device="cpu", dtype=e.dtype)
-                if _shares_storage(t, value):
-                    t = t.clone()  # a replicated or plain tensor: do not buffer the live storage
+                t = e.take(full).to(device="cpu", dtype=e.dtype)
+                if e.part is not None or _shares_storage(t, value):
+                    t = t.clone()  # a view, or a replicated / plain tensor: do not buffer live storage
                 writer.add(e.name, t)
             except Exception as exc:
                 writer, error = None, exc
-        del full
+    del full
     files: list[str] = []
     if writer is not None:
         try:
@@ -463,7 +494,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
         raise ExportError(f"the DCP checkpoint in {str(ckpt)!r} holds no 'model.*' tensors")
     aliases = tied_aliases(model)
     expected = model.state_dict(keep_vars=True)
-    entries: list[TensorEntry] = []
+    rows: list[tuple[str, str, tuple[int, ...], torch.dtype]] = []
     for name, ref in expected.items():
         if name in aliases:
             continue
@@ -476,7 +507,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
         if shape != tuple(ref.shape):
             raise ExportError(f"{source} has shape {shape} in the checkpoint but {tuple(ref.shape)} "
                               "in the model its config describes")
-        entries.append(TensorEntry(name, source, shape, _out_dtype(stored[source].properties.dtype, dtype)))
+        rows.append((name, source, shape, _out_dtype(stored[source].properties.dtype, dtype)))
+    entries = checkpoint_entries(model, rows)
     used = {e.source for e in entries} | {f"model.{a}" for a in aliases}
     extra = sorted(k for k in stored if k not in used)
     if extra:
@@ -487,12 +519,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     writer = _ShardWriter(out, plan_shards(entries, max_shard_bytes))
     stored_dtypes = {k: v.properties.dtype for k, v in stored.items()}
     for batch in _read_batches(entries, stored_dtypes, READ_BATCH_BYTES):
-        buf = {e.source: torch.empty(e.shape, dtype=stored_dtypes[e.source]) for e in batch}
+        buf = {e.source: torch.empty(tuple(stored[e.source].size), dtype=stored_dtypes[e.source]) for e in batch}
         with warnings.catch_warnings():  # single-process loading is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.load(buf, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
         for e in batch:
-            writer.add(e.name, buf.pop(e.source).to(e.dtype))
+            t = e.take(buf[e.source]).to(e.dtype)
+            writer.add(e.name, t.clone() if e.part is not None else t)  # a cut: not a view of buf
         del buf
     files = writer.finish()
     _write_config(out, hf_config, _hf_class(model).__name__, entries, _generation_config(model))

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from shardwise.checkpoint.hf_export import gather_full, tied_aliases
+from shardwise.checkpoint.hf_export import checkpoint_entries, gather_full, tied_aliases
 from shardwise.rl.workers.rollout import RolloutEngine
 
 __all__ = ["WeightSync", "iter_full_tensors"]
@@ -22,16 +22,21 @@ __all__ = ["WeightSync", "iter_full_tensors"]
 
 def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for every state-dict entry of `model` (sharded or plain),
-    tied aliases skipped. Collective: every rank iterates to the end in the same order.
-    Floating tensors are cast to `dtype` when given."""
+    tied aliases skipped, under the names of an HF export (fused MoE experts cut per expert,
+    as in the original checkpoints). Collective: every rank iterates to the end in the same
+    order. Floating tensors are cast to `dtype` when given."""
     aliases = tied_aliases(model)
-    for name, value in model.state_dict().items():
-        if name in aliases:
-            continue
-        full = gather_full(value)
-        if dtype is not None and full.is_floating_point():
-            full = full.to(dtype)
-        yield name, full
+    sd = model.state_dict()
+    entries = checkpoint_entries(model, [(k, k, tuple(v.shape), v.dtype) for k, v in sd.items() if k not in aliases])
+    full, gathered = None, None
+    for e in entries:
+        if gathered != e.source:
+            full = None
+            full, gathered = gather_full(sd[e.source]), e.source
+        t = e.take(full)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        yield e.name, t
 
 
 class WeightSync:

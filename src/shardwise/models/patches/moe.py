@@ -29,7 +29,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 
-__all__ = ["SUPPORTED", "PerExpertMoE", "fused_experts_modules", "split_moe_experts"]
+__all__ = ["SUPPORTED", "PerExpertMoE", "checkpoint_layout", "fused_experts_modules", "split_moe_experts"]
 
 SUPPORTED: dict[str, str] = {"Qwen3MoeExperts": "Qwen3MoeMLP"}
 """Fused experts class -> the MLP class of the same modeling module used per expert."""
@@ -119,3 +119,24 @@ def split_moe_experts(model: nn.Module) -> list[str]:
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, name, _per_expert(fused, config))
     return [p for p, _ in found]
+
+
+Part = tuple[int, int, int]
+"""(expert, first row, last row + 1): the slice ``fused[expert, first:last]``."""
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, Part, tuple[int, ...]]]]:
+    """Where fused expert parameters go in the original checkpoint layout, the one
+    ``save_pretrained`` writes and transformers (and other engines) load: state-dict name
+    of a fused parameter -> ``(per-expert name, part, shape)`` of each tensor cut from it.
+    Empty for models without fused experts (or already split by the patch)."""
+    out: dict[str, list[tuple[str, Part, tuple[int, ...]]]] = {}
+    for path, mod in fused_experts_modules(model):
+        num, two_i, hidden = mod.gate_up_proj.shape
+        inter = two_i // 2
+        out[f"{path}.gate_up_proj"] = [
+            (f"{path}.{e}.{proj}.weight", (e, a, b), (b - a, hidden))
+            for e in range(num) for proj, (a, b) in (("gate_proj", (0, inter)), ("up_proj", (inter, two_i)))]
+        out[f"{path}.down_proj"] = [(f"{path}.{e}.down_proj.weight", (e, 0, hidden), (hidden, inter))
+                                    for e in range(num)]
+    return out
