@@ -39,6 +39,10 @@ demo: $(STAMP)
 	$(VENV)/bin/shardwise infer examples/infer_arithmetic.yaml --nproc $(NPROC)
 	head -n 5 runs/infer_arithmetic/generations.jsonl
 
+# Sharding / memory configurations side by side (about 5 minutes): results/bench/
+bench: $(STAMP)
+	$(PY) benchmarks/train_configs.py
+
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)
 
