@@ -233,6 +233,158 @@ def test_load_records_rejects_non_text_prompt(tmp_path):
         load_records(str(path), "p", "r", seed=0, cache_dir=str(tmp_path / "cache"))
 
 
+def _lines(*rows) -> bytes:
+    """JSON Lines bytes; a None row is a blank line, a str row is written as it is."""
+    return "".join((r if isinstance(r, str) else "" if r is None else json.dumps(r)) + "\n" for r in rows).encode()
+
+
+GOOD = {"prompt": "1+1=", "response": "2"}
+
+# name: (file name, content: bytes, a directory's {name: bytes} or None for missing,
+#        prompt_key, response_key, fragments the one-line message must hold)
+BAD_SOURCES = {
+    "empty_file": ("empty.jsonl", b"", "prompt", "response", ["data.source", "holds no records", "one JSON object per line"]),
+    "only_blank_lines": ("blank.jsonl", b"\n  \n\t\n\n", "prompt", "response", ["holds no records"]),
+    "empty_json_array": ("empty.json", b" [ ] ", "prompt", "response", ["holds no records", "make it a JSON array of objects"]),
+    "malformed_line_3_of_5": (
+        "malformed.jsonl",
+        _lines(GOOD, GOOD, '{"prompt": "3+3=", "response": }', GOOD, GOOD),
+        "prompt", "response",
+        ["data.source", "line 3 is not valid JSON", "Expecting value", "fix or remove that line"],
+    ),
+    "non_utf8_byte_on_line_2": (
+        "latin1.jsonl",
+        _lines(GOOD) + b'{"prompt": "caf\xe9=", "response": "2"}\n',
+        "prompt", "response",
+        # '{"prompt": "caf' is 15 bytes: the bad byte is at offset 15 of line 2
+        ["not UTF-8", "line 2 has byte 0xe9", "offset 15 of the line", f"offset {len(_lines(GOOD)) + 15} in the file",
+         "save the file as UTF-8"],
+    ),
+    "line_is_not_an_object": (
+        "array_line.jsonl", _lines(GOOD, [1, 2]), "prompt", "response",
+        ["line 2 is an array [1, 2], not an object", "one object per line"],
+    ),
+    "directory": ("shards", {"part-0.jsonl": _lines(GOOD), "notes.txt": b"x"}, "prompt", "response",
+                  ["data.source", "is a directory", "'part-0.jsonl'", "point data.source at one"]),
+    "missing_file": ("nope.jsonl", None, "prompt", "response", ["data.source", "does not exist", "resolved path"]),
+    "csv_extension": ("data.csv", b"prompt,response\n1+1=,2\n", "prompt", "response",
+                      ["unsupported extension '.csv'", ".jsonl, .json, .parquet", "builtin:arithmetic"]),
+    "no_extension": ("data", b"{}", "prompt", "response", ["no file extension", ".jsonl, .json, .parquet"]),
+    "missing_prompt_key": ("keys.jsonl", _lines(GOOD), "promt", "response",
+                           ["data.prompt_key", "key 'promt' not found", "did you mean 'prompt'?"]),
+    "row_missing_the_key": (
+        "ragged.jsonl", _lines(GOOD, GOOD, None, {"prompt": "5+5="}), "prompt", "response",
+        ["data.response_key", "line 4, row 2 has no key 'response'", "which other rows have", "'prompt'"],
+    ),
+    "non_text_value_is_shortened": (
+        "long.jsonl", _lines({"prompt": {"text": "y" * 500}, "response": "2"}), "prompt", "response",
+        ["data.prompt_key", "line 1, row 0", "must be text, got an object", "...", "make every 'prompt' a string"],
+    ),
+    "json_element_not_an_object": (
+        "mixed.json", json.dumps([GOOD, "2+2=", GOOD]).encode(), "prompt", "response",
+        ["element [1] is a string '2+2=', not an object", "every element of the array must be an object"],
+    ),
+    "json_truncated": (
+        "cut.json", b'[\n {"prompt": "1+1=", "response": "2"},\n {"prompt": "2+', "prompt", "response",
+        ["is not valid JSON", "Unterminated string", "line 3, column 13", "one array of objects"],
+    ),
+    "parquet_garbage": ("garbage.parquet", b"this is not parquet", "prompt", "response",
+                        ["not a readable Parquet file", "magic bytes", "rewrite it"]),
+    "parquet_missing_key": ("table.parquet", "parquet", "prompt", "answer",
+                            ["data.prompt_key", "key 'prompt' not found", "'question'"]),
+}
+
+
+def _place_bad(tmp_path, name, content):
+    path = tmp_path / name
+    if content == "parquet":
+        _write(path, ROWS)
+    elif isinstance(content, dict):
+        path.mkdir()
+        for child, data in content.items():
+            (path / child).write_bytes(data)
+    elif content is not None:
+        path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("case", list(BAD_SOURCES), ids=list(BAD_SOURCES))
+def test_bad_source_is_one_line_data_error_naming_file_place_and_fix(tmp_path, case):
+    name, content, prompt_key, response_key, fragments = BAD_SOURCES[case]
+    path = _place_bad(tmp_path, name, content)
+    with pytest.raises(DataError) as err:
+        load_records(str(path), prompt_key, response_key, seed=0)
+    msg = str(err.value)
+    assert "\n" not in msg and "\r" not in msg
+    assert len(msg) < 400 + len(str(path.resolve())), msg  # long values are shortened
+    assert str(path) in msg
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+    if case == "missing_file":
+        assert str(path.resolve()) in msg
+
+
+def test_bad_key_name_with_newline_stays_one_line(tmp_path):
+    path = _write(tmp_path / "data.jsonl", ROWS)
+    with pytest.raises(DataError) as err:
+        load_records(str(path), "ques\ntion", None, seed=0)
+    msg = str(err.value)
+    assert "\n" not in msg and r"'ques\ntion'" in msg
+
+
+GOOD_VARIANTS = {
+    # what `datasets` also accepted, and what it got wrong
+    "json_lines_named_json": ("data.json", "".join(json.dumps(r) + "\n" for r in ROWS)),
+    "pretty_array_named_jsonl": ("data.jsonl", json.dumps(ROWS, indent=2)),
+    "crlf_and_blank_lines": ("data.jsonl", "\r\n\r\n" + "\r\n\r\n".join(json.dumps(r) for r in ROWS) + "\r\n"),
+    "byte_order_mark": ("data.jsonl", "\ufeff" + "".join(json.dumps(r) + "\n" for r in ROWS)),
+}
+
+
+@pytest.mark.parametrize("case", list(GOOD_VARIANTS), ids=list(GOOD_VARIANTS))
+def test_load_records_reads_json_variants(tmp_path, case):
+    name, text = GOOD_VARIANTS[case]
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    assert load_records(str(path), "question", "answer", seed=0) == EXPECTED
+
+
+def test_load_records_keeps_unicode_line_separators_inside_strings(tmp_path):
+    # U+2028 is legal raw inside a JSON string: it must not split the line
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "a\u2028b", "answer": 7.5}\n', encoding="utf-8")
+    assert load_records(str(path), "question", "answer", seed=0) == [{"prompt": "a\u2028b", "response": "7.5"}]
+
+
+def test_load_records_pretty_printed_single_object(tmp_path):
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(ROWS[0], indent=2))
+    assert load_records(str(path), "question", "answer", seed=0) == EXPECTED[:1]
+
+
+def test_load_records_imports_no_datasets_and_writes_no_cache(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import shardwise
+
+    path = _write(tmp_path / "data.jsonl", ROWS)
+    home = tmp_path / "home"
+    home.mkdir()
+    code = (
+        "import sys; from shardwise.data.sources import load_records; "
+        f"r = load_records({str(path)!r}, 'question', 'answer', seed=0); "
+        "print(len(r), 'datasets' in sys.modules, 'pyarrow' in sys.modules)"
+    )
+    src = str(Path(shardwise.__file__).parents[1])
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": src}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "False", "False"]
+    assert list(home.iterdir()) == []
+
+
 # ---------------------------------------------------------------- tokenize / collate
 
 
