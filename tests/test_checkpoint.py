@@ -11,14 +11,20 @@ expensive runs are module fixtures shared by the tests:
   (keep_last=2) and an async save at 2 into another run folder, during which the live
   weights and optimizer state are overwritten with NaN until DCP has written the files.
 - `resharded`: the copied world-2 checkpoint loaded at world 1, world 4 and world 4 HSDP.
+- `integrity` (2 ranks): sync saves at 2 and 4 and an async save at 4 (polled until it is
+  committed, with no further call); then copies of the run with the step-4 checkpoint
+  damaged in one way each, every copy resumed by new processes (`resume: auto` and the
+  damaged folder named explicitly).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +39,7 @@ from shardwise.checkpoint.dcp import (
     is_complete,
     read_meta,
     step_dir_name,
+    verify_checkpoint,
 )
 from shardwise.config.schema import CheckpointConfig
 from shardwise.distributed.runtime import Runtime
@@ -163,7 +170,8 @@ def _await_written(run_dir: str, step: int, timeout: float = 60.0) -> None:
 
 def whole_run(rank: int, world: int, sync_dir: str, async_dir: str) -> dict:
     """Steps 1-8 in one go. Sync saves (sync_dir, keep_last=2) at 2, 4, 6, 8; an async save
-    (async_dir) at 2, committed only after steps 3 and 4 have run."""
+    (async_dir) at 2, collected by `wait` after steps 3 and 4 have run (its background
+    commit may have happened any time after its files were written)."""
     import torch.distributed as dist
 
     from shardwise.distributed.runtime import teardown
@@ -370,7 +378,9 @@ def test_async_save_equals_sync_save_and_leaves_training_alone(uninterrupted, in
     ranks = uninterrupted["ranks"]
     for r in ranks:
         assert r["in_flight_after_save"] and r["in_flight_before_wait"]
-        assert r["latest_before_wait"] is None  # written but not committed: invisible
+        # Committed in the background once written (test_async_save_is_committed_without_wait),
+        # so at step 4 it is either not yet visible or complete, never anything else.
+        assert r["latest_before_wait"] in (None, str(uninterrupted["async_dir"] / "checkpoints" / step_dir_name(2)))
         assert not r["in_flight_after_wait"]
         assert r["committed"] == str(uninterrupted["async_dir"] / "checkpoints" / step_dir_name(2))
     zero = ranks[0]
@@ -488,3 +498,286 @@ def test_extra_that_is_not_json_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(TypeError, match="JSON"):
         manager.save(None, 1, extra={"t": torch.zeros(1)})  # type: ignore[arg-type]
     assert not (tmp_path / "checkpoints").exists()
+
+
+# ------------------------------------------------- integrity: checksums, fallback, async commit
+
+INTEGRITY_STEPS = 4  # sync saves at 2 and 4 (the step-4 one gets damaged in each copy)
+EMBED_KEY = "model.model.embed_tokens.weight"
+
+
+def save_for_integrity(rank: int, world: int, run_dir: str, async_dir: str) -> dict:
+    """Steps 1-4 with sync saves at 2 and 4; then an async save of step 4 into `async_dir`,
+    after which this thread only polls the file system (no collective, no save, no wait)
+    until COMMITTED appears in the renamed folder, or 60 s pass."""
+    from shardwise.distributed.runtime import teardown
+
+    engine, manager = _engine(run_dir, ["checkpoint.async=false", "checkpoint.keep_last=5"])
+    params = {}
+    for step in range(1, INTEGRITY_STEPS + 1):
+        _train(engine, step)
+        if step % 2 == 0:
+            manager.save(engine, step, extra={"step": step}, final=step == INTEGRITY_STEPS)
+            params[step] = full_params(engine.model)
+    asyn = CheckpointManager(async_dir, CheckpointConfig.model_validate({"async": True}), engine.runtime)
+    asyn.save(engine, INTEGRITY_STEPS, extra={"by": "async"})
+    seen = {"in_flight_after_save": asyn.async_in_flight}
+    marker = Path(async_dir) / "checkpoints" / step_dir_name(INTEGRITY_STEPS) / COMMITTED
+    deadline = time.monotonic() + 60.0  # a hang guard, not a speed requirement
+    while not marker.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen["committed_without_wait"] = marker.is_file()
+    seen["listing"] = sorted(p.name for p in marker.parent.parent.iterdir())
+    seen["in_flight_before_wait"] = asyn.async_in_flight  # not collected by `wait` yet
+    seen["waited"] = str(asyn.wait())
+    seen["in_flight_after_wait"] = asyn.async_in_flight
+    asyn.close()
+    teardown()
+    return {"async": seen, "params": params if rank == 0 else None}
+
+
+def resume_each(rank: int, world: int, root: str, names: list[str]) -> dict:
+    """For each copy `root/<name>`: a fresh engine resumes with `resume: auto` (warnings of
+    the checkpoint module recorded, load errors caught), then a second manager names the
+    step-4 folder explicitly."""
+    import logging
+
+    from shardwise.distributed.runtime import teardown
+    from shardwise.errors import CheckpointError
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("shardwise.checkpoint.dcp").addHandler(Keep(level=logging.WARNING))
+    out = {}
+    for name in names:
+        run_dir = Path(root) / name
+        engine, manager = _engine(str(run_dir), ["checkpoint.async=false"])
+        records.clear()
+        res: dict = {}
+        path = None
+        try:
+            path = manager.resolve_resume()
+            res["path"] = str(path)
+        except ConfigError as exc:
+            res["auto_error"] = [exc.key, str(exc)]
+        res["warnings"] = list(records)
+        if path is not None:
+            try:
+                manager.load(engine, path)
+                res["step"] = engine.step
+                params = full_params(engine.model)
+                if rank == 0:
+                    res["params"] = params
+            except CheckpointError as exc:
+                res["load_error"] = str(exc)
+        named = run_dir / "checkpoints" / step_dir_name(INTEGRITY_STEPS)
+        explicit = CheckpointManager(run_dir, engine.cfg.checkpoint.model_copy(update={"resume": str(named)}),
+                                     engine.runtime)
+        try:
+            res["explicit"] = str(explicit.resolve_resume())
+        except ConfigError as exc:
+            res["explicit_error"] = [exc.key, str(exc)]
+        out[name] = res
+    teardown()
+    return out
+
+
+def _truncate(f: Path) -> str:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return f.name
+
+
+def _embedding_span(folder: Path) -> tuple[str, int, int]:
+    """(file, offset, length) of the first stored piece of the embedding weight."""
+    from shardwise.checkpoint.dcp import SafeFileSystemReader
+
+    md = SafeFileSystemReader(str(folder)).read_metadata()
+    return next((info.relative_path, info.offset, info.length)
+                for index, info in md.storage_data.items() if index.fqn == EMBED_KEY)
+
+
+def _flip_embedding_bytes(folder: Path, n: int = 256) -> str:
+    """Invert `n` bytes in the middle of an embedding shard; the file keeps its size."""
+    name, offset, length = _embedding_span(folder)
+    assert length >= 4 * n, length  # the middle of the shard is tensor data, not framing
+    data = bytearray((folder / name).read_bytes())
+    start = offset + length // 2 - n // 2
+    data[start:start + n] = bytes(b ^ 0xFF for b in data[start:start + n])
+    (folder / name).write_bytes(bytes(data))
+    return name
+
+
+def _old_format(folder: Path) -> None:
+    """COMMITTED as written before checksums existed."""
+    (folder / COMMITTED).write_text(json.dumps({"step": INTEGRITY_STEPS, "world_size": 2}))
+
+
+def _delete_rng(folder: Path) -> str:
+    (folder / "rng_rank1.safetensors").unlink()
+    return "rng_rank1.safetensors"
+
+
+# name -> damage to the step-4 folder, returning the file it hit. The first five are
+# detected by checksums; the old-format ones have no checksums and fail (or not) at load.
+DAMAGE = {
+    "distcp": lambda d: _truncate(sorted(d.glob("*.distcp"))[0]),
+    "metadata": lambda d: _truncate(d / ".metadata"),
+    "meta_json": lambda d: _truncate(d / "meta.json"),
+    "flipped": _flip_embedding_bytes,
+    "rng_deleted": _delete_rng,
+    "old_format": lambda d: _old_format(d),
+    "old_format_rng_deleted": lambda d: (_old_format(d), _delete_rng(d))[1],
+    "old_format_distcp": lambda d: (_old_format(d), _truncate(sorted(d.glob("*.distcp"))[-1]))[1],
+    "all_damaged": lambda d: (_truncate(sorted(d.parent.glob(f"{step_dir_name(2)}/*.distcp"))[0]),
+                              _truncate(sorted(d.glob("*.distcp"))[0]))[1],
+}
+CAUGHT_BY_CHECKSUMS = ["distcp", "metadata", "meta_json", "flipped", "rng_deleted"]
+
+
+@pytest.fixture(scope="module")
+def integrity(tmp_path_factory):
+    root = tmp_path_factory.mktemp("integrity")
+    saved = run_ranks(save_for_integrity, 2, str(root / "run"), str(root / "async"), timeout=150)
+    damaged = {}
+    for name, damage in DAMAGE.items():
+        shutil.copytree(root / "run" / "checkpoints", root / "copies" / name / "checkpoints")
+        damaged[name] = damage(root / "copies" / name / "checkpoints" / step_dir_name(INTEGRITY_STEPS))
+    resumed = run_ranks(resume_each, 2, str(root / "copies"), list(DAMAGE), timeout=240)
+    return {"root": root, "saved": saved, "damaged": damaged,
+            "resumed": {name: [r[name] for r in resumed] for name in DAMAGE}}
+
+
+def _step_folder(integrity, name: str, step: int = INTEGRITY_STEPS) -> Path:
+    return integrity["root"] / "copies" / name / "checkpoints" / step_dir_name(step)
+
+
+def test_committed_records_size_and_sha256_of_every_file(integrity):
+    run = integrity["root"] / "run" / "checkpoints"
+    folders = [run / step_dir_name(2), run / step_dir_name(4),
+               integrity["root"] / "async" / "checkpoints" / step_dir_name(4)]
+    for folder in folders:
+        marker = json.loads((folder / COMMITTED).read_text())
+        assert marker["step"] == read_meta(folder)["step"] and marker["world_size"] == 2
+        on_disk = {p.name for p in folder.iterdir() if p.name != COMMITTED}
+        assert set(marker["files"]) == on_disk, folder
+        assert {".metadata", "meta.json", "rng_rank0.json", "rng_rank1.safetensors"} <= on_disk
+        assert any(n.startswith("__0_") for n in on_disk) and any(n.startswith("__1_") for n in on_disk)
+        for name, entry in marker["files"].items():
+            data = (folder / name).read_bytes()
+            assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+        assert verify_checkpoint(folder) == []
+
+
+@pytest.mark.parametrize("name", CAUGHT_BY_CHECKSUMS)
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one(name, integrity):
+    bad, older = _step_folder(integrity, name), _step_folder(integrity, name, 2)
+    hit = integrity["damaged"][name]
+    problems = verify_checkpoint(bad)
+    assert problems and hit in problems[0], problems
+    ranks = integrity["resumed"][name]
+    for res in ranks:
+        assert res["path"] == str(older) and res["step"] == 2
+    warnings = [w for res in ranks for w in res["warnings"]]
+    assert len(warnings) == 1 and ranks[0]["warnings"] == warnings, warnings  # one, from rank 0
+    assert f"checkpoint {bad} is damaged" in warnings[0] and hit in warnings[0]
+    assert f"resuming from {older} instead" in warnings[0]
+    _assert_same_tensors(ranks[0]["params"], integrity["saved"][0]["params"][2], f"{name}: resumed parameters")
+
+
+@pytest.mark.parametrize("name", CAUGHT_BY_CHECKSUMS)
+def test_damaged_checkpoint_named_explicitly_is_a_config_error_on_every_rank(name, integrity):
+    bad, hit = _step_folder(integrity, name), integrity["damaged"][name]
+    for res in integrity["resumed"][name]:
+        assert "explicit" not in res
+        key, message = res["explicit_error"]
+        assert key == "checkpoint.resume"
+        assert f"{bad} failed verification" in message and hit in message, message
+
+
+def test_flipped_bytes_keep_the_size_and_are_refused_by_export(integrity, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint.dcp import SafeFileSystemReader
+    from shardwise.checkpoint.hf_export import ExportError, export_checkpoint
+
+    bad = _step_folder(integrity, "flipped")
+    intact = integrity["root"] / "run" / "checkpoints" / step_dir_name(INTEGRITY_STEPS)
+    name = integrity["damaged"]["flipped"]
+    assert (bad / name).stat().st_size == (intact / name).stat().st_size
+    assert "fails its sha256 checksum" in verify_checkpoint(bad)[0]
+    # The damage is the silent kind: DCP itself reads it without complaint.
+    loaded = {}
+    for folder in (bad, intact):
+        buf = {EMBED_KEY: torch.empty(64, 32)}
+        with warnings.catch_warnings():  # single-process loading is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(buf, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+        loaded[folder] = buf[EMBED_KEY]
+    assert not torch.equal(loaded[bad], loaded[intact])
+    with pytest.raises(ExportError, match="failed verification") as err:
+        export_checkpoint(bad, tmp_path / "bad_hf")
+    assert str(bad) in str(err.value) and name in str(err.value)
+    assert not (tmp_path / "bad_hf").exists()
+    report = export_checkpoint(intact, tmp_path / "good_hf")  # verification passes an intact one
+    assert report.num_tensors > 0 and (tmp_path / "good_hf" / "config.json").is_file()
+
+
+def test_missing_rng_file_is_named(integrity):
+    assert "missing file rng_rank1.safetensors" in verify_checkpoint(_step_folder(integrity, "rng_deleted"))
+    # Without checksums (old COMMITTED) the folder is picked, and load names the file on every rank.
+    folder = _step_folder(integrity, "old_format_rng_deleted")
+    for res in integrity["resumed"]["old_format_rng_deleted"]:
+        assert res["path"] == str(folder) and "step" not in res
+        assert str(folder) in res["load_error"] and "missing file rng_rank1.safetensors" in res["load_error"]
+
+
+def test_unreadable_dcp_file_is_a_one_line_checkpoint_error(integrity):
+    folder = _step_folder(integrity, "old_format_distcp")
+    for res in integrity["resumed"]["old_format_distcp"]:
+        assert res["path"] == str(folder) and "step" not in res
+        message = res["load_error"]
+        assert message.startswith(f"checkpoint {folder} cannot be loaded") and "\n" not in message, message
+
+
+def test_old_format_committed_still_resumes(integrity):
+    folder = _step_folder(integrity, "old_format")
+    assert "files" not in json.loads((folder / COMMITTED).read_text())
+    assert verify_checkpoint(folder) == []
+    ranks = integrity["resumed"]["old_format"]
+    for res in ranks:
+        assert res["path"] == res["explicit"] == str(folder)
+        assert res["step"] == INTEGRITY_STEPS and res["warnings"] == []
+    _assert_same_tensors(ranks[0]["params"], integrity["saved"][0]["params"][INTEGRITY_STEPS], "old format")
+
+
+def test_no_intact_checkpoint_left_is_a_config_error(integrity):
+    for res in integrity["resumed"]["all_damaged"]:
+        key, message = res["auto_error"]
+        assert key == "checkpoint.resume" and "path" not in res
+        assert f"{_step_folder(integrity, 'all_damaged')} is damaged" in message, message
+
+
+def test_async_save_is_committed_without_wait(integrity):
+    folder = integrity["root"] / "async" / "checkpoints" / step_dir_name(INTEGRITY_STEPS)
+    for res in (r["async"] for r in integrity["saved"]):
+        assert res["committed_without_wait"] and res["listing"] == [folder.name]  # renamed, no .tmp-
+        assert res["in_flight_after_save"] and res["in_flight_before_wait"] and not res["in_flight_after_wait"]
+        assert res["waited"] == str(folder)
+    assert read_meta(folder)["extra"] == {"by": "async"}
+
+
+def test_verification_is_split_over_ranks(integrity, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(integrity["root"] / "run" / "checkpoints" / step_dir_name(INTEGRITY_STEPS), folder)
+    names = sorted(json.loads((folder / COMMITTED).read_text())["files"])
+    for name in names:  # every file one byte longer (meta.json stays valid JSON)
+        with open(folder / name, "ab") as f:
+            f.write(b"\n")
+    shares = [verify_checkpoint(folder, ranks=(r, 2)) for r in range(2)]
+    for r, share in enumerate(shares):
+        assert [p.split(" ")[0] for p in share] == names[r::2]
+    assert sorted(shares[0] + shares[1]) == sorted(verify_checkpoint(folder))

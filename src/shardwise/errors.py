@@ -12,7 +12,24 @@ from collections.abc import Iterable
 
 
 class ShardwiseError(Exception):
-    """Base of all errors a user can fix by changing their input."""
+    """Base of all errors a user can fix by changing their input.
+
+    Instances pickle by their message alone (`__reduce__`), whatever a subclass's
+    constructor takes, so an error raised in a rank or a Ray worker reaches the launcher or
+    the controller as itself, with its type and message intact.
+    """
+
+    def __reduce__(self):
+        return _rebuild, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuild(cls: type[ShardwiseError], message: str, state: dict) -> ShardwiseError:
+    """An error of class `cls` carrying `message` and attributes `state`, without calling
+    its constructor."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
 
 
 class ConfigError(ShardwiseError, ValueError):
@@ -36,6 +53,10 @@ class DataError(ShardwiseError, ValueError):
 
     A `ValueError` too, so callers that only know the builtin hierarchy catch it.
     """
+
+
+class CheckpointError(ShardwiseError, ValueError):
+    """A checkpoint folder is missing files, fails its checksums or cannot be read."""
 
 
 class PatternError(ConfigError):

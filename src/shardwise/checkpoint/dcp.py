@@ -8,12 +8,25 @@ One checkpoint is one folder, ``<run.dir>/checkpoints/step_00000004/``::
     meta.json                       {"step", "world_size", "config", "scheduler", "extra"} (rank 0)
     rng_rank<r>.safetensors         torch CPU (and CUDA) generator states of rank r, uint8
     rng_rank<r>.json                python `random` and numpy generator states of rank r
-    COMMITTED                       written last, by rank 0, once every rank has finished
+    COMMITTED                       written last, by rank 0, once every rank has finished:
+                                    {"step", "world_size", "files": {name: {"bytes", "sha256"}}}
+                                    for every other file of the folder
 
 Every rank writes into ``step_00000004.tmp-<token>`` (the token is drawn on rank 0 and
-broadcast); after all ranks are done rank 0 writes COMMITTED and renames the folder. So a
-folder named ``step_<8 digits>`` holding COMMITTED is complete, and nothing else is ever
-resumed from: an interrupted save leaves a ``.tmp-`` folder, which `prune` removes later.
+broadcast), then hashes the files it wrote (its ``__<rank>_*.distcp`` and RNG files; rank 0
+also ``.metadata`` and meta.json). The ranks agree that all succeeded, the digests are
+gathered on rank 0, and rank 0 writes COMMITTED and renames the folder. So a folder named
+``step_<8 digits>`` holding COMMITTED is complete, and nothing else is ever resumed from: an
+interrupted save leaves a ``.tmp-`` folder, which `prune` removes later.
+
+Resuming verifies sizes and SHA-256 digests against COMMITTED (`verify_checkpoint`; the
+files are split over the ranks). ``resume: auto`` skips a damaged checkpoint with one
+warning and takes the newest one that verifies; an explicit path that fails is a
+ConfigError. A COMMITTED without "files" (empty, or written before checksums existed) is
+trusted after the structural check `is_complete`.
+
+An async save is committed by a background thread as soon as DCP has written its files
+(agreement and digests over the save's own gloo group), not at the next `save` or `wait`.
 
 DCP reshards on load (the target model's state dict says which shard each rank wants), so
 a checkpoint saved by N ranks loads at any world size and mesh (FSDP or HSDP).
@@ -29,21 +42,25 @@ Public interface::
         .dir -> Path                          <run_dir>/checkpoints
         .should_save(step, max_steps) -> bool
         .save(engine, step, extra=None, final=False)     collective
-        .async_in_flight -> bool
-        .wait() -> Path | None                            collective; commits a pending save
-        .latest() -> Path | None
-        .resolve_resume() -> Path | None                  ConfigError('checkpoint.resume')
-        .load(engine, path) -> dict                       collective; returns `extra`
+        .async_in_flight -> bool                          same on every rank
+        .wait() -> Path | None                            joins the async commit, re-raises its error
+        .latest() -> Path | None                          structural check only (is_complete)
+        .resolve_resume() -> Path | None                  collective when a group exists; verifies;
+                                                          ConfigError('checkpoint.resume')
+        .load(engine, path) -> dict                       collective; returns `extra`; CheckpointError
         .prune() -> list[Path]                            rank 0
         .close()                                          collective
     step_dir_name(step) -> str
     is_complete(path) -> bool
+    verify_checkpoint(path, ranks=(0, 1)) -> list[str]   problems (empty: intact); no process group
+    file_digest(path) -> {"bytes": int, "sha256": str}
     read_meta(path) -> dict
     SafeFileSystemReader(path), SafeLoadPlanner()   for any dcp.load of these folders
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -52,6 +69,7 @@ import random
 import re
 import secrets
 import shutil
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +81,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -70,7 +89,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from shardwise.config.schema import CheckpointConfig
 from shardwise.distributed.runtime import Runtime
-from shardwise.errors import ConfigError
+from shardwise.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from shardwise.engine.train import TrainEngine
@@ -78,13 +97,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINTS_DIR", "COMMITTED", "META_FILE", "CheckpointManager", "SafeFileSystemReader",
-           "SafeLoadPlanner", "is_complete", "read_meta", "step_dir_name"]
+           "SafeLoadPlanner", "file_digest", "incomplete_reason", "is_complete", "read_meta", "step_dir_name",
+           "verify_checkpoint"]
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMITTED = "COMMITTED"
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
 FORMAT = "shardwise-dcp/1"
+
+HASH_CHUNK_BYTES = 8 << 20
+"""Files are hashed in reads of this many bytes (8 MiB)."""
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_DIR = re.compile(r"^step_(\d{8,})\.tmp-")
@@ -107,7 +130,117 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads((Path(path) / META_FILE).read_text())
 
 
-def _incomplete_reason(p: Path) -> str:
+def _read_meta_checked(path: Path) -> dict[str, Any]:
+    """meta.json, or a one-line CheckpointError naming the folder."""
+    try:
+        meta = read_meta(path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} cannot be read ({_short(exc)})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} is not a JSON object")
+    return meta
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, at most `limit` characters."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+# ------------------------------------------------------------------ integrity
+
+
+def file_digest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex digest}`` of one file, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def _own_files(folder: Path, rank: int, is_main: bool) -> list[Path]:
+    """The files of a checkpoint folder that `rank` wrote itself."""
+    files = sorted(folder.glob(f"__{rank}_*.distcp"))
+    files += [folder / f"rng_rank{rank}.safetensors", folder / f"rng_rank{rank}.json"]
+    if is_main:
+        files += [folder / DCP_METADATA, folder / META_FILE]
+    return [f for f in files if f.is_file()]
+
+
+def _folder_files(folder: Path) -> list[str]:
+    """Relative (posix) names of every file in `folder` but COMMITTED, sorted."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.relative_to(folder).as_posix() != COMMITTED)
+
+
+def _read_committed(p: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(COMMITTED as a dict, None) or (None, problem). An empty marker is ``{}``."""
+    try:
+        text = (p / COMMITTED).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"{COMMITTED} cannot be read ({_short(exc)})"
+    if not text.strip():
+        return {}, None
+    try:
+        marker = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"{COMMITTED} is not valid JSON ({_short(exc)})"
+    if not isinstance(marker, dict) or not isinstance(marker.get("files", {}), dict):
+        return None, f"{COMMITTED} is not a JSON object with a 'files' mapping"
+    return marker, None
+
+
+def verify_checkpoint(path: str | os.PathLike[str], ranks: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with a checkpoint folder: missing files, sizes or SHA-256 digests that
+    differ from those COMMITTED records, meta.json or COMMITTED that are not JSON. Empty
+    when intact. Reads files only (no process group).
+
+    ``ranks=(rank, world)`` checks the share of this rank: file i of the sorted list in
+    COMMITTED when ``i % world == rank``; the structural checks (is_complete, the JSON of
+    meta.json and COMMITTED) belong to rank 0. The union over the ranks is the whole check.
+    A COMMITTED without "files" (empty, or from before checksums) passes on the structural
+    checks alone.
+    """
+    p = Path(path)
+    rank, world = ranks
+    assert 0 <= rank < world, ranks
+    if not is_complete(p):
+        return [f"it {incomplete_reason(p)}"] if rank == 0 else []
+    problems = []
+    marker, problem = _read_committed(p)
+    if problem is not None:
+        return [problem] if rank == 0 else []
+    if rank == 0:
+        try:
+            meta = read_meta(p)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            problems.append(f"{META_FILE} cannot be read ({_short(exc)})")
+        else:
+            if not isinstance(meta, dict):
+                problems.append(f"{META_FILE} is not a JSON object")
+    files = marker.get("files")
+    if files is None:
+        return problems
+    for i, name in enumerate(sorted(files)):
+        if i % world != rank:
+            continue
+        want, f = files[name], p / name
+        if not f.is_file():
+            problems.append(f"missing file {name}")
+            continue
+        size = f.stat().st_size
+        if size != want.get("bytes"):
+            problems.append(f"{name} has {size} bytes, COMMITTED says {want.get('bytes')}")
+        elif file_digest(f)["sha256"] != want.get("sha256"):
+            problems.append(f"{name} fails its sha256 checksum")
+    return problems
+
+
+def incomplete_reason(p: Path) -> str:
     if not p.exists():
         return "does not exist"
     if not p.is_dir():
@@ -136,14 +269,36 @@ def _write_rng(folder: Path, rank: int, device: torch.device) -> None:
     (folder / f"rng_rank{rank}.json").write_text(json.dumps(state))
 
 
-def _load_rng(folder: Path, rank: int, device: torch.device) -> bool:
-    """Restore this rank's generators; False (and nothing changed) if the checkpoint has no
-    file for this rank (it was saved by fewer ranks)."""
+def _read_rng(folder: Path, rank: int, saved_world: int | None) -> tuple[dict, dict] | None:
+    """This rank's generator states (tensors, json) from a checkpoint; None when it was
+    saved by fewer ranks (`saved_world` <= rank). CheckpointError naming the file when one
+    that the checkpoint must hold is missing or unreadable."""
     tensors_path, json_path = folder / f"rng_rank{rank}.safetensors", folder / f"rng_rank{rank}.json"
-    if not (tensors_path.is_file() and json_path.is_file()):
-        return False
-    tensors = load_file(str(tensors_path))
-    state = json.loads(json_path.read_text())
+    if saved_world is None:  # meta.json without world_size: take what is there
+        if not (tensors_path.is_file() and json_path.is_file()):
+            return None
+    elif rank >= saved_world:
+        return None
+    for f in (tensors_path, json_path):
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {folder}: missing file {f.name} (the RNG state of rank "
+                                  f"{rank}; the checkpoint was saved by {saved_world} ranks)")
+    try:
+        tensors = load_file(str(tensors_path))
+        if "torch_cpu" not in tensors:
+            raise KeyError("no 'torch_cpu' tensor")
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {folder}: {tensors_path.name} cannot be read ({_short(exc)})") from None
+    try:
+        state = json.loads(json_path.read_text())
+        if not isinstance(state, dict) or not {"python", "numpy"} <= state.keys():
+            raise KeyError("no 'python' and 'numpy' states")
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {folder}: {json_path.name} cannot be read ({_short(exc)})") from None
+    return tensors, state
+
+
+def _apply_rng(tensors: dict[str, torch.Tensor], state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if device.type == "cuda" and "torch_cuda" in tensors:
         torch.cuda.set_rng_state(tensors["torch_cuda"], device)
@@ -152,7 +307,6 @@ def _load_rng(folder: Path, rank: int, device: torch.device) -> bool:
     npy = state["numpy"]
     np.random.set_state((npy["name"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
                          npy["has_gauss"], npy["cached_gaussian"]))
-    return True
 
 
 # ------------------------------------------------------------------- safe DCP loading
@@ -214,18 +368,27 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 @dataclass
 class _PendingSave:
+    """An async save in flight: DCP's upload future and the thread that commits after it."""
+
     future: Future
     tmp: Path
     final: Path
     step: int
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class CheckpointManager:
-    """Saves, commits, finds, prunes and loads the checkpoints of one run.
+    """Saves, commits, finds, verifies, prunes and loads the checkpoints of one run.
 
     `save`, `wait`, `load` and `close` are collective: every rank calls them in the same
-    order. The rest touch only the file system (`prune` acts on rank 0 alone). All ranks
-    must see the same `run_dir` (a shared file system across nodes).
+    order; so is `resolve_resume` when a process group exists. The rest touch only the
+    file system (`prune` acts on rank 0 alone). All ranks must see the same `run_dir` (a
+    shared file system across nodes).
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], ckpt_cfg: CheckpointConfig, runtime: Runtime):
@@ -243,7 +406,9 @@ class CheckpointManager:
 
     @property
     def async_in_flight(self) -> bool:
-        """An async save was started and is not committed yet (`wait` commits it)."""
+        """An async save was started and `wait` has not collected it yet. Its background
+        commit may already be done (`latest()` shows it); `wait` joins it and re-raises a
+        failure. Depends only on the calls made, so it is the same on every rank."""
         return self._pending is not None
 
     # -- saving
@@ -251,12 +416,13 @@ class CheckpointManager:
              final: bool = False) -> None:
         """Checkpoint model, optimizer, scheduler, step, RNG and `extra` as of `step`.
 
-        Collective. A pending async save is committed first. Synchronous unless
-        `checkpoint.async` is set and `final` is False; an async save returns once the
-        state has been copied to CPU memory (training may change the live tensors from
-        then on) and is committed by the next `save` or `wait`. `final` saves synchronously:
-        the checkpoint is committed when the call returns. `extra` must be JSON-able
-        (e.g. ``{"sampler": sampler.state_dict()}``); `load` returns it.
+        Collective. Waits for the previous async save first (so two commits never overlap).
+        Synchronous unless `checkpoint.async` is set and `final` is False; an async save
+        returns once the state has been copied to CPU memory (training may change the live
+        tensors from then on), and a background thread commits it as soon as DCP has written
+        its files. `final` saves synchronously: the checkpoint is committed when the call
+        returns. `extra` must be JSON-able (e.g. ``{"sampler": sampler.state_dict()}``);
+        `load` returns it.
         """
         self.wait()
         try:  # on every rank, so a bad `extra` fails everywhere rather than hang the others
@@ -287,40 +453,68 @@ class CheckpointManager:
             # so later optimizer steps cannot leak into the files. The upload thread runs
             # DCP's planning collectives on a gloo group of its own: on the default group
             # they would interleave with the training collectives of the main thread.
-            response = dcp.async_save(app_state, storage_writer=writer, process_group=self._group())
+            group = self._group()
+            response = dcp.async_save(app_state, storage_writer=writer, process_group=group)
             staging = getattr(response, "staging_completion", None)
             if staging is not None:  # a stager that copies in the background: wait for the copy
                 staging.result()
             future = getattr(response, "upload_completion", response)
-            self._pending = _PendingSave(future, tmp, final_dir, step)
+            pending = _PendingSave(future, tmp, final_dir, step)
+            pending.thread = threading.Thread(target=self._commit_async, args=(pending, group),
+                                              name=f"shardwise-commit-{step}", daemon=True)
+            self._pending = pending
+            pending.thread.start()
         else:
-            dcp.save(app_state, storage_writer=writer)
-            self._commit(tmp, final_dir, step, ok=True)
+            error, files = None, None
+            try:
+                dcp.save(app_state, storage_writer=writer)
+                files = self._digests(tmp)
+            except (Exception, CheckpointException) as exc:  # reported collectively by _commit
+                error = exc
+            self._commit(tmp, final_dir, step, files, error)
 
-    def wait(self) -> Path | None:
-        """Block until the in-flight async save is written, then commit it. Collective.
-
-        Returns the committed folder, or None when nothing was pending. Raises
-        RuntimeError on every rank if the save failed on any rank (its .tmp- folder is
-        left behind, never resumed from, and removed by a later `prune`).
-        """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        error: BaseException | None = None
+    def _commit_async(self, pending: _PendingSave, group: dist.ProcessGroup) -> None:
+        """Body of the commit thread of one async save: wait for DCP's files, hash them,
+        commit on the save's gloo group (never the default group, which the main thread
+        trains on). Its error is kept for `wait`."""
+        error, files = None, None
         try:
             pending.future.result()
-        except Exception as exc:  # reported collectively below
+            files = self._digests(pending.tmp)
+        except (Exception, CheckpointException) as exc:  # reported collectively by _commit
             error = exc
-        self._commit(pending.tmp, pending.final, pending.step, ok=error is None, error=error)
+        try:
+            self._commit(pending.tmp, pending.final, pending.step, files, error, group=group)
+        except BaseException as exc:
+            pending.error = exc
+
+    def wait(self) -> Path | None:
+        """Block until the in-flight async save is committed (or has failed). Every rank
+        calls it.
+
+        Returns the committed folder, or None when nothing was pending. Raises
+        RuntimeError on every rank if the save failed on any rank (the ranks agreed on it
+        before committing; its .tmp- folder is left behind, never resumed from, and
+        removed by a later `prune`).
+        """
+        pending = self._pending
+        if pending is None:
+            return None
+        assert pending.thread is not None
+        pending.thread.join()
+        self._pending = None
+        if pending.error is not None:
+            raise pending.error
         return pending.final
 
     def close(self) -> None:
-        """Commit a pending save and release the async group. Collective."""
-        self.wait()
-        if self._async_group is not None:
-            dist.destroy_process_group(self._async_group)
-            self._async_group = None
+        """Wait for a pending save and release the async group. Collective."""
+        try:
+            self.wait()
+        finally:
+            if self._async_group is not None:
+                dist.destroy_process_group(self._async_group)
+                self._async_group = None
 
     def _group(self) -> dist.ProcessGroup:
         if self._async_group is None:
@@ -334,33 +528,63 @@ class CheckpointManager:
         dist.broadcast(t, src=0)
         return f"{int(t.item()):016x}"
 
-    def _all_ok(self, ok: bool) -> bool:
-        """Doubles as the barrier: returns once every rank has reached it."""
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.runtime.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
+    def _digests(self, folder: Path) -> dict[str, dict[str, Any]]:
+        """Size and SHA-256 of each file this rank wrote into `folder`."""
+        return {f.relative_to(folder).as_posix(): file_digest(f)
+                for f in _own_files(folder, self.runtime.rank, self.runtime.is_main)}
 
-    def _commit(self, tmp: Path, final: Path, step: int, ok: bool,
-                error: BaseException | None = None) -> None:
-        if not self._all_ok(ok):
-            raise RuntimeError(f"checkpoint of step {step} failed on at least one rank; "
-                               f"{tmp} is left uncommitted") from error
+    def _commit(self, tmp: Path, final: Path, step: int, files: dict[str, dict[str, Any]] | None,
+                error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+        """Agree that every rank wrote (and hashed) its files, then rank 0 writes COMMITTED
+        with all digests, renames the folder and prunes; its outcome is broadcast, so every
+        rank returns or every rank raises. Collective over `group`."""
+        ok = error is None
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        gathered: list[Any] = [None] * world if self.runtime.is_main else []
+        if world > 1:
+            dist.gather_object((ok, files if ok else None, None if ok else _dcp_cause(error)),
+                               gathered if self.runtime.is_main else None, dst=0, group=group)
+        else:
+            gathered = [(ok, files if ok else None, None if ok else _dcp_cause(error))]
+        outcome: str | None = None
         if self.runtime.is_main:
-            with open(tmp / COMMITTED, "w") as f:
-                json.dump({"step": step, "world_size": self.runtime.world_size}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():  # a leftover folder of the same step (uncommitted, or re-saved)
-                aside = final.with_name(f"{final.name}.tmp-replaced-{secrets.token_hex(4)}")
-                os.rename(final, aside)
-                os.rename(tmp, final)
-                shutil.rmtree(aside, ignore_errors=True)
+            failed = [f"rank {r}: {why}" for r, (good, _, why) in enumerate(gathered) if not good]
+            if failed:
+                outcome = "writing failed on " + "; ".join(failed)
             else:
-                os.rename(tmp, final)
-            _fsync_dir(self.dir)
-            log.info("checkpoint committed: %s", final)
-            self.prune()
-        self._all_ok(True)
+                try:
+                    merged: dict[str, dict[str, Any]] = {}
+                    for _, digests, _ in gathered:
+                        merged.update(digests)
+                    for name in _folder_files(tmp):  # anything no rank claimed
+                        if name not in merged:
+                            merged[name] = file_digest(tmp / name)
+                    self._write_committed(tmp, final, step, merged)
+                except Exception as exc:
+                    outcome = f"committing failed on rank 0: {_short(exc)}"
+        box = [outcome]
+        if world > 1:
+            dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is not None:
+            raise RuntimeError(f"checkpoint of step {step} failed ({box[0]}); "
+                               f"{tmp} is left uncommitted") from error
+
+    def _write_committed(self, tmp: Path, final: Path, step: int, files: dict[str, dict[str, Any]]) -> None:
+        marker = {"step": step, "world_size": self.runtime.world_size, "files": dict(sorted(files.items()))}
+        with open(tmp / COMMITTED, "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # a leftover folder of the same step (uncommitted, or re-saved)
+            aside = final.with_name(f"{final.name}.tmp-replaced-{secrets.token_hex(4)}")
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        log.info("checkpoint committed: %s", final)
+        self.prune()
 
     # -- finding
     def _complete_steps(self) -> list[tuple[int, Path]]:
@@ -374,34 +598,87 @@ class CheckpointManager:
         return sorted(found)
 
     def latest(self) -> Path | None:
-        """The complete checkpoint of the highest step in this run, or None."""
+        """The complete checkpoint of the highest step in this run, or None (structure
+        only; `resolve_resume` also verifies the checksums)."""
         found = self._complete_steps()
         return found[-1][1] if found else None
 
+    def _collective(self) -> bool:
+        return self.runtime.world_size > 1 and _distributed()
+
+    def _verify_agreed(self, path: Path) -> list[str]:
+        """`verify_checkpoint` split over the ranks (file i by rank i % world); every rank
+        gets the same problems, rank 0's first."""
+        if not self._collective():
+            return verify_checkpoint(path)
+        mine = verify_checkpoint(path, ranks=(self.runtime.rank, self.runtime.world_size))
+        everyone: list[Any] = [None] * self.runtime.world_size
+        dist.all_gather_object(everyone, mine)
+        return [problem for problems in everyone for problem in problems]
+
+    def _rank0_value(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (itself without a process group)."""
+        if not self._collective():
+            return value
+        box = [value if self.runtime.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def resolve_resume(self) -> Path | None:
-        """Where to resume from, per `checkpoint.resume`: auto -> `latest()` (None in a
-        fresh run), never -> None, a path -> that folder if it is a complete checkpoint."""
+        """Where to resume from, per `checkpoint.resume`. Collective when a process group
+        exists (every rank returns the same path or raises the same error).
+
+        never -> None. auto -> the newest complete checkpoint that passes
+        `verify_checkpoint` (None in a fresh run); each damaged newer one is skipped with one
+        warning on rank 0; ConfigError when checkpoints exist but none verifies. A path ->
+        that folder if it is a complete checkpoint that verifies, else ConfigError naming it.
+        """
         resume = self.cfg.resume
         if resume == "never":
             return None
         if resume == "auto":
-            return self.latest()
+            # rank 0's listing, so every rank walks the same candidates
+            candidates = self._rank0_value([str(p) for _, p in reversed(self._complete_steps())])
+            damaged: list[tuple[str, str]] = []
+            for candidate in map(Path, candidates):
+                problems = self._verify_agreed(candidate)
+                if not problems:
+                    if self.runtime.is_main:
+                        for bad, problem in damaged:
+                            log.warning("checkpoint %s is damaged (%s); resuming from %s instead",
+                                        bad, problem, candidate)
+                    return candidate
+                damaged.append((str(candidate), problems[0]))
+            if damaged:
+                bad, problem = damaged[0]
+                raise ConfigError("checkpoint.resume",
+                                  f"no intact checkpoint in {self.dir}: {bad} is damaged ({problem})"
+                                  + (f", and so are the {len(damaged) - 1} older" if len(damaged) > 1 else ""),
+                                  "set checkpoint.resume=never to start over, or name a checkpoint folder")
+            return None
         path = Path(resume).expanduser()
         if is_complete(path):
-            return path
+            problems = self._verify_agreed(path)
+            if not problems:
+                return path
+            raise ConfigError("checkpoint.resume", f"{path} failed verification: {problems[0]}",
+                              "resume from another checkpoint folder, or use auto to take the "
+                              "newest one that verifies")
         hint = "use auto, never, or a folder like <run.dir>/checkpoints/step_00000100"
         inner = CheckpointManager(path, self.cfg, self.runtime).latest() if path.is_dir() else None
         if inner is not None:
             hint = f"did you mean {inner}?"
-        raise ConfigError("checkpoint.resume", f"{resume!r} {_incomplete_reason(path)}", hint)
+        raise ConfigError("checkpoint.resume", f"{resume!r} {incomplete_reason(path)}", hint)
 
     # -- pruning
     def prune(self) -> list[Path]:
         """Delete complete checkpoints beyond the `keep_last` newest, and the debris of
         interrupted saves (.tmp- folders, folders without COMMITTED) of steps up to the
-        newest complete one. Acts on rank 0 only; returns what it deleted."""
+        newest complete one, never the folder of an async save in flight. Acts on rank 0
+        only; returns what it deleted."""
         if not self.runtime.is_main:
             return []
+        pending = self._pending  # its .tmp- folder is being written or committed
         complete = self._complete_steps()
         doomed = [p for _, p in complete[:-self.cfg.keep_last]] if len(complete) > self.cfg.keep_last else []
         if complete:
@@ -409,7 +686,7 @@ class CheckpointManager:
             for p in self.dir.iterdir():
                 m = _TMP_DIR.match(p.name) or _STEP_DIR.match(p.name)
                 if m and p.is_dir() and int(m.group(1)) <= newest and not is_complete(p) \
-                        and (self._pending is None or p != self._pending.tmp):
+                        and (pending is None or p != pending.tmp):
                     doomed.append(p)
         for p in doomed:
             shutil.rmtree(p, ignore_errors=True)
@@ -421,25 +698,57 @@ class CheckpointManager:
         complete checkpoint, at any world size or mesh (DCP reshards). Collective.
 
         Ranks for which the checkpoint has no RNG file (it was saved by fewer ranks) keep
-        their generators. Returns the `extra` dict given to `save`.
+        their generators. Returns the `extra` dict given to `save`. A file that cannot be
+        read (meta.json, DCP's files, a missing or broken RNG file of a rank that saved one)
+        is a one-line CheckpointError naming the folder, on every rank.
         """
         self.wait()
         path = Path(path)
         if not is_complete(path):
-            raise ConfigError("checkpoint.resume", f"{str(path)!r} {_incomplete_reason(path)}")
-        meta = read_meta(path)
+            raise ConfigError("checkpoint.resume", f"{str(path)!r} {incomplete_reason(path)}")
+        problem, meta, rng = None, None, None
+        try:
+            meta = _read_meta_checked(path)
+            saved_world = meta.get("world_size")
+            rng = _read_rng(path, self.runtime.rank, int(saved_world) if saved_world is not None else None)
+        except CheckpointError as exc:
+            problem = str(exc)
+        if self._collective():  # a rank missing its RNG file fails every rank, not just itself
+            problems: list[Any] = [None] * self.runtime.world_size
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            raise CheckpointError(problem)
+        assert meta is not None
         model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
         app_state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(app_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        try:
+            dcp.load(app_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        except (Exception, CheckpointException) as exc:  # DCP gathers every rank's errors: all ranks get here
+            raise CheckpointError(f"checkpoint {path} cannot be loaded ({_dcp_cause(exc)})") from None
         set_state_dict(engine.model, engine.optimizer,
                        model_state_dict=app_state["model"], optim_state_dict=app_state["optimizer"])
         engine.scheduler.load_state_dict(meta["scheduler"])
         engine.step = int(meta["step"])
-        _load_rng(path, self.runtime.rank, self.runtime.device)
+        if rng is not None:
+            _apply_rng(*rng, self.runtime.device)
         if self.runtime.is_main:
             log.info("resumed from %s (step %d, saved by %d ranks, loaded by %d)", path,
                      engine.step, meta["world_size"], self.runtime.world_size)
         return meta["extra"]
+
+
+def _dcp_cause(exc: BaseException) -> str:
+    """The first underlying error of a DCP failure, in one line. DCP wraps the errors of
+    the ranks in a CheckpointException whose `failures` maps rank -> (error, traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {_short(inner)}"
+    return _short(exc)
 
 
 def _fsync_dir(path: Path) -> None:

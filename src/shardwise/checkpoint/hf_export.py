@@ -460,12 +460,14 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     tokenizer from `tokenizer_dir` or `find_tokenizer_dir`. `task` defaults to
     ``meta["task"]`` or causal_lm. Tensors are read a batch (~`READ_BATCH_BYTES`) at a time,
     through the checkpoint module's `SafeFileSystemReader` (no arbitrary unpickling).
+    A folder with COMMITTED is verified first (`verify_checkpoint`: sizes and SHA-256
+    digests); a damaged one is an ExportError naming the folder and the first problem.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     # DCP's .metadata is a pickle: read it with the checkpoint module's restricted unpickler.
-    from shardwise.checkpoint.dcp import COMMITTED, DCP_METADATA, SafeFileSystemReader
+    from shardwise.checkpoint.dcp import COMMITTED, DCP_METADATA, SafeFileSystemReader, verify_checkpoint
     from shardwise.config import config_from_dict
     from shardwise.models.loading import build_meta_model, load_hf_config
     from shardwise.models.patches import patch_model
@@ -478,7 +480,14 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
         raise ExportError(f"{str(ckpt)!r} holds no DCP {DCP_METADATA} file: the save did not finish")
     if not (ckpt / COMMITTED).is_file():
         log.warning("%s has no %s marker (an interrupted save?); exporting what is there", ckpt, COMMITTED)
-    meta = json.loads(meta_path.read_text())
+    else:  # sizes and checksums against COMMITTED: damaged bytes must not reach the HF folder
+        problems = verify_checkpoint(ckpt)
+        if problems:
+            raise ExportError(f"checkpoint {ckpt} failed verification: {problems[0]}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{str(meta_path)!r} cannot be read: {exc}") from None
     if "config" not in meta:
         raise ExportError(f"{str(meta_path)!r} has no 'config' entry (the run's config)")
     cfg = config_from_dict(meta["config"])
