@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -169,32 +169,26 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     global_rows = args.micro * world
 
     meter = SavedActivationMeter(engine.model)
-    first_call = True
+    calls = 0
 
-    def measured_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-        nonlocal first_call
-        if not first_call:
-            return lm_loss_sum(model, batch)
-        first_call = False
-        with meter.active():
-            return lm_loss_sum(model, batch)
+    def measured_once(loss: Callable[[nn.Module, Batch], torch.Tensor]) -> Callable[[nn.Module, Batch], torch.Tensor]:
+        """`loss` with the meter on during its first call (one micro-batch's forward and loss)."""
+        def wrapped(model: nn.Module, batch: Batch) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                return loss(model, batch)
+            with meter.active():
+                return loss(model, batch)
+        return wrapped
 
+    measured_loss = measured_once(lm_loss_sum)
     if engine.sp_group is not None:
         # Ulysses: the engine computes the loss of each rank's sequence slice itself
         # (`ulysses.loss_sum`, looked up per call); measure its first call instead.
         from shardwise.distributed import ulysses
 
-        slice_loss = ulysses.loss_sum
-
-        def measured_slice_loss(model: nn.Module, sliced: Batch) -> torch.Tensor:
-            nonlocal first_call
-            if not first_call:
-                return slice_loss(model, sliced)
-            first_call = False
-            with meter.active():
-                return slice_loss(model, sliced)
-
-        ulysses.loss_sum = measured_slice_loss
+        ulysses.loss_sum = measured_once(ulysses.loss_sum)
 
     state: dict[str, int] = {}
     total_steps = args.warmup + args.steps
