@@ -11,6 +11,7 @@ group, the single controller in the CLI process.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,22 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
                 "time/update_critic", "time/update_actor", "time/step", "accuracy", "actor/lr", "response_length/clip_frac"):
         assert all(isinstance(m[key], (int, float)) for m in a), key
     assert (whole / "rl.png").stat().st_size > 1000
+
+    # A damaged checkpoint named explicitly passes the launcher's look at the folder and is
+    # found by the Ray workers when they verify its checksums: the user still reads one
+    # line naming the key, exit status 2, as when the controller finds a mistake.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(parts / "checkpoints" / "step_00000004", damaged)
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={tmp_path / 'again'}", *common, "train.max_steps=6",
+                   f"checkpoint.resume={damaged}"], timeout=400, cwd=tmp_path)
+    lines = [x for x in res.stderr.splitlines() if x.startswith("shardwise: ")]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert "checkpoint.resume" in lines[0] and "failed verification" in lines[0] and shard.name in lines[0], lines
+    assert "Traceback" not in res.stderr
 
 
 def test_grpo_from_sft_raises_mean_reward(sft_demo_model, tmp_path):

@@ -7,9 +7,12 @@ every rank alike, before any process group exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
+import traceback
 from collections.abc import Callable, Sequence
 
 from shardwise.errors import ShardwiseError
@@ -93,86 +96,129 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Re-run this command under torchrun with `nproc` local processes."""
-    import subprocess
-
-    from shardwise.distributed.runtime import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "shardwise.cli", *argv]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
-
-
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _last_checkpoint_line(cfg) -> str:
+    """Where a stopped run can resume from, in words."""
+    from shardwise.checkpoint.dcp import CheckpointManager
+
+    latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).latest()
+    if latest is None:
+        return "no checkpoint was committed yet"
+    return f"the last committed checkpoint is {latest} (the same command resumes from it)"
+
+
+def _torchrun_job(args: argparse.Namespace, job, report: Callable[[object, dict], None]) -> int:
+    """A job module's `prepare` (input errors exit 2 here, before any process starts),
+    then `--nproc` processes through torchrun, or this process under an outer torchrun (or
+    alone): `run` on every rank, `report(cfg, summary)` on rank 0."""
     from shardwise.config import load_config
-    from shardwise.jobs import sft
+    from shardwise.distributed import launch
+    from shardwise.jobs.rundir import RunDirLock, command_line
     from shardwise.models.loading import local_files_only
 
     local_files_only()
     cfg = load_config(args.config, args.overrides)
     if args.nproc and not _under_torchrun():
-        sft.prepare(cfg, world_size=args.nproc)  # config errors exit 2 here, before any process starts
-        return _launch_torchrun(args.nproc, ["train", args.config, *args.overrides])
-    sft.prepare(cfg)
+        RunDirLock(cfg.run.dir, command_line()).check_free()
+        job.prepare(cfg, world_size=args.nproc)
+        with RunDirLock(cfg.run.dir, command_line()) as lock:
+            res = launch.launch_torchrun(args.nproc, [args.command, args.config, *args.overrides],
+                                         env=lock.child_env())
+        # Messages start on a line of their own: rank 0's progress bar may hold the last one.
+        if res.interrupted is not None:
+            print(f"\nshardwise: interrupted by {res.interrupted.name}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
+            return launch.EXIT_INTERRUPTED.get(res.interrupted, 1)
+        if res.failure is not None:
+            print(f"\nshardwise: {res.failure.line()}", file=sys.stderr)
+            if launch.debug_enabled() and not res.failure.user:
+                print(res.failure.traceback, file=sys.stderr, end="")
+            return launch.EXIT_USER_ERROR if res.failure.user else (res.returncode or 1)
+        if res.returncode != 0:
+            print(f"\nshardwise: torchrun {launch.describe_exit(res.returncode)}; {_last_checkpoint_line(cfg)}",
+                  file=sys.stderr)
+            return res.returncode if res.returncode > 0 else 128 - res.returncode
+        return 0
+    if _under_torchrun():
+        launch.die_with_parent()
+    job.prepare(cfg)
     from shardwise.distributed.runtime import init_distributed, seed_everything, teardown
 
     runtime = init_distributed()
+    lock = RunDirLock(cfg.run.dir, command_line())
+    ok = False
     try:
+        _lock_on_rank0(lock, runtime)
         seed_everything(cfg.run.seed)
-        summary = sft.run(cfg, runtime)
+        summary = job.run(cfg, runtime)
         if runtime.is_main:
-            final = summary["final"]
-            print(f"done: {summary['steps']} steps, final loss {final.get('loss', float('nan')):.4f}")
-            if "accuracy" in summary:
-                print(f"  held-out accuracy (greedy, exported HF model): {summary['accuracy']:.1%}")
-            for key in ("metrics", "checkpoint", "hf", "plot"):
-                if summary.get(key):
-                    print(f"  {key:<10} {summary[key]}")
+            report(cfg, summary)
+        ok = True
     finally:
-        teardown()
+        lock.release()
+        teardown(graceful=ok)
     return 0
+
+
+def _lock_on_rank0(lock, runtime) -> None:
+    """Rank 0 takes the run folder's lock (unless the launching `shardwise` holds it); every
+    rank raises the same ConfigError when another job holds it."""
+    import torch.distributed as dist
+
+    from shardwise.errors import ConfigError
+
+    problem: list[ConfigError | None] = [None]
+    if runtime.is_main:
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            problem[0] = e
+    if runtime.world_size > 1:
+        dist.broadcast_object_list(problem, src=0)  # None or the error, from our own rank 0
+    if problem[0] is not None:
+        raise problem[0]
+
+
+def _print_paths(summary: dict, keys: Sequence[str]) -> None:
+    for key in keys:
+        if summary.get(key):
+            print(f"  {key:<10} {summary[key]}")
+
+
+def _report_train(cfg, summary: dict) -> None:
+    final = summary["final"]
+    print(f"done: {summary['steps']} steps, final loss {final.get('loss', float('nan')):.4f}")
+    if "accuracy" in summary:
+        print(f"  held-out accuracy (greedy, exported HF model): {summary['accuracy']:.1%}")
+    _print_paths(summary, ("metrics", "checkpoint", "hf", "plot"))
+
+
+def _report_infer(cfg, s: dict) -> None:
+    mode = "greedy" if s["greedy"] else f"temperature {cfg.infer.temperature}, top_p {cfg.infer.top_p}"
+    print(f"done: {s['prompts']} prompts x {s['samples_per_prompt']} ({mode}), {s['world_size']} ranks")
+    if "accuracy" in s:
+        print(f"  accuracy ({s['reward']}): {s['accuracy']:.1%}")
+    elif "score_mean" in s:
+        print(f"  mean score ({s['reward']}): {s['score_mean']:.4f}")
+    print(f"  response length {s['response_length_mean']:.1f} tokens (mean), "
+          f"{s['ended_with_eos']:.0%} ended with eos; {s['tokens_per_s']:.0f} tokens/s over {s['seconds']:.1f} s")
+    _print_paths(s, ("output", "summary"))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Supervised fine-tuning; see shardwise.jobs.sft."""
+    from shardwise.jobs import sft
+
+    return _torchrun_job(args, sft, _report_train)
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
     """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
-    from shardwise.config import load_config
     from shardwise.jobs import infer
-    from shardwise.models.loading import local_files_only
 
-    local_files_only()
-    cfg = load_config(args.config, args.overrides)
-    if args.nproc and not _under_torchrun():
-        infer.prepare(cfg, world_size=args.nproc)  # config and data errors exit 2 here
-        return _launch_torchrun(args.nproc, ["infer", args.config, *args.overrides])
-    infer.prepare(cfg)
-    from shardwise.distributed.runtime import init_distributed, seed_everything, teardown
-
-    runtime = init_distributed()
-    try:
-        seed_everything(cfg.run.seed)
-        s = infer.run(cfg, runtime)
-        if runtime.is_main:
-            mode = "greedy" if s["greedy"] else f"temperature {cfg.infer.temperature}, top_p {cfg.infer.top_p}"
-            print(f"done: {s['prompts']} prompts x {s['samples_per_prompt']} ({mode}), {s['world_size']} ranks")
-            if "accuracy" in s:
-                print(f"  accuracy ({s['reward']}): {s['accuracy']:.1%}")
-            elif "score_mean" in s:
-                print(f"  mean score ({s['reward']}): {s['score_mean']:.4f}")
-            print(f"  response length {s['response_length_mean']:.1f} tokens (mean), "
-                  f"{s['ended_with_eos']:.0%} ended with eos; {s['tokens_per_s']:.0f} tokens/s over {s['seconds']:.1f} s")
-            for key in ("output", "summary"):
-                print(f"  {key:<10} {s[key]}")
-    finally:
-        teardown()
-    return 0
+    return _torchrun_job(args, infer, _report_infer)
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
@@ -189,8 +235,18 @@ def cmd_rl(args: argparse.Namespace) -> int:
         from shardwise.errors import ConfigError
 
         raise ConfigError("--nproc", f"{nproc} is not a positive number of processes", "e.g. --nproc 2")
+    from shardwise.jobs.rundir import RunDirLock, command_line
+
+    RunDirLock(cfg.run.dir, command_line()).check_free()
     trainer.prepare(cfg, nproc)  # config errors exit 2 here, before Ray starts
-    summary = trainer.run(cfg, nproc)
+
+    with RunDirLock(cfg.run.dir, command_line()), _sigterm_as_interrupt():
+        try:
+            summary = trainer.run(cfg, nproc)
+        except KeyboardInterrupt:
+            sig = _INTERRUPTS[-1] if _INTERRUPTS else "SIGINT"
+            print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
+            return 143 if sig == "SIGTERM" else 130
     last = summary["history"][-1] if summary.get("history") else {}
     print(f"done: {summary['steps']} {cfg.rl.algorithm} steps"
           + (f", final reward {last['reward/mean']:.3f}" if last else ""))
@@ -205,10 +261,31 @@ def cmd_rl(args: argparse.Namespace) -> int:
         phases = {k[5:]: v for k, v in timing.items() if k != "time/step"}
         print(f"  seconds per step {step_s:.2f} (mean; "
               + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
-    for key in ("metrics", "checkpoint", "hf", "plot"):
-        if summary.get(key):
-            print(f"  {key:<10} {summary[key]}")
+    _print_paths(summary, ("metrics", "checkpoint", "hf", "plot"))
     return 0
+
+
+_INTERRUPTS: list[str] = []
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM ends the controller like Ctrl-C: the worker groups are stopped on the way out."""
+    import signal
+
+    def handler(signum, _frame):
+        _INTERRUPTS.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -228,25 +305,28 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    sp = sub.add_parser("plan", help="print the sharding plan of a config (no process group, no weights)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="print full tracebacks (of every rank and worker) instead of one line per error")
+    sp = sub.add_parser("plan", parents=[common], help="print the sharding plan of a config (no process group, no weights)")
     sp.add_argument("config")
     sp.add_argument("overrides", nargs="*", help="key.sub=value")
     sp.add_argument("--world-size", type=int, default=None)
     sp.add_argument("--json", action="store_true")
-    tp = sub.add_parser("train", help="supervised fine-tuning (SFT) with the FSDP2 train engine")
+    tp = sub.add_parser("train", parents=[common], help="supervised fine-tuning (SFT) with the FSDP2 train engine")
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")
     tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
-    ip = sub.add_parser("infer", help="generate (and score) responses to data.source's prompts with the FSDP2 "
+    ip = sub.add_parser("infer", parents=[common], help="generate (and score) responses to data.source's prompts with the FSDP2 "
                         "infer engine")
     ip.add_argument("config")
     ip.add_argument("overrides", nargs="*", help="key.sub=value")
     ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
-    rp = sub.add_parser("rl", help="RL post-training (GRPO, PPO): a single controller over Ray workers")
+    rp = sub.add_parser("rl", parents=[common], help="RL post-training (GRPO, PPO): a single controller over Ray workers")
     rp.add_argument("config")
     rp.add_argument("overrides", nargs="*", help="key.sub=value")
     rp.add_argument("--nproc", type=int, default=None, help="number of worker processes (Ray actors); default 1")
-    ep = sub.add_parser("export", help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
+    ep = sub.add_parser("export", parents=[common], help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
     ep.add_argument("checkpoint_dir")
     ep.add_argument("out_dir")
     return p
@@ -263,11 +343,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = list(args.overrides) + rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "debug", False):
+        os.environ["SHARDWISE_DEBUG"] = "1"  # the ranks and Ray workers inherit it
     try:
         return COMMANDS[args.command](args)
-    except ShardwiseError as e:
-        print(f"shardwise: {e}", file=sys.stderr)
+    except BaseException as e:  # noqa: BLE001 - sorted below; what is not ours is re-raised
+        return _exit_status(e)
+
+
+def _exit_status(e: BaseException) -> int:
+    """How an error ends the command. User errors: one line, status 2. In a rank under
+    torchrun: the error goes to the launcher's error folder (which prints one line for the
+    whole job) and the rank leaves at once, without waiting for its peers. A failed Ray
+    worker: one line (status 2 for a user error). Anything else in this process is a bug:
+    Python's traceback."""
+    from shardwise.distributed import launch
+
+    if _under_torchrun() and not isinstance(e, SystemExit):
+        launch.rank_failed(e)
+    if isinstance(e, ShardwiseError):
+        print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
+        if launch.debug_enabled():
+            traceback.print_exception(e)
         return EXIT_USER_ERROR
+    from shardwise.rl.cluster import WorkerError
+
+    if isinstance(e, WorkerError):
+        print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
+        if launch.debug_enabled():
+            traceback.print_exception(e)
+        return 1
+    raise e
 
 
 if __name__ == "__main__":

@@ -53,6 +53,26 @@ def tokenize_pair(tokenizer: Any, prompt: str, response: str, max_length: int) -
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
+def truncation_note(tokenizer: Any, records: Sequence[dict[str, Any]], max_length: int,
+                    with_response: bool) -> str | None:
+    """One sentence about the records longer than `max_length` tokens once tokenized (as
+    `tokenize_pair` when `with_response`, else as `tokenize_prompt`), or None when none is.
+    Jobs print it once at start: truncation changes what is trained on or asked."""
+    lengths = []
+    for r in records:
+        n = len(_prefix(tokenizer)) + len(_encode(tokenizer, r["prompt"]))
+        if with_response:
+            n += len(_encode(tokenizer, r["response"] or "")) + 1
+        lengths.append(n)
+    long = [n for n in lengths if n > max_length]
+    if not long:
+        return None
+    what = "examples (prompt + response)" if with_response else "prompts"
+    kept = "their beginning is kept" if with_response else "their last tokens are kept"
+    return (f"{len(long)} of {len(lengths)} {what} are longer than data.max_length={max_length} tokens "
+            f"(longest {max(long)}) and are truncated ({kept}); raise data.max_length to keep them whole")
+
+
 def tokenize_prompt(tokenizer: Any, prompt: str, max_length: int) -> list[int]:
     """Prompt token ids for generation: ``[bos] + prompt`` (no eos), the last
     `max_length` tokens kept so the text just before the answer survives."""

@@ -80,13 +80,20 @@ def init_distributed(timeout_s: float | None = None) -> Runtime:
                    device=device, backend=backend)
 
 
-def teardown() -> None:
-    """Destroy the default group if this process made one (safe to call twice)."""
-    if dist.is_initialized():
-        try:
+def teardown(graceful: bool = True) -> None:
+    """Destroy the default group if this process made one (safe to call twice).
+
+    `graceful`: wait for every rank first (a barrier), so no rank leaves while a peer still
+    needs it. On an error path pass False: the peers may be in another collective, or dead,
+    and a barrier would wait for them until the process group's timeout.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if graceful:
             dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    finally:
+        dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:

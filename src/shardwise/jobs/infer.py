@@ -84,9 +84,12 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     from shardwise.fsdp.build import plan_for
     from shardwise.rl.workers.reward import resolve_reward_fn
 
+    from shardwise.jobs.inputs import check_model
+
     world = world_size if world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     train_only(spec.ulysses, "`shardwise infer`")
+    check_model(cfg)
     plan_for(cfg, spec)
     name = reward_spec(cfg)
     if name is not None:
@@ -125,6 +128,12 @@ def run(cfg: Config, runtime: Runtime) -> dict[str, Any]:
         raise ConfigError("model.tokenizer", "the tokenizer has no eos token", "generation stops at eos; "
                           "use a tokenizer that defines one")
     check_vocab(tokenizer, load_hf_config(cfg.model))
+    if runtime.is_main:
+        from shardwise.data.collate import truncation_note
+
+        note = truncation_note(tokenizer, records, cfg.data.max_length, with_response=False)
+        if note:
+            log.warning("data: %s", note)
     engine = InferEngine(cfg, runtime)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rollout = HFRollout(engine.model, RolloutConfig(n=icfg.n, max_new_tokens=icfg.max_new_tokens,

@@ -33,12 +33,17 @@ class Prepared:
 
 
 def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
-    """All config checks that need the world size; raises ConfigError, starts nothing."""
+    """All config and input checks (world size, model folder, data, resume folder); raises
+    a ShardwiseError, starts nothing, writes nothing."""
+    from shardwise.fsdp.build import plan_for
+    from shardwise.jobs.inputs import check_data, check_model, check_resume
+
     world = world_size if world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     accum = check_batch_sizes(cfg.train, spec.dp_size)
-    from shardwise.fsdp.build import plan_for
-
+    check_model(cfg)
+    check_resume(cfg)
+    check_data(cfg, cfg.data.response_key)
     plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     if spec.ulysses > 1:
         from shardwise.distributed.ulysses import check_model
@@ -85,13 +90,16 @@ class SFTData:
     """Tokenised examples and the per-step batches of this rank."""
 
     def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_size: int):
-        from shardwise.data.collate import tokenize_pair
+        from shardwise.data.collate import tokenize_pair, truncation_note
         from shardwise.data.sampler import GlobalBatchSampler
         from shardwise.data.sources import load_records
 
         d = cfg.data
         records = load_records(d.source, d.prompt_key, d.response_key, seed=cfg.run.seed)
         self.examples = [tokenize_pair(tokenizer, r["prompt"], r["response"], d.max_length) for r in records]
+        note = truncation_note(tokenizer, records, d.max_length, with_response=True) if dist.get_rank() == 0 else None
+        if note:
+            log.warning("data: %s", note)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -113,6 +121,11 @@ class SFTData:
         indices = next(self._it)
         global_examples = [self.examples[i] for i in indices]
         loss_tokens = sum(example_loss_tokens(ex) for ex in global_examples)
+        if loss_tokens == 0:
+            from shardwise.errors import DataError
+
+            raise DataError(f"data.max_length: no example of a global batch keeps a response token after "
+                            f"truncation to {self.cfg.data.max_length} tokens; raise data.max_length")
         tokens = sum(len(ex["input_ids"]) for ex in global_examples)
         mine = rank_share(indices, self.dp_rank, self.dp_size)
         mbs = [self.collate([self.examples[i] for i in mb])
@@ -150,7 +163,7 @@ def run(cfg: Config, runtime: Runtime) -> dict:
         if runtime.is_main:
             log.info("resumed from %s at step %d", start, engine.step)
     max_steps = cfg.train.max_steps
-    metrics = MetricsWriter(run_dir, enabled=runtime.is_main)
+    metrics = MetricsWriter(run_dir, enabled=runtime.is_main, after_step=engine.step)
     bar = Progress(total=max_steps, enabled=runtime.is_main, desc="sft", initial=engine.step)
     last = {}
     try:

@@ -9,6 +9,7 @@ The flow (driven by `shardwise.fsdp.build_sharded_model`):
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -21,6 +22,74 @@ from shardwise.config.schema import ModelConfig
 from shardwise.errors import ConfigError
 
 _TASKS = ("causal_lm", "sequence_classification", "token_classification")
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin")
+"""Weight files that are pickles: refused, since unpickling a file can run code."""
+
+
+def check_weights_folder(path: str | os.PathLike[str], key: str = "model.path") -> list[Path]:
+    """The safetensors files of the HF folder `path`, checked without loading any weight.
+
+    Raises ConfigError on `key` when the folder is missing, has no config.json, holds only
+    pickled weights (pytorch_model.bin: unpickling can run code, so shardwise never does; the
+    message says how to convert), holds no weights at all, lists a shard in its index that is
+    absent, or has a safetensors file whose header is unreadable or promises more bytes than
+    the file holds (a truncated copy).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(key, f"{str(folder)!r} " + ("is a file, not a folder" if folder.exists()
+                                                     else "does not exist"),
+                          "point it at a folder written by save_pretrained")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(key, f"{str(folder)!r} holds no config.json", "point it at a folder written by save_pretrained")
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(key, f"{str(index)!r} is not a readable safetensors index ({type(e).__name__})",
+                              "write the folder again with save_pretrained") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ConfigError(key, f"{str(folder)!r}: {SAFETENSORS_INDEX} lists {missing[0]!r}, which is missing"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                              "copy the whole folder")
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted({p.name for pat in PICKLE_WEIGHTS for p in folder.glob(pat)})
+        if pickles:
+            raise ConfigError(key, f"{str(folder)!r} holds only pickled weights ({', '.join(pickles[:3])}), which "
+                              "shardwise does not load because unpickling can run code",
+                              "convert the folder once in a Python you trust: AutoModelForCausalLM.from_pretrained("
+                              "DIR).save_pretrained(NEW_DIR) writes model.safetensors")
+        raise ConfigError(key, f"{str(folder)!r} holds config.json but no weights (*.safetensors)",
+                          "point it at a folder written by save_pretrained, or use model.config for a random init")
+    for f in files:
+        _check_safetensors_header(f, key)
+    return files
+
+
+def _check_safetensors_header(file: Path, key: str) -> None:
+    """The 8-byte header length, the JSON header and the data size it promises."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ValueError("header length does not fit the file")
+            header = json.loads(fh.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError) as e:
+        raise ConfigError(key, f"{str(file)!r} is not a readable safetensors file ({e})",
+                          "copy or write the folder again") from None
+    if 8 + n + end > size:
+        raise ConfigError(key, f"{str(file)!r} is truncated: its header promises {8 + n + end} bytes, the file has "
+                          f"{size}", "copy or write the folder again")
 
 
 def _auto_class(task: str):
@@ -79,7 +148,12 @@ def build_meta_model(model: ModelConfig, task: str = "causal_lm", **config_extra
         raise ConfigError("model.attn_implementation", f"{model.attn_implementation!r} is not usable here: {e}",
                           "use sdpa or eager") from e
     except ValueError as e:
-        raise ConfigError("model", f"transformers cannot build this model: {e}") from e
+        # transformers' message may list every model class it knows: keep its first sentence.
+        first = " ".join(str(e).split())
+        first = first.split(". ")[0][:300]
+        raise ConfigError("model", f"transformers cannot build a {task} model from this "
+                          f"{getattr(cfg, 'model_type', '?')} config: {first}",
+                          "check model.config / model.path's config.json (model_type, sizes)") from None
     return m
 
 
@@ -97,7 +171,7 @@ def build_full_model(model: ModelConfig, seed: int, task: str = "causal_lm", **c
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         if model.path is not None:
-            m = cls.from_pretrained(model.path, config=cfg, dtype=dtype,
+            m = cls.from_pretrained(model.path, config=cfg, dtype=dtype, use_safetensors=True,
                                     attn_implementation=model.attn_implementation,
                                     trust_remote_code=model.trust_remote_code)
         else:

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from shardwise.errors import ShardwiseError
 from shardwise.rl.dispatch import (
     Layout,
     collect_results,
@@ -216,6 +217,10 @@ class RayWorkerGroup:
                 rank = index[ready[0]]
                 self.shutdown(graceful=False)
                 cause = getattr(e, "cause", None) or e
+                if isinstance(cause, ShardwiseError):
+                    # The user's mistake, found in a worker: the same one line and exit
+                    # status as when the controller finds it (the traceback stays on `e`).
+                    raise cause from e
                 raise WorkerError(f"{self.name}.{what} failed on rank {rank}: {type(cause).__name__}: "
                                   f"{cause}") from e
         return ray.get(futures)

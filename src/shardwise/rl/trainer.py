@@ -96,6 +96,14 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
         raise ConfigError("rl.reward.model", f"{rl.reward.model!r} holds no config.json",
                           "point it at a sequence-classification model folder written by save_pretrained")
     from shardwise.fsdp.build import plan_for
+    from shardwise.jobs.inputs import check_data, check_model, check_resume
+    from shardwise.models.loading import check_weights_folder
+
+    check_model(cfg)
+    if rl.reward.model is not None:
+        check_weights_folder(rl.reward.model, "rl.reward.model")
+    check_resume(cfg)
+    check_data(cfg, cfg.data.response_key)
 
     plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     return Prepared(cfg, spec, rows)
@@ -162,6 +170,11 @@ class Controller:
         self.eos_id = self.tokenizer.eos_token_id
         d = cfg.data
         self.records = load_records(d.source, d.prompt_key, d.response_key, seed=cfg.run.seed)
+        from shardwise.data.collate import truncation_note
+
+        note = truncation_note(self.tokenizer, self.records, d.max_length, with_response=False)
+        if note:
+            log.warning("data: %s", note)
         self.sampler = GlobalBatchSampler(len(self.records), cfg.train.global_batch_size, cfg.run.seed)
         self._batches = iter(self.sampler)
         self.reward_fn = None
@@ -389,7 +402,7 @@ def run(cfg: Config, world_size: int) -> dict[str, Any]:
         resumed = ctl.resume()
         summary["resumed_from_step"] = ctl.step if resumed else None
         summary["accuracy_before"] = ctl.evaluate()
-        writer = MetricsWriter(ctl.run_dir, enabled=True)
+        writer = MetricsWriter(ctl.run_dir, enabled=True, after_step=ctl.step)
         bar = Progress(total=max_steps, enabled=True, desc=cfg.rl.algorithm, initial=ctl.step)
         history: list[dict[str, float]] = []
         try:

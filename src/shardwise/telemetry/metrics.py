@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["MetricsWriter", "read_metrics", "to_json_value", "NONFINITE_STRINGS"]
+__all__ = ["MetricsWriter", "drop_steps_after", "read_metrics", "to_json_value", "NONFINITE_STRINGS"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,11 @@ class MetricsWriter:
             package is importable. Without it this is silently a no-op (logged at INFO),
             since the default is on and most runs do not install it.
 
+        after_step: the step the run starts after (0 for a fresh run, the checkpoint's step
+            for a resumed one). Lines of later steps already in the file are dropped first:
+            the run is about to log those steps again, and each step must appear once.
+            None keeps the file as it is.
+
     The file is opened in append mode, so a resumed run continues the same file; each line
     is flushed as it is written, so a crash of the process loses no logged line.
     Use as a context manager or call `close`.
@@ -102,6 +107,7 @@ class MetricsWriter:
         enabled: bool,
         filename: str = "metrics.jsonl",
         tensorboard: bool = True,
+        after_step: int | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.enabled = bool(enabled)
@@ -115,6 +121,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if after_step is not None:
+            drop_steps_after(self.path, after_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             writer_class = _tensorboard_writer_class()
@@ -179,6 +187,29 @@ class MetricsWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def drop_steps_after(path: str | os.PathLike[str], step: int) -> int:
+    """Rewrite the metrics file `path` without the lines of steps after `step` (and without
+    a truncated last line); returns how many lines were dropped. A missing file is fine."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            record = None  # a line cut by a crash
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -136,7 +136,11 @@ class RLWorker:
         if self._critic_ckpt is not None:
             critic_path = self._critic_ckpt.dir / path.name
             if not is_complete(critic_path):
-                raise RuntimeError(f"resuming from {path}: the critic has no complete checkpoint at {critic_path}")
+                from shardwise.errors import ConfigError
+
+                raise ConfigError("checkpoint.resume", f"resuming from {str(path)!r}: the critic has no complete "
+                                  f"checkpoint at {str(critic_path)!r}",
+                                  "resume from a step both were saved at, or set checkpoint.resume=never")
             critic_extra = self._critic_ckpt.load(self.critic.engine, critic_path)
             extra = critic_extra if extra is None else extra
         if self.runtime.is_main:
