@@ -5,10 +5,15 @@ Each row is one named configuration: it trains a tiny HF model for 5 optimizer s
 same initial weights on the same global batches (tests/dist/common.py:reference_run). The
 per-step losses and the final parameters must agree.
 
-fp32 tolerance: 1e-5 relative on losses, and 2e-6 absolute on parameters: the only
-difference is the order of floating-point sums (reduce-scatter, gradient accumulation),
-which moves results by a few ulps; AdamW's normalisation can amplify a gradient difference
-of one ulp only where the gradient is ~eps, i.e. by at most lr * eps-sized amounts.
+fp32 tolerance: 1e-5 relative on losses (observed <= 6e-8); parameters by
+`assert_trained_params_close` (tests/dist/common.py, where the argument is written out):
+99.9% of elements within 2e-6, all within lr x steps, and the difference's norm below 1e-3
+of the update's. The only difference between the runs is the order of floating-point sums
+(reduce-scatter, gradient accumulation, vector kernels), a few ulps for most gradient
+elements; AdamW turns the relative error of a gradient element into a relative error of
+its step, which is large only for the rare element whose gradient cancels to near zero.
+A parameter 2.15e-6 off after 5 steps (ulysses_dp2_sp2_llama_tied under
+ATEN_CPU_CAPABILITY=avx2) is such an element; one absolute bound per element failed there.
 
 bf16 tolerance (rows marked bf16): the sharded run computes with bf16 parameters while the
 reference computes in fp32. bf16 has 8 bits of mantissa (relative rounding 2^-9 = 0.2%);
@@ -25,12 +30,13 @@ from functools import lru_cache
 import pytest
 import torch
 
-from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, reference_run, sharded_run
+from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, assert_trained_params_close, reference_run, sharded_run
 from dist.launcher import run_ranks
 
 STEPS = 5
 GLOBAL_BATCH = 8
-BASE = ["train.optimizer.lr=1e-3", "train.scheduler.warmup_steps=2", f"train.max_steps={STEPS}",
+LR = 1e-3
+BASE = [f"train.optimizer.lr={LR}", "train.scheduler.warmup_steps=2", f"train.max_steps={STEPS}",
         "train.grad_clip=1.0"]
 
 # name: (world, micro_batch_size, model, overrides, precision)
@@ -68,8 +74,8 @@ MATH_KEYS = ("model.freeze",)
 
 
 @lru_cache(maxsize=None)
-def _reference(model: str, micro: int, math: tuple[str, ...] = ()) -> dict:
-    return reference_run([model, *FP32, *BASE, *math], STEPS, GLOBAL_BATCH, micro)
+def _reference(model: str, micro: int, math: tuple[str, ...] = (), steps: int = STEPS) -> dict:
+    return reference_run([model, *FP32, *BASE, *math], steps, GLOBAL_BATCH, micro)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -88,12 +94,12 @@ def test_sharded_equals_unsharded(name):
     assert params.keys() == ref["params"].keys()
     if precision == "fp32":
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-        for k in params:
-            torch.testing.assert_close(params[k], ref["params"][k], rtol=0, atol=2e-6, msg=k)
+        init = _reference(model, micro, tuple(o for o in overrides if o.startswith(MATH_KEYS)), steps=0)
+        assert_trained_params_close(params, ref["params"], init["params"], LR, STEPS)
     else:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
         assert not torch.equal(got, want), "bf16 run matched fp32 bitwise: mixed precision not applied?"
-        init = reference_run([model, *FP32, *BASE], 0, GLOBAL_BATCH, micro)["params"]
+        init = _reference(model, micro, steps=0)["params"]
         for k in params:
             torch.testing.assert_close(params[k], ref["params"][k], rtol=0, atol=4e-3, msg=k)
         moved = sum(float((params[k] - init[k]).abs().max()) > 1e-4 for k in params)

@@ -4,7 +4,7 @@ group, the single controller in the CLI process.
 - resume: a PPO run (critic and reward model colocated with the actor, a user reward
   function) stopped at step 2 and resumed to step 4 logs exactly the metrics of an
   uninterrupted 4-step run (actor, critic, optimizers, sampler, sampling seeds restored);
-- GRPO from an SFT warm start on builtin:arithmetic raises the mean reward;
+- GRPO from the SFT warm start raises the mean reward (of a reward it can learn in 12 steps);
 - PPO with the critic in a worker group of its own (GAE) lowers its value loss.
 """
 
@@ -94,17 +94,28 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+STARTS_WITH_ONE = ("def starts_with_one(prompt, response, ground_truth):\n"
+                   "    return 1.0 if response.strip().startswith('1') else 0.0\n")
+
+
 def test_grpo_from_sft_raises_mean_reward(sft_demo_model, tmp_path):
+    # A learning signal that holds for any seed and CPU. The arithmetic reward itself rises
+    # too slowly for a test (0.329 -> 0.362 over 40 steps on one machine, 0.234 -> 0.239
+    # on another: the SFT model differs between CPUs), so the reward here is one the
+    # SFT model earns on 21-38% of its samples and GRPO can raise quickly: an answer that
+    # starts with "1". Measured (lr 5e-4, 64 prompts x 8 samples, 12 steps), mean reward
+    # of steps 1-3 -> steps 10-12: +0.43, +0.31, +0.32 (seeds 0, 1, 2, AVX512 kernels,
+    # SFT model at 33.5% held-out accuracy) and +0.51, +0.31 (seeds 0, 1, AVX2 kernels,
+    # whose SFT run ends at 71%): mean 0.38, std 0.09; asserted > 0.15.
+    (tmp_path / "easy.py").write_text(STARTS_WITH_ONE)
     run_dir = tmp_path / "grpo"
-    res = rl(run_dir, f"model.path={sft_demo_model}", "train.max_steps=40", "checkpoint.every_steps=0")
-    # Measured on this machine (the run is deterministic: seeded init, data and sampling,
-    # gloo sums): mean sampled reward 0.329 over steps 1-10, 0.362 over steps 31-40
-    # (64 prompts x 8 samples per step, lr 1e-4). The greedy held-out accuracy moves less
-    # (33.5% -> ~35% after 60 steps in `make demo`): RL first sharpens the sampling.
+    res = rl(run_dir, f"model.path={sft_demo_model}", "train.max_steps=12", "checkpoint.every_steps=0",
+             "rl.reward.function=easy:starts_with_one", "train.optimizer.lr=5e-4", cwd=tmp_path)
     m = metrics(run_dir)
-    first = sum(x["reward/mean"] for x in m[:10]) / 10
-    last = sum(x["reward/mean"] for x in m[-10:]) / 10
-    assert last > first + 0.02, (first, last, [round(x["reward/mean"], 3) for x in m])
+    first = sum(x["reward/mean"] for x in m[:3]) / 3
+    last = sum(x["reward/mean"] for x in m[-3:]) / 3
+    assert last > first + 0.15, (first, last, [round(x["reward/mean"], 3) for x in m])
+    assert m[-1]["kl"] > 0  # the policy moved away from the reference
     assert "held-out accuracy (greedy): before RL" in res.stdout
     assert (run_dir / "hf" / "config.json").is_file() and (run_dir / "rl.png").is_file()
 
