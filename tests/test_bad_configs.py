@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from dist.launcher import REPO_ROOT, run_cli
+
 from shardwise.cli import main
 
 EXAMPLE = "examples/tiny_qwen3.yaml"  # 4 layers, untied, global batch 16, micro 4

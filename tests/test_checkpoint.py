@@ -30,9 +30,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from dist.common import FP32, TINY_QWEN3, full_params, loss_tokens, make_global_batch, micro_batches_of
+from dist.common import (
+    FP32,
+    TINY_QWEN3,
+    eval_loss,
+    full_params,
+    loss_tokens,
+    make_global_batch,
+    micro_batches_of,
+)
 from dist.launcher import run_ranks
+
 from shardwise.checkpoint.dcp import (
     COMMITTED,
     CheckpointManager,
@@ -83,12 +91,15 @@ def _train(engine, step: int) -> float:
 def _eval(engine) -> float:
     rank, world = engine.runtime.rank, engine.runtime.world_size
     rows = make_global_batch(EVAL_STEP, GLOBAL_BATCH)
-    return engine.eval_loss(micro_batches_of(rows, rank, world, MICRO), loss_tokens(rows))
+    return eval_loss(engine, micro_batches_of(rows, rank, world, MICRO), loss_tokens(rows))
 
 
 def _full_optim(engine) -> dict[str, torch.Tensor]:
     """Full AdamW state (exp_avg, exp_avg_sq, step) by `<fqn>.<name>`, on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     osd = get_optimizer_state_dict(engine.model, engine.optimizer,
                                    options=StateDictOptions(full_state_dict=True, cpu_offload=False))
@@ -159,11 +170,12 @@ def second_half(rank: int, world: int, run_dir: str) -> dict:
 
 
 def _await_written(run_dir: str, step: int, timeout: float = 60.0) -> None:
-    """Until DCP's coordinator has written .metadata (after every rank's data) in the
-    uncommitted folder of `step`."""
+    """Until DCP's coordinator has written .metadata (after every rank's data) in the folder
+    of `step`: still uncommitted, or already committed and renamed by the background commit."""
     deadline = time.monotonic() + timeout
-    pattern = f"{step_dir_name(step)}.tmp-*/.metadata"
-    while not list((Path(run_dir) / "checkpoints").glob(pattern)):
+    folder = Path(run_dir) / "checkpoints"
+    while not (list(folder.glob(f"{step_dir_name(step)}.tmp-*/.metadata"))
+               or (folder / step_dir_name(step) / ".metadata").is_file()):
         assert time.monotonic() < deadline, f"async save of step {step} wrote nothing in {timeout} s"
         time.sleep(0.01)
 

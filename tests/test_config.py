@@ -13,8 +13,7 @@ from shardwise.config import Config, apply_overrides, load_config
 from shardwise.config.dtypes import canonical_dtype, dtype_bytes, to_torch_dtype
 from shardwise.config.load import parse_override_value
 from shardwise.config.schema import ParallelConfig, TrainConfig
-from shardwise.distributed.mesh import mesh_spec
-from shardwise.engine.batching import check_batch_sizes
+from shardwise.config.validate import check_sft_batch, mesh_spec
 from shardwise.errors import ConfigError
 
 # ---------------------------------------------------------------------------- dtype names
@@ -385,8 +384,8 @@ def test_mesh_spec_rejects(world: int, overrides: dict, key: str, fragment: str)
         (16, 16, 1, 1),
     ],
 )
-def test_check_batch_sizes(micro: int, global_: int, dp: int, accum: int) -> None:
-    assert check_batch_sizes(TrainConfig(micro_batch_size=micro, global_batch_size=global_), dp) == accum
+def test_check_sft_batch(micro: int, global_: int, dp: int, accum: int) -> None:
+    assert check_sft_batch(TrainConfig(micro_batch_size=micro, global_batch_size=global_), dp) == accum
 
 
 @pytest.mark.parametrize(
@@ -400,7 +399,7 @@ def test_check_batch_sizes(micro: int, global_: int, dp: int, accum: int) -> Non
 )
 def test_check_batch_sizes_rejects(micro: int, global_: int, dp: int, fragments: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
-        check_batch_sizes(TrainConfig(micro_batch_size=micro, global_batch_size=global_), dp)
+        check_sft_batch(TrainConfig(micro_batch_size=micro, global_batch_size=global_), dp)
     assert info.value.key == "train.global_batch_size"
     for f in fragments:
         assert f in str(info.value)
@@ -411,7 +410,7 @@ def test_global_batch_not_a_multiple_of_micro_is_an_sft_error_not_a_schema_error
     # schema accepts any pair; the SFT job (and `plan`) check it with the world size.
     cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=18"])
     with pytest.raises(ConfigError) as info:
-        check_batch_sizes(cfg.train, 1)
+        check_sft_batch(cfg.train, 1)
     assert info.value.key == "train.global_batch_size"
     assert "18 is not a multiple of micro_batch_size x data-parallel size (4 x 1 = 4)" in str(info.value)
     assert "try 16" in str(info.value)

@@ -17,7 +17,6 @@ from shardwise.data.collate import (
     tokenize_pair,
     tokenize_prompt,
 )
-from shardwise.errors import DataError
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share
 from shardwise.data.sources import load_records
 from shardwise.data.tasks import (
@@ -27,7 +26,7 @@ from shardwise.data.tasks import (
     score_arithmetic,
 )
 from shardwise.data.tokenizer import CHAR_VOCAB_SIZE, build_char_tokenizer
-from shardwise.errors import ShardwiseError
+from shardwise.errors import DataError, ShardwiseError
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, loss_tokens, make_global_batch, micro_batches_of
+from dist.common import (
+    FP32,
+    TINY_LLAMA,
+    TINY_QWEN3,
+    TINY_QWEN3_MOE,
+    loss_tokens,
+    make_global_batch,
+    micro_batches_of,
+)
 from dist.launcher import run_ranks
 
 MODELS = {
@@ -197,7 +204,6 @@ def test_plain_transformers_reproduces_sharded_logits(exported, name, sub):
 def test_export_holds_trained_weights_not_the_seeded_init(exported):
     from shardwise.config import load_config
     from shardwise.models.loading import build_full_model
-
     from shardwise.models.patches.moe import fused_experts_modules, split_moe_experts
 
     for name in MODELS:
@@ -326,7 +332,8 @@ def test_checkpoint_dir_without_meta_is_a_user_error(tmp_path):
     ([], 8, [[]]),                   # nothing to write: still one (empty) file
 ])
 def test_plan_shards(sizes, limit, expected):
-    from shardwise.checkpoint.hf_export import TensorEntry, plan_shards
+    from shardwise.checkpoint.hf_export import plan_shards
+    from shardwise.models.layout import TensorEntry
 
     entries = [TensorEntry(f"w{i}", f"w{i}", (s,), torch.uint8) for i, s in enumerate(sizes)]
     got = plan_shards(entries, limit)

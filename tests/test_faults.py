@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, _process_tree, run_cli
 
@@ -175,6 +174,16 @@ def test_resume_from_a_missing_folder_exits_2(command, tmp_path, capsys, monkeyp
     assert not (tmp_path / "run").exists()
 
 
+def test_rl_resume_from_a_missing_folder_through_the_real_command(tmp_path):
+    # The workers' own check of the folder (a damaged one, found when they verify it) is in
+    # tests/test_rl_trainer.py; this one is found before Ray starts.
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={tmp_path / 'run'}", "model.path=null", TINY_QWEN3,
+                   f"checkpoint.resume={tmp_path / 'nowhere'}"], timeout=120)
+    line = one_line(res)
+    assert "checkpoint.resume" in line and "does not exist" in line, line
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------ failures inside ranks
 
 
@@ -231,10 +240,10 @@ class Job:
             env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1"})
 
     def wait_for_checkpoint(self, timeout: float = 180) -> None:
+        """Until a checkpoint is committed (any step: keep_last prunes the early ones)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            done = self.run_dir / "checkpoints" / "step_00000003" / "COMMITTED"
-            if done.is_file():
+            if list((self.run_dir / "checkpoints").glob("step_*/COMMITTED")):
                 return
             assert self.proc.poll() is None, self.output()
             time.sleep(0.5)

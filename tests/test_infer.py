@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist.common import FP32, TINY_QWEN3
 from dist.launcher import run_ranks
 

@@ -57,9 +57,37 @@ def plain_greedy(hf_dir: Path, prompts: list[str], max_new_tokens: int) -> list[
     return out
 
 
+@torch.no_grad()
+def task_accuracy(hf_dir: Path, task_name: str, n: int, seed: int, max_new_tokens: int = 6,
+                  batch_size: int = 50) -> float:
+    """The reference: plain unsharded transformers on the exported folder, left-padded
+    batches of 50, greedy, scored by the task's own scorer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardwise.data.collate import tokenize_prompt
+    from shardwise.data.tasks import get_builtin_task
+
+    task = get_builtin_task(task_name)
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    examples = task.make_examples(n, seed)
+    correct = 0.0
+    for i in range(0, n, batch_size):
+        chunk = examples[i:i + batch_size]
+        ids = [tokenize_prompt(tok, ex["prompt"], 64) for ex in chunk]
+        width = max(len(x) for x in ids)
+        pad = tok.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+        for ex, row in zip(chunk, out[:, width:]):
+            correct += task.score(ex["prompt"], tok.decode(row, skip_special_tokens=False), ex["response"])
+    return correct / n
+
+
 def test_greedy_on_two_ranks_equals_plain_unsharded_generate(sft_demo_model, tmp_path):
     from shardwise.data.tasks import HELDOUT_SEED_OFFSET, get_builtin_task
-    from shardwise.jobs.evaluate import task_accuracy
 
     run_dir = tmp_path / "run"
     # 32 prompts per call: 4 calls per rank, the last with 4 prompts, all of other widths
@@ -75,7 +103,10 @@ def test_greedy_on_two_ranks_equals_plain_unsharded_generate(sft_demo_model, tmp
     accuracy = task_accuracy(sft_demo_model, "arithmetic", n=200, seed=HELDOUT_SEED_OFFSET)
     summary = json.loads((run_dir / "infer_summary.json").read_text())
     assert summary["accuracy"] == accuracy == sum(r["score"] for r in got) / 200
-    assert 0.2 < accuracy < 0.6  # measured 33.5%: right and wrong answers, a real comparison
+    # Right and wrong answers both, so the comparison means something. The demo SFT model's
+    # accuracy depends on the CPU's kernels (33.5% with AVX512, 71.0% with AVX2: 1000
+    # steps at lr 2e-3 amplify rounding), so the bounds only exclude all-or-nothing.
+    assert 0.05 < accuracy < 0.95
     assert f"accuracy (builtin:arithmetic): {accuracy:.1%}" in res.stdout
     assert summary["world_size"] == 2 and summary["responses"] == 200
     assert "infer" in res.stderr  # the rank-0 progress bar

@@ -5,8 +5,7 @@ their gradients in fp32; the other modules compute in bf16."""
 from __future__ import annotations
 
 import torch
-
-from dist.common import TINY_QWEN3, make_global_batch, micro_batches_of, loss_tokens
+from dist.common import TINY_QWEN3, loss_tokens, make_global_batch, micro_batches_of
 from dist.launcher import run_ranks
 
 FP32_MODULES = ["model.norm", "lm_head", "model.rotary_emb", "model.layers.0.input_layernorm"]

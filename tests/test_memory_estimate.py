@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
-
-from dist.common import FP32, TINY_QWEN3, make_global_batch, micro_batches_of, loss_tokens
+from dist.common import (
+    FP32,
+    TINY_QWEN3,
+    loss_tokens,
+    make_global_batch,
+    micro_batches_of,
+)
 from dist.launcher import run_ranks
+from torch.distributed.tensor import DTensor
 
 
 def _storage_bytes(tensors) -> int:

@@ -17,12 +17,20 @@ import copy
 
 import pytest
 import torch
-
-from dist.common import FP32, TINY_QWEN3, TINY_QWEN3_MOE, loss_tokens, make_global_batch, micro_batches_of
-from dist.common import full_params, reference_run
+from dist.common import (
+    FP32,
+    TINY_QWEN3,
+    TINY_QWEN3_MOE,
+    full_params,
+    loss_tokens,
+    make_global_batch,
+    micro_batches_of,
+    reference_run,
+)
 from dist.launcher import run_ranks
+
 from shardwise.config import load_config
-from shardwise.distributed.mesh import mesh_spec
+from shardwise.config.validate import mesh_spec
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.models.patches.moe import PerExpertMoE, split_moe_experts

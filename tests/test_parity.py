@@ -29,8 +29,14 @@ from functools import lru_cache
 
 import pytest
 import torch
-
-from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, assert_trained_params_close, reference_run, sharded_run
+from dist.common import (
+    FP32,
+    TINY_LLAMA,
+    TINY_QWEN3,
+    assert_trained_params_close,
+    reference_run,
+    sharded_run,
+)
 from dist.launcher import run_ranks
 
 STEPS = 5

@@ -1,4 +1,4 @@
-"""The module path pattern grammar (`shardwise.fsdp.patterns`), as tables of inputs and outputs.
+"""The module path pattern grammar (`shardwise.models.patterns`), as tables of inputs and outputs.
 
 All cases run against one fixed list of module paths: a synthetic 24-layer model whose layers
 0-3 and 12 hold 8 experts each (`model.layers.{i}.mlp.experts.{j}`), the other layers a dense
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.errors import PatternError
-from shardwise.fsdp.patterns import compress_indices, match_pattern
+from shardwise.models.patterns import compress_indices, match_pattern
 
 NUM_LAYERS = 24
 MOE_LAYERS = (0, 1, 2, 3, 12)

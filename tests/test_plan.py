@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from torch import nn
-
 from dist.common import TINY_LLAMA, TINY_QWEN3
 from dist.launcher import REPO_ROOT, run_cli
+from torch import nn
+
 from shardwise.config import load_config
-from shardwise.distributed.mesh import mesh_spec
+from shardwise.config.validate import mesh_spec
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 

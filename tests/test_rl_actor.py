@@ -38,8 +38,8 @@ def one_process_order(split: tuple[int, ...], n_mini: int = 2) -> list[int]:
 def rollout_batch():
     """A hand-made rollout batch in the worker layout: left-padded prompts, responses of
     different lengths, advantages of both signs, old log-probs off-policy enough to clip."""
+    from shardwise.data.batch import Batch
     from shardwise.engine.infer import default_position_ids
-    from shardwise.rl.batch import Batch
 
     g = torch.Generator().manual_seed(7)
     T = PROMPT + RESP
@@ -62,8 +62,8 @@ def rollout_batch():
 
 def actor_body(rank: int, world: int, overrides: list[str], split: tuple[int, ...]) -> dict:
     from shardwise.config import load_config
+    from shardwise.data.batch import Batch
     from shardwise.distributed.runtime import init_distributed, teardown
-    from shardwise.rl.batch import Batch
     from shardwise.rl.workers.actor import ActorWorker, ReferenceWorker
 
     runtime = init_distributed(timeout_s=60)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.rl.batch import Batch
+from shardwise.data.batch import Batch
 
 
 def make_batch(rows: int = 6) -> Batch:

@@ -47,8 +47,8 @@ def rollout_batch():
     """Layout rows: prompts left-padded by 0-2, responses of 1-6 tokens right-padded; old
     values and returns drawn independently of the model (returns mostly within the clip
     range of the old values, some beyond it)."""
+    from shardwise.data.batch import Batch
     from shardwise.engine.infer import default_position_ids
-    from shardwise.rl.batch import Batch
 
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(3, 64, (ROWS, T), generator=g)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.rl.batch import Batch
+from shardwise.data.batch import Batch
 from shardwise.rl.dispatch import (
     Dispatch,
     Layout,

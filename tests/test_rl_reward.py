@@ -16,13 +16,13 @@ import torch
 from dist.common import FP32, TINY_QWEN3
 from dist.launcher import run_ranks
 
-from shardwise.data.tasks import score_arithmetic
-from shardwise.errors import ConfigError
-from shardwise.rl.workers.reward import (
+from shardwise.data.rewards import (
     RewardFunctionError,
     resolve_reward_fn,
     score_sequences,
 )
+from shardwise.data.tasks import score_arithmetic
+from shardwise.errors import ConfigError
 
 KEY = "rl.reward.function"
 
@@ -147,8 +147,8 @@ def encode(tok, text: str) -> list[int]:
 def text_batch(tok):
     """Rows in the layout: ``<bos>`` + prompt left-padded to PROMPT_W, response
     right-padded to RESP_W, response_mask on the part before ``|``."""
+    from shardwise.data.batch import Batch
     from shardwise.engine.infer import default_position_ids
-    from shardwise.rl.batch import Batch
 
     pad = tok.pad_token_id
     ids = torch.full((len(ROWS), PROMPT_W + RESP_W), pad, dtype=torch.long)
@@ -244,8 +244,8 @@ PAD_LAST_ROW = 3  # its last real token has the pad id (as with tokenizers where
 
 
 def rm_batch():
+    from shardwise.data.batch import Batch
     from shardwise.engine.infer import default_position_ids
-    from shardwise.rl.batch import Batch
 
     g = torch.Generator().manual_seed(3)
     ids = torch.zeros(len(RM_LAYOUT), SEQ, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""HFRollout and gathered_for_generation on a 2-rank FSDP2 tiny Qwen3 (fp32 parameters).
+"""HFGenerator (the RL rollout's and every job's generation engine) and gathered_for_generation on a 2-rank FSDP2 tiny Qwen3 (fp32 parameters).
 
 One spawned run (module fixture) builds two TrainEngines with the same seeded init: A, on
 which everything is generated, and Ref, which never generates. It records, in order:
@@ -38,7 +38,7 @@ TOL = 1e-5  # fp32 both sides; KV-cached decoding vs one full forward differ onl
 
 def prompts_batch(lengths: list[int], seed: int, width: int | None = None, tag: int = 0, **meta):
     """Left-padded prompts of the given lengths (tokens 1..VOCAB-2: never PAD, never EOS)."""
-    from shardwise.rl.batch import Batch
+    from shardwise.data.batch import Batch
 
     width = width or max(lengths, default=1)
     g = torch.Generator().manual_seed(1000 + tag)
@@ -69,11 +69,11 @@ def _log_probs_of(model, seqs) -> torch.Tensor:
 
 def _settings(model) -> list:
     """Per FSDP state: (auto flag, per-group post_forward_mesh_info identity)."""
-    from shardwise.rl.workers.rollout import _fsdp_states
+    from shardwise.fsdp.gather import fsdp_states
 
     return [(s._auto_reshard_after_forward, [id(g.post_forward_mesh_info) if g.post_forward_mesh_info is not None
                                              else None for g in s._fsdp_param_groups])
-            for _, s in _fsdp_states(model)]
+            for s in (p.state for p in fsdp_states(model))]
 
 
 def _local_shards(model) -> dict[str, torch.Tensor]:
@@ -95,13 +95,14 @@ def _rollout_body(rank: int, world: int, overrides: list[str]) -> dict:
 
     from shardwise.config import load_config
     from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.generate import HFGenerator
     from shardwise.engine.train import TrainEngine
-    from shardwise.rl.workers.rollout import HFRollout, gathered_for_generation
+    from shardwise.fsdp.gather import gathered_for_generation
 
     runtime = init_distributed(timeout_s=30)  # a rank stuck in a collective fails in seconds
     cfg = load_config(None, overrides)
     a, ref = TrainEngine(cfg, runtime), TrainEngine(cfg, runtime)
-    rollout = HFRollout(a.model, cfg.rl.rollout, runtime, pad_id=PAD, eos_id=EOS)
+    rollout = HFGenerator(a.model, cfg.rl.rollout, runtime, pad_id=PAD, eos_id=EOS)
     out: dict = {}
 
     # 1. Uneven numbers of forwards inside the gathered block (rank 0: 3, rank 1: 1).
@@ -135,7 +136,7 @@ def _rollout_body(rank: int, world: int, overrides: list[str]) -> dict:
 
     a.model.generation_config = GenerationConfig(top_k=5, temperature=0.3, suppress_tokens=list(range(32)))
     for name, update in (("hot", {"temperature": 5.0}), ("top_p", {"top_p": 0.5})):
-        seqs = HFRollout(a.model, cfg.rl.rollout.model_copy(update=update), runtime, PAD, EOS
+        seqs = HFGenerator(a.model, cfg.rl.rollout.model_copy(update=update), runtime, PAD, EOS
                          ).generate_sequences(prompts_batch([3, 5, 4], seed=13, tag=rank))
         with torch.no_grad():
             logits = a.model(input_ids=seqs.tensors["input_ids"], attention_mask=seqs.tensors["attention_mask"],
@@ -189,7 +190,7 @@ def _rollout_body(rank: int, world: int, overrides: list[str]) -> dict:
     mine.tensors["prompt_ids"], mine.tensors["prompt_mask"] = (mine.tensors["prompt_ids"][:, -n:],
                                                                mine.tensors["prompt_mask"][:, -n:])
     mine.meta["greedy"] = True
-    eos_rollout = HFRollout(a.model, cfg.rl.rollout, runtime, pad_id=PAD, eos_id=eos)
+    eos_rollout = HFGenerator(a.model, cfg.rl.rollout, runtime, pad_id=PAD, eos_id=eos)
     out["eos"] = eos
     out["eos_seq"] = dict(eos_rollout.generate_sequences(mine).tensors)
 
@@ -241,7 +242,7 @@ def test_generation_leaves_training_bitwise_equal(ranks):
     assert ranks[0]["params_equal_ref"]
 
 
-# ---------------------------------------------------------------- HFRollout
+# ---------------------------------------------------------------- HFGenerator
 
 
 def test_output_layout(ranks):
@@ -392,7 +393,7 @@ def _settings_body(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardwise.distributed.runtime import init_distributed, teardown
-    from shardwise.rl.workers.rollout import _fsdp_states, gathered_for_generation
+    from shardwise.fsdp.gather import fsdp_states, gathered_for_generation
 
     init_distributed(timeout_s=30)
     mesh = init_device_mesh("cpu", (world,))
@@ -403,7 +404,7 @@ def _settings_body(rank: int, world: int) -> dict:
                  ["keep" if g.post_forward_mesh_info is None else
                   "reshard" if g.post_forward_mesh_info is g.mesh_info else
                   f"to {g.post_forward_mesh_info.shard_mesh_size}" for g in s._fsdp_param_groups])
-                for _, s in _fsdp_states(model)]
+                for s in (p.state for p in fsdp_states(model))]
 
     out = {}
     # auto: the model's first forward (torch's lazy root set-up) runs inside the block.
@@ -459,10 +460,10 @@ def test_bad_prompts_raise_before_any_collective(edit, message):
     """Raised on entry, before the all-gather: a plain module and no process group suffice."""
     from shardwise.config.schema import RolloutConfig
     from shardwise.distributed.runtime import Runtime
-    from shardwise.rl.workers.rollout import HFRollout
+    from shardwise.engine.generate import HFGenerator
 
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    rollout = HFRollout(torch.nn.Linear(1, 1), RolloutConfig(), runtime, pad_id=PAD, eos_id=EOS)
+    rollout = HFGenerator(torch.nn.Linear(1, 1), RolloutConfig(), runtime, pad_id=PAD, eos_id=EOS)
     prompts = prompts_batch([2, 3], seed=1)
     edit(prompts)
     with pytest.raises(ValueError, match=re.escape(message)):

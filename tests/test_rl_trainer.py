@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, run_cli
 

@@ -5,20 +5,28 @@ logits; the HF engine, which generates with the actor's parameters, needs no syn
 from __future__ import annotations
 
 import torch
-
-from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, full_params, loss_tokens, make_global_batch, micro_batches_of
+from dist.common import (
+    FP32,
+    TINY_LLAMA,
+    TINY_QWEN3,
+    full_params,
+    loss_tokens,
+    make_global_batch,
+    micro_batches_of,
+)
 from dist.launcher import run_ranks
 
 
 def sync_body(rank: int, world: int, model_override: str) -> dict:
     from shardwise.config import load_config
     from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.generate import GenerationEngine, HFGenerator
     from shardwise.engine.train import TrainEngine
+    from shardwise.fsdp.gather import iter_full_tensors
     from shardwise.models.loading import build_full_model
-    from shardwise.rl.weight_sync import WeightSync, iter_full_tensors
-    from shardwise.rl.workers.rollout import HFRollout, RolloutEngine
+    from shardwise.rl.weight_sync import WeightSync
 
-    class OwnCopyEngine(RolloutEngine):
+    class OwnCopyEngine(GenerationEngine):
         """An engine with its own plain copy of the model (as vLLM would have)."""
 
         def __init__(self, model):
@@ -50,7 +58,7 @@ def sync_body(rank: int, world: int, model_override: str) -> dict:
         sharded_logits = engine.model(input_ids=ids).logits
         copy_logits = copy.model(input_ids=ids).logits
     names = [n for n, _ in iter_full_tensors(engine.model)]
-    hf = WeightSync(engine.model, HFRollout(engine.model, cfg.rl.rollout, runtime, 0, 2))
+    hf = WeightSync(engine.model, HFGenerator(engine.model, cfg.rl.rollout, runtime, 0, 2))
     shared = hf.sync()
     teardown()
     return {"want": want, "got": got, "loaded": copy.loaded, "names": names, "shared_sync": shared,

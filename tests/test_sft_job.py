@@ -8,8 +8,13 @@ import math
 from pathlib import Path
 
 import torch
-
-from dist.common import FP32, TINY_QWEN3, loss_tokens, make_global_batch, micro_batches_of
+from dist.common import (
+    FP32,
+    TINY_QWEN3,
+    loss_tokens,
+    make_global_batch,
+    micro_batches_of,
+)
 from dist.launcher import run_cli, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]

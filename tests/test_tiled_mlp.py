@@ -13,11 +13,11 @@ import copy
 
 import pytest
 import torch
+from dist.common import TINY_LLAMA, TINY_QWEN3
 from torch import nn
 
-from dist.common import TINY_LLAMA, TINY_QWEN3
 from shardwise.config import load_config
-from shardwise.distributed.mesh import mesh_spec
+from shardwise.config.validate import mesh_spec
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import build_plan

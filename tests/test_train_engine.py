@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-
 from dist.common import FP32, TINY_QWEN3, reference_run, sharded_run
 from dist.launcher import run_ranks
+
 from shardwise.config.schema import SchedulerConfig
 from shardwise.engine.optim import lr_factor
 

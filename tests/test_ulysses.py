@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, run_cli, run_ranks
+
 from shardwise.cli import main
 from shardwise.distributed.ulysses import slice_batch
 

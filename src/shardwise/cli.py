@@ -1,7 +1,10 @@
 """The `shardwise` command: plan | train | infer | rl | export.
 
-Config and input errors exit with status 2 and one message on stderr (no traceback), on
-every rank alike, before any process group exists.
+Each command is a recipe of `shardwise.jobs`: ``prepare`` (every check the config and its
+files allow; exit status 2 and one line on stderr, before any process group, Ray worker or
+file of the run exists) and ``run``. The CLI parses arguments, takes the run folder's
+lock, launches torchrun for ``--nproc`` (`shardwise.distributed.launch`) and prints the
+summary; the `Prepared` object goes on to ``run`` in the same process.
 """
 
 from __future__ import annotations
@@ -10,14 +13,34 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from shardwise.errors import ShardwiseError
+import torch.distributed as dist
 
-EXIT_USER_ERROR = 2
+from shardwise.checkpoint.dcp import CheckpointManager
+from shardwise.config import load_config
+from shardwise.config.schema import Config
+from shardwise.config.validate import check_sft_batch, mesh_spec
+from shardwise.distributed import launch
+from shardwise.distributed.runtime import (
+    Runtime,
+    env_world,
+    init_distributed,
+    seed_everything,
+    teardown,
+)
+from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.fsdp.build import plan_for
+from shardwise.jobs import export, infer, rl, sft
+from shardwise.jobs.rundir import RunDirLock, command_line
+from shardwise.models.loading import local_files_only
+from shardwise.rl.cluster import WorkerError
+
+EXIT_USER_ERROR = launch.EXIT_USER_ERROR
 
 
 def _human_bytes(n: int) -> str:
@@ -74,20 +97,11 @@ def format_plan(plan) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardwise.config import load_config
-    from shardwise.distributed.mesh import mesh_spec
-    from shardwise.fsdp.build import plan_for
-    from shardwise.models.loading import local_files_only
-
     local_files_only()
     cfg = load_config(args.config, args.overrides)
-    from shardwise.distributed.runtime import env_world
-
     world = args.world_size if args.world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
-    from shardwise.engine.batching import check_batch_sizes
-
-    check_batch_sizes(cfg.train, spec.dp_size)
+    check_sft_batch(cfg.train, spec.dp_size)
     _, plan = plan_for(cfg, spec)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
@@ -100,25 +114,18 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _last_checkpoint_line(cfg) -> str:
+def _last_checkpoint_line(cfg: Config) -> str:
     """Where a stopped run can resume from, in words."""
-    from shardwise.checkpoint.dcp import CheckpointManager
-
     latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).latest()
     if latest is None:
         return "no checkpoint was committed yet"
     return f"the last committed checkpoint is {latest} (the same command resumes from it)"
 
 
-def _torchrun_job(args: argparse.Namespace, job, report: Callable[[object, dict], None]) -> int:
-    """A job module's `prepare` (input errors exit 2 here, before any process starts),
-    then `--nproc` processes through torchrun, or this process under an outer torchrun (or
-    alone): `run` on every rank, `report(cfg, summary)` on rank 0."""
-    from shardwise.config import load_config
-    from shardwise.distributed import launch
-    from shardwise.jobs.rundir import RunDirLock, command_line
-    from shardwise.models.loading import local_files_only
-
+def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict], None]) -> int:
+    """A job's `prepare` (input errors exit 2 here, before any process starts), then
+    `--nproc` processes through torchrun, or this process under an outer torchrun (or
+    alone): `run` on every rank with what `prepare` built, `report` on rank 0."""
     local_files_only()
     cfg = load_config(args.config, args.overrides)
     if args.nproc and not _under_torchrun():
@@ -135,7 +142,7 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[object, dict]
             print(f"\nshardwise: {res.failure.line()}", file=sys.stderr)
             if launch.debug_enabled() and not res.failure.user:
                 print(res.failure.traceback, file=sys.stderr, end="")
-            return launch.EXIT_USER_ERROR if res.failure.user else (res.returncode or 1)
+            return EXIT_USER_ERROR if res.failure.user else (res.returncode or 1)
         if res.returncode != 0:
             print(f"\nshardwise: torchrun {launch.describe_exit(res.returncode)}; {_last_checkpoint_line(cfg)}",
                   file=sys.stderr)
@@ -143,16 +150,14 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[object, dict]
         return 0
     if _under_torchrun():
         launch.die_with_parent()
-    job.prepare(cfg)
-    from shardwise.distributed.runtime import init_distributed, seed_everything, teardown
-
+    prepared = job.prepare(cfg)
     runtime = init_distributed()
     lock = RunDirLock(cfg.run.dir, command_line())
     ok = False
     try:
         _lock_on_rank0(lock, runtime)
         seed_everything(cfg.run.seed)
-        summary = job.run(cfg, runtime)
+        summary = job.run(prepared, runtime)
         if runtime.is_main:
             report(cfg, summary)
         ok = True
@@ -162,13 +167,9 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[object, dict]
     return 0
 
 
-def _lock_on_rank0(lock, runtime) -> None:
+def _lock_on_rank0(lock: RunDirLock, runtime: Runtime) -> None:
     """Rank 0 takes the run folder's lock (unless the launching `shardwise` holds it); every
     rank raises the same ConfigError when another job holds it."""
-    import torch.distributed as dist
-
-    from shardwise.errors import ConfigError
-
     problem: list[ConfigError | None] = [None]
     if runtime.is_main:
         try:
@@ -187,15 +188,15 @@ def _print_paths(summary: dict, keys: Sequence[str]) -> None:
             print(f"  {key:<10} {summary[key]}")
 
 
-def _report_train(cfg, summary: dict) -> None:
+def _report_train(cfg: Config, summary: dict) -> None:
     final = summary["final"]
     print(f"done: {summary['steps']} steps, final loss {final.get('loss', float('nan')):.4f}")
     if "accuracy" in summary:
-        print(f"  held-out accuracy (greedy, exported HF model): {summary['accuracy']:.1%}")
+        print(f"  held-out accuracy (greedy): {summary['accuracy']:.1%}")
     _print_paths(summary, ("metrics", "checkpoint", "hf", "plot"))
 
 
-def _report_infer(cfg, s: dict) -> None:
+def _report_infer(cfg: Config, s: dict) -> None:
     mode = "greedy" if s["greedy"] else f"temperature {cfg.infer.temperature}, top_p {cfg.infer.top_p}"
     print(f"done: {s['prompts']} prompts x {s['samples_per_prompt']} ({mode}), {s['world_size']} ranks")
     if "accuracy" in s:
@@ -207,46 +208,7 @@ def _report_infer(cfg, s: dict) -> None:
     _print_paths(s, ("output", "summary"))
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """Supervised fine-tuning; see shardwise.jobs.sft."""
-    from shardwise.jobs import sft
-
-    return _torchrun_job(args, sft, _report_train)
-
-
-def cmd_infer(args: argparse.Namespace) -> int:
-    """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
-    from shardwise.jobs import infer
-
-    return _torchrun_job(args, infer, _report_infer)
-
-
-def cmd_rl(args: argparse.Namespace) -> int:
-    """RL post-training: this process is the single controller; `--nproc` Ray workers
-    (default 1) form the FSDP process group."""
-    from shardwise.config import load_config
-    from shardwise.models.loading import local_files_only
-    from shardwise.rl import trainer
-
-    local_files_only()
-    cfg = load_config(args.config, args.overrides)
-    nproc = args.nproc or 1
-    if nproc < 1:
-        from shardwise.errors import ConfigError
-
-        raise ConfigError("--nproc", f"{nproc} is not a positive number of processes", "e.g. --nproc 2")
-    from shardwise.jobs.rundir import RunDirLock, command_line
-
-    RunDirLock(cfg.run.dir, command_line()).check_free()
-    trainer.prepare(cfg, nproc)  # config errors exit 2 here, before Ray starts
-
-    with RunDirLock(cfg.run.dir, command_line()), _sigterm_as_interrupt():
-        try:
-            summary = trainer.run(cfg, nproc)
-        except KeyboardInterrupt:
-            sig = _INTERRUPTS[-1] if _INTERRUPTS else "SIGINT"
-            print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
-            return 143 if sig == "SIGTERM" else 130
+def _report_rl(cfg: Config, summary: dict) -> None:
     last = summary["history"][-1] if summary.get("history") else {}
     print(f"done: {summary['steps']} {cfg.rl.algorithm} steps"
           + (f", final reward {last['reward/mean']:.3f}" if last else ""))
@@ -262,19 +224,46 @@ def cmd_rl(args: argparse.Namespace) -> int:
         print(f"  seconds per step {step_s:.2f} (mean; "
               + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
     _print_paths(summary, ("metrics", "checkpoint", "hf", "plot"))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Supervised fine-tuning; see shardwise.jobs.sft."""
+    return _torchrun_job(args, sft, _report_train)
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
+    return _torchrun_job(args, infer, _report_infer)
+
+
+def cmd_rl(args: argparse.Namespace) -> int:
+    """RL post-training: this process is the single controller; `--nproc` Ray workers
+    (default 1) form the FSDP process group. See shardwise.jobs.rl."""
+    local_files_only()
+    cfg = load_config(args.config, args.overrides)
+    nproc = args.nproc or 1
+    if nproc < 1:
+        raise ConfigError("--nproc", f"{nproc} is not a positive number of processes", "e.g. --nproc 2")
+    RunDirLock(cfg.run.dir, command_line()).check_free()
+    prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
+    interrupts: list[str] = []
+    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts):
+        try:
+            summary = rl.run(prepared)
+        except KeyboardInterrupt:
+            sig = interrupts[-1] if interrupts else "SIGINT"
+            print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
+            return 143 if sig == "SIGTERM" else 130
+    _report_rl(cfg, summary)
     return 0
 
 
-_INTERRUPTS: list[str] = []
-
-
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM ends the controller like Ctrl-C: the worker groups are stopped on the way out."""
-    import signal
-
+def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
+    """SIGTERM ends the controller like Ctrl-C: the worker groups are stopped on the way out.
+    The names of the signals received are appended to `seen`."""
     def handler(signum, _frame):
-        _INTERRUPTS.append(signal.Signals(signum).name)
+        seen.append(signal.Signals(signum).name)
         raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():
@@ -289,11 +278,9 @@ def _sigterm_as_interrupt():
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardwise.checkpoint.hf_export import export_checkpoint
-    from shardwise.models.loading import local_files_only
-
+    """A checkpoint folder as an HF folder; see shardwise.jobs.export."""
     local_files_only()
-    out = export_checkpoint(args.checkpoint_dir, args.out_dir)
+    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir))
     print(f"exported {args.checkpoint_dir} -> {out}")
     return 0
 
@@ -344,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "debug", False):
-        os.environ["SHARDWISE_DEBUG"] = "1"  # the ranks and Ray workers inherit it
+        os.environ[launch.DEBUG_ENV] = "1"  # the ranks and Ray workers inherit it
     try:
         return COMMANDS[args.command](args)
     except BaseException as e:  # noqa: BLE001 - sorted below; what is not ours is re-raised
@@ -357,8 +344,6 @@ def _exit_status(e: BaseException) -> int:
     whole job) and the rank leaves at once, without waiting for its peers. A failed Ray
     worker: one line (status 2 for a user error). Anything else in this process is a bug:
     Python's traceback."""
-    from shardwise.distributed import launch
-
     if _under_torchrun() and not isinstance(e, SystemExit):
         launch.rank_failed(e)
     if isinstance(e, ShardwiseError):
@@ -366,8 +351,6 @@ def _exit_status(e: BaseException) -> int:
         if launch.debug_enabled():
             traceback.print_exception(e)
         return EXIT_USER_ERROR
-    from shardwise.rl.cluster import WorkerError
-
     if isinstance(e, WorkerError):
         print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
         if launch.debug_enabled():

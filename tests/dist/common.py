@@ -4,6 +4,7 @@ unsharded reference run, and the body each rank runs."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 TINY_QWEN3 = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64, "
@@ -86,6 +87,21 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+
+
+def eval_loss(engine, micro_batches: list[dict[str, torch.Tensor]], global_loss_tokens: int) -> float:
+    """Mean token loss of a global batch under `engine`'s model (eval mode, no grad):
+    this rank's `lm_loss_sum` over its micro-batches, summed over ranks (collective)."""
+    from shardwise.engine.train import lm_loss_sum
+
+    engine.model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=engine.runtime.device)
+    with torch.no_grad():
+        for mb in micro_batches:
+            mb = {k: v.to(engine.runtime.device) for k, v in mb.items()}
+            total += lm_loss_sum(engine.model, mb).double()
+    dist.all_reduce(total)
+    return float(total) / global_loss_tokens
 
 
 def sharded_run(rank: int, world: int, overrides: list[str], steps: int, global_batch: int, micro: int) -> dict:

@@ -46,10 +46,31 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from shardwise.data.tokenizer import TOKENIZER_PATTERNS, has_tokenizer_files, locate_tokenizer
+from shardwise.checkpoint.dcp import (
+    COMMITTED,
+    DCP_METADATA,
+    SafeFileSystemReader,
+    verify_checkpoint,
+)
+from shardwise.config.dtypes import to_torch_dtype
+from shardwise.config.load import config_from_dict
+from shardwise.data.tokenizer import (
+    TOKENIZER_PATTERNS,
+    has_tokenizer_files,
+    locate_tokenizer,
+)
 from shardwise.errors import ShardwiseError
+from shardwise.fsdp.gather import full_tensor
+from shardwise.models.layout import TensorEntry, checkpoint_entries, tied_aliases
+from shardwise.models.loading import build_meta_model, load_hf_config
+from shardwise.models.patches import patch_model
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +78,11 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "ExportError",
     "ExportReport",
-    "TensorEntry",
-    "checkpoint_entries",
     "export_checkpoint",
     "export_model",
     "find_tokenizer_dir",
     "plan_shards",
     "shard_file_names",
-    "tied_aliases",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
@@ -81,35 +99,6 @@ _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 class ExportError(ShardwiseError, ValueError):
     """An export input a user can fix: a checkpoint folder without meta.json or model
     tensors, a tokenizer folder without tokenizer files, shapes that disagree."""
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor to write: its HF name, where it comes from, and what is written."""
-
-    name: str
-    """Name in the safetensors file (the HF state-dict key)."""
-    source: str
-    """Key in the source: the live state dict's key, or the DCP key."""
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    """dtype written (the export dtype for floating tensors, else the source's)."""
-    part: tuple[int, int, int] | None = None
-    """``(i, a, b)``: the tensor is ``source[i, a:b]`` (one expert cut from fused experts)."""
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This entry's tensor out of its source's full tensor."""
-        if self.part is None:
-            return full
-        i, a, b = self.part
-        return full[i, a:b]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -138,22 +127,6 @@ class ExportReport:
 # --------------------------------------------------------------------- pure helpers
 
 
-def checkpoint_entries(model: nn.Module, names: Iterable[tuple[str, str, tuple[int, ...], torch.dtype]]
-                       ) -> list[TensorEntry]:
-    """Entries for ``(name, source, shape, dtype)`` rows, fused expert parameters cut into
-    their per-expert tensors (see the module docstring); an entry's cuts follow it."""
-    from shardwise.models.patches.moe import checkpoint_layout
-
-    layout = checkpoint_layout(model)
-    out = []
-    for name, source, shape, dtype in names:
-        if name in layout:
-            out += [TensorEntry(n, source, cut_shape, dtype, part) for n, part, cut_shape in layout[name]]
-        else:
-            out.append(TensorEntry(name, source, shape, dtype))
-    return out
-
-
 def plan_shards(entries: Iterable[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
     """Split entries, in order, into files of at most `max_shard_bytes` each (a single
     larger tensor gets a file of its own). Always at least one (possibly empty) file."""
@@ -177,48 +150,6 @@ def shard_file_names(n: int) -> list[str]:
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def _tied_key_patterns(model: nn.Module) -> list[str]:
-    """transformers' `_tied_weights_keys` of every submodule, prefixed with its path (a dict
-    target -> source in transformers 5, a list of names in 4.x)."""
-    pats: list[str] = []
-    for path, mod in model.named_modules():
-        keys = getattr(mod, "_tied_weights_keys", None) or ()
-        keys = keys.keys() if isinstance(keys, Mapping) else keys
-        pats.extend(f"{path}.{k}" if path else k for k in keys)
-    return pats
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """{dropped name: kept name} for parameters and buffers registered under several names.
-
-    The kept name follows `save_pretrained` (transformers' remove_tied_weights_from_state_dict):
-    in sorted order, names matching a `_tied_weights_keys` pattern are dropped while another
-    name remains. Works on a meta-device model (nothing is read).
-    """
-    groups: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(t), []).append(name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        groups.setdefault(id(t), []).append(name)
-    patterns = _tied_key_patterns(model)
-    aliases: dict[str, str] = {}
-    for names in groups.values():
-        names = sorted(set(names))
-        if len(names) < 2:
-            continue
-        drop = [n for n in names if any(re.search(p, n) for p in patterns)]
-        keep = [n for n in names if n not in drop]
-        if not keep:  # every name is a declared tied key: keep the last, as transformers does
-            keep = [drop.pop()]
-        if len(keep) > 1:
-            log.warning("%s share one tensor but the model declares no tie between them; "
-                        "writing it once as %s", names, keep[0])
-            drop += keep[1:]
-        for n in drop:
-            aliases[n] = keep[0]
-    return aliases
-
-
 def _out_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and src.is_floating_point else src
 
@@ -226,8 +157,6 @@ def _out_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    from shardwise.config.dtypes import to_torch_dtype
-
     return to_torch_dtype(dtype)
 
 
@@ -243,8 +172,6 @@ def _copy_tokenizer(src: Path, out_dir: Path) -> None:
 
 def _hf_class(model: nn.Module) -> type:
     """The model's transformers class (fully_shard swaps in a subclass named FSDP<cls>)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
@@ -288,8 +215,6 @@ class _ShardWriter:
             self._flush()
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         save_file(self._buffer, str(self.out_dir / self.files[self._shard]), metadata={"format": "pt"})
         self._buffer = {}
         self._buffered = 0
@@ -327,25 +252,7 @@ def _generation_config(model: nn.Module):
 # --------------------------------------------------------------------- live export
 
 
-def gather_full(value: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a state-dict value (collective for a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(value, DTensor):
-        return value.detach()
-    mesh_type = value.device_mesh.device_type
-    if value.to_local().device.type != mesh_type:
-        # CPU-offloaded shards: the collective runs on the mesh's device (nccl needs CUDA).
-        module = getattr(torch, mesh_type)
-        device = torch.device(mesh_type, module.current_device()) if mesh_type != "cpu" else torch.device("cpu")
-        value = DTensor.from_local(value.to_local().to(device), value.device_mesh, value.placements,
-                                   run_check=False, shape=value.shape, stride=value.stride())
-    return value.full_tensor()
-
-
 def _shares_storage(t: torch.Tensor, value: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
     local = value.to_local() if isinstance(value, DTensor) else value
     return t.device == local.device and t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
 
@@ -380,7 +287,7 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
         value = sd[e.source]
         if gathered != e.source:  # one gather per source (the cuts of fused experts follow it)
             full = None  # drop the previous full tensor before gathering the next
-            full, gathered = gather_full(value), e.source
+            full, gathered = full_tensor(value), e.source
         if writer is not None:
             try:
                 t = e.take(full).to(device="cpu", dtype=e.dtype)
@@ -463,15 +370,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     A folder with COMMITTED is verified first (`verify_checkpoint`: sizes and SHA-256
     digests); a damaged one is an ExportError naming the folder and the first problem.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     # DCP's .metadata is a pickle: read it with the checkpoint module's restricted unpickler.
-    from shardwise.checkpoint.dcp import COMMITTED, DCP_METADATA, SafeFileSystemReader, verify_checkpoint
-    from shardwise.config import config_from_dict
-    from shardwise.models.loading import build_meta_model, load_hf_config
-    from shardwise.models.patches import patch_model
-
     ckpt = Path(checkpoint_dir)
     meta_path = ckpt / "meta.json"
     if not meta_path.is_file():

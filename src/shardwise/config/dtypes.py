@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.errors import nearest
+
 # Every accepted spelling -> canonical short name.
 _ALIASES: dict[str, str] = {
     "fp32": "fp32",
@@ -42,8 +44,6 @@ def canonical_dtype(name: object) -> str:
     key = name.strip().lower()
     if key in _ALIASES:
         return _ALIASES[key]
-    from shardwise.errors import nearest
-
     near = nearest(key, DTYPE_NAMES, n=1)
     hint = f"did you mean {near[0]}?" if near else "use fp32, bf16 or fp16"
     raise ValueError(f"unknown dtype {name!r} ({hint})")

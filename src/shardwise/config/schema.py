@@ -1,18 +1,29 @@
 """The typed config: one pydantic model per section; the field docs are the user docs.
 
-Every section forbids unknown keys. Cross-field checks that need only the config live in
-model validators next to the fields they join; checks that need the world size live in
-`shardwise.config.validate.check_world`.
+Every section forbids unknown keys, and every field carries a docstring (pydantic reads
+them into the field descriptions; a test holds that none is missing). Rules that need only
+the config live here, as validators next to the fields they join; rules that need the
+world size live in `shardwise.config.validate`. Names a key selects from a registry
+(``rl.advantage``, ``rl.actor.policy_loss``) are checked against that registry
+(`shardwise.registry`), so a new implementation needs no edit here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from shardwise.config.dtypes import canonical_dtype
 from shardwise.errors import ConfigError
+from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 DType = Annotated[str, BeforeValidator(canonical_dtype)]
 """A dtype name (fp32/float32, bf16/bfloat16, fp16/float16/half, torch names), stored canonical."""
@@ -22,32 +33,35 @@ Pos = Annotated[int, Field(ge=1, strict=True)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True,
+                              use_attribute_docstrings=True)
 
 
 class RunConfig(Section):
     dir: str = "runs/demo"
-    """Everything a run writes: metrics.jsonl, checkpoints/, hf/, plots."""
+    """Everything a run writes: metrics.jsonl, checkpoints/, hf/, plots. One job at a time."""
     seed: int = 0
     """Seed of model init, data order and sampling."""
 
 
 class ModelConfig(Section):
     path: str | None = None
-    """A local HF folder (config.json + safetensors [+ tokenizer])."""
+    """A local HF folder (config.json + safetensors [+ tokenizer]); pickled weights are refused."""
     config: dict[str, Any] | None = None
     """Or an inline HF config for random init, e.g. {model_type: qwen3, hidden_size: 64, ...}."""
     tokenizer: str | None = None
-    """Local tokenizer folder; default: model.path, or the task's own."""
+    """Local tokenizer folder; default: model.path, or the task's own (built into run.dir/tokenizer)."""
     dtype: DType = "fp32"
     """dtype of the sharded master weights."""
     freeze: list[str] = []
     """Module path patterns whose parameters are not trained."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """transformers' attention kernel."""
     trust_remote_code: bool = False
+    """Let transformers run the model folder's own Python code (off: only built-in classes)."""
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelConfig":
+    def _one_source(self) -> ModelConfig:
         if self.path is not None and self.config is not None:
             raise ConfigError("model.config", "model.path and model.config are both set", "keep one")
         if self.config is not None and "model_type" not in self.config:
@@ -60,8 +74,10 @@ class ParallelConfig(Section):
     """Shard group size. auto, or >= world size: one FSDP group over all ranks.
     1 < n < world: HSDP, world/n replicas of n shards."""
     ulysses_size: Pos = 1
-    """Sequence-parallel degree."""
+    """Sequence-parallel degree: ranks that share each row, each holding 1/n of its sequence."""
     sharding_strategy: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = "full_shard"
+    """full_shard (reshard after forward), shard_grad_op (keep parameters after forward),
+    no_shard (replicate: DDP semantics), hybrid_shard (HSDP; needs fsdp_size)."""
 
 
 class WrapConfig(Section):
@@ -83,22 +99,27 @@ class MixedPrecisionConfig(Section):
     reduce_dtype: DType = "fp32"
     """Gradient reduce-scatter dtype."""
     output_dtype: DType | None = None
+    """dtype the root's outputs are cast to; null: left as computed."""
     cast_forward_inputs: bool = True
+    """Cast each unit's floating inputs to param_dtype."""
 
 
 class PrecisionOverride(Section):
-    """Layered precision for one module (seed 000)."""
+    """Layered precision for one module."""
 
     param_dtype: DType
+    """The module's parameters and buffers are kept, and it computes, in this dtype."""
     reduce_dtype: DType | None = None
     """Default: fp32 when param_dtype is fp32, else the global reduce_dtype."""
     output_dtype: DType | None = None
     """Default: the surrounding compute dtype, so the rest of the model sees its own dtype."""
     cast_forward_inputs: bool = True
+    """Cast the module's floating inputs to its param_dtype."""
 
 
 class OffloadConfig(Section):
     enabled: bool = False
+    """Keep parameters, gradients and optimizer state in host memory."""
     pin_memory: bool = True
     """Pinned host memory; ignored (with a warning) where no accelerator exists."""
 
@@ -114,13 +135,14 @@ class RecomputeConfig(Section):
     modules: list[str] = []
     """Activation checkpointing by module path pattern or class name."""
     use_reentrant: bool = False
+    """torch.utils.checkpoint's reentrant variant."""
 
 
 class TiledMLPConfig(Section):
     enabled: bool = False
     """Run each MLP over slices of the sequence, keeping only its input for backward."""
     shards: Pos = 4
-    """Slices of the sequence (seed 001's tiled_num_shards)."""
+    """Slices of the sequence."""
     modules: list[str] = []
     """Position-wise modules to tile (patterns or class names); empty: every module whose
     class name ends in MLP."""
@@ -128,32 +150,47 @@ class TiledMLPConfig(Section):
 
 class FsdpConfig(Section):
     wrap: WrapConfig = WrapConfig()
+    """Which modules become their own fully_shard unit."""
     ignored_modules: list[str] = []
     """Patterns; parameters left out of FSDP entirely."""
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+    """Precision of every unit, unless module_precision says otherwise."""
     module_precision: dict[str, Union[DType, PrecisionOverride]] = {}
     """Layered precision: {pattern: dtype} or {pattern: {param_dtype, ...}}."""
     reshard_after_forward: Union[bool, Annotated[int, Field(ge=1)]] = True
     """true (ZeRO-3) | false (ZeRO-2) | int (reshard to that group size; must divide it)."""
     offload: OffloadConfig = OffloadConfig()
+    """CPU offload of parameters, gradients and optimizer state."""
     prefetch: PrefetchConfig = PrefetchConfig()
+    """Explicit all-gather prefetch."""
     recompute: RecomputeConfig = RecomputeConfig()
+    """Activation recomputation."""
     moe_expert_patch: bool = False
+    """Split fused MoE experts into one module per expert, all run on every rank."""
     tiled_mlp: TiledMLPConfig = TiledMLPConfig()
+    """MLPs over slices of the sequence."""
 
 
 class OptimizerConfig(Section):
     name: Literal["adamw"] = "adamw"
+    """The optimizer."""
     lr: Annotated[float, Field(gt=0)] = 1.0e-4
+    """Peak learning rate."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """Decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's (beta1, beta2)."""
     eps: Annotated[float, Field(gt=0)] = 1.0e-8
+    """Adam's epsilon."""
 
 
 class SchedulerConfig(Section):
     name: Literal["constant", "linear", "cosine"] = "cosine"
+    """Learning-rate schedule after warmup."""
     warmup_steps: NonNeg = 10
+    """Linear warmup from 0, in optimizer steps."""
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """linear / cosine: the final learning rate as a share of lr."""
 
 
 class TrainConfig(Section):
@@ -161,47 +198,73 @@ class TrainConfig(Section):
     """Rows per rank, per forward."""
     global_batch_size: Pos = 16
     """SFT: examples per optimizer step = micro x grad accumulation x data-parallel size
-    (checked by `shardwise.engine.batching.check_batch_sizes`). RL: prompts per step, each
-    sampled rl.rollout.n times."""
+    (checked by `shardwise.config.validate`). RL: prompts per step, each sampled
+    rl.rollout.n times."""
     max_steps: Pos = 100
-    """Optimizer steps."""
+    """Optimizer steps (SFT), RL steps (RL)."""
     optimizer: OptimizerConfig = OptimizerConfig()
+    """The optimizer."""
     scheduler: SchedulerConfig = SchedulerConfig()
+    """The learning-rate schedule."""
     grad_clip: Annotated[float, Field(gt=0)] | None = 1.0
     """Global-norm clip; null disables."""
     log_every: Pos = 1
+    """Write metrics every this many steps (and the last)."""
 
 
 class DataConfig(Section):
     source: str = "builtin:arithmetic"
     """builtin:NAME, or a local .jsonl / .json / .parquet file."""
     prompt_key: str = "prompt"
+    """The column holding each prompt."""
     response_key: str = "response"
+    """The column holding each response (SFT) or ground truth (RL, scoring)."""
     max_length: Pos = 128
+    """Tokens per example (SFT) or prompt (RL, infer); longer ones are truncated, and said."""
     packing: bool = False
     """Pack several examples per row (block-diagonal attention) instead of padding."""
 
 
 class CheckpointConfig(Section):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True,
+                              use_attribute_docstrings=True)
 
     every_steps: NonNeg = 50
     """0 disables periodic saves (the final step is still saved)."""
     async_save: bool = Field(True, alias="async")
-    """Save on a separate gloo group while training goes on."""
+    """Save on a separate gloo group while training goes on; committed once written."""
     keep_last: Pos = 2
+    """Complete checkpoints kept; older ones are deleted."""
     resume: str = "auto"
-    """auto (latest complete in run.dir) | never | a checkpoint path."""
+    """auto (the newest intact checkpoint in run.dir) | never | a checkpoint path."""
     export_hf: bool = True
     """Write an HF folder (safetensors) at the end."""
 
 
-class RolloutConfig(Section):
+class SamplingConfig(Section):
+    """How responses are generated: the settings ``rl.rollout`` and ``infer`` share."""
+
     engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: hf (transformers' generate on the sharded model)."""
     n: Pos = 4
+    """Responses per prompt."""
     max_new_tokens: Pos = 16
+    """Most tokens generated per response (its eos included)."""
     temperature: Annotated[float, Field(ge=0)] = 1.0
+    """0: greedy decoding; > 0: sampling at this temperature."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling: the smallest set of tokens holding this probability."""
+
+    @model_validator(mode="after")
+    def _engine_available(self) -> SamplingConfig:
+        if self.engine != "hf":
+            key = "infer.engine" if isinstance(self, InferConfig) else "rl.rollout.engine"
+            raise ConfigError(key, f"{self.engine!r} is not available yet", "use hf")
+        return self
+
+
+class RolloutConfig(SamplingConfig):
+    """RL sampling: ``rl.rollout``."""
 
 
 KLKind = Literal["kl", "k1", "mse", "k2", "low_var_kl", "k3"]
@@ -210,8 +273,11 @@ KLKind = Literal["kl", "k1", "mse", "k2", "low_var_kl", "k3"]
 
 class KLLossConfig(Section):
     enabled: bool = False
+    """Add a KL(policy || reference) term to the actor's loss."""
     type: KLKind = "low_var_kl"
+    """The per-token KL estimator."""
     coef: Annotated[float, Field(ge=0)] = 0.001
+    """Weight of the KL term."""
 
 
 class ActorConfig(Section):
@@ -219,19 +285,32 @@ class ActorConfig(Section):
     """Passes over each rollout batch (actor and critic)."""
     ppo_mini_batches: Pos = 1
     """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
+    policy_loss: Annotated[str, AfterValidator(POLICY_LOSSES.check)] = "ppo_clip"
+    """The policy loss, by name (`shardwise.rl.algorithms`): ppo_clip (clipped surrogate
+    with dual clip)."""
     clip_ratio: Annotated[float, Field(gt=0)] = 0.2
+    """PPO clip range, both sides, unless clip_ratio_low / clip_ratio_high are set."""
     clip_ratio_low: Annotated[float, Field(gt=0)] | None = None
+    """Lower clip: the ratio is clipped at 1 - this."""
     clip_ratio_high: Annotated[float, Field(gt=0)] | None = None
+    """Upper clip: the ratio is clipped at 1 + this."""
     clip_ratio_c: Annotated[float, Field(gt=1)] = 3.0
+    """Dual clip: a negative-advantage token's loss is at most this x |advantage|."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced, over the whole mini-batch of all ranks."""
     kl_loss: KLLossConfig = KLLossConfig()
+    """KL to the reference policy in the loss."""
 
 
 class CriticConfig(Section):
     enabled: bool = False
+    """Train a value model (PPO with GAE)."""
     lr: Annotated[float, Field(gt=0)] = 1.0e-5
+    """The critic's learning rate (its schedule is train.scheduler's)."""
     cliprange_value: Annotated[float, Field(gt=0)] = 0.5
+    """Clip of the value update around the old values."""
     colocated: bool = True
     """true: the critic lives in the actor's worker processes; false: a worker group of
     its own (as many processes again, its own process group)."""
@@ -239,6 +318,7 @@ class CriticConfig(Section):
 
 class ReferenceConfig(Section):
     enabled: bool = True
+    """Keep the initial policy to measure (and penalise) the KL from it."""
 
 
 class RewardConfig(Section):
@@ -253,38 +333,78 @@ class RewardConfig(Section):
 
 class KLInRewardConfig(Section):
     enabled: bool = False
+    """Subtract coef x KL(policy || reference) from each token's reward."""
     type: KLKind = "kl"
+    """The per-token KL estimator."""
     coef: Annotated[float, Field(ge=0)] = 0.001
+    """The (initial) coefficient."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: coef throughout; adaptive: coef steered so the KL approaches target."""
+    target: Annotated[float, Field(gt=0)] = 6.0
+    """adaptive: the KL aimed at, nats per sequence-mean token."""
+    horizon: Annotated[float, Field(gt=0)] = 10000.0
+    """adaptive: samples over which a full error of the KL is corrected."""
 
 
 class RLConfig(Section):
+    """Read by `shardwise rl` only."""
+
     algorithm: Literal["grpo", "ppo"] = "grpo"
-    advantage: Literal["grpo", "gae", "rloo", "reinforce_plus_plus"] = "grpo"
+    """grpo: group-relative advantages, no critic; ppo: a critic trained alongside."""
+    advantage: Annotated[str, AfterValidator(ADVANTAGE_ESTIMATORS.check)] = "grpo"
+    """The advantage estimator, by name (`shardwise.rl.algorithms`): grpo, gae, rloo,
+    reinforce_plus_plus."""
     rollout: RolloutConfig = RolloutConfig()
+    """How responses are sampled."""
     actor: ActorConfig = ActorConfig()
+    """The policy update."""
     critic: CriticConfig = CriticConfig()
+    """The value model (PPO)."""
     reference: ReferenceConfig = ReferenceConfig()
+    """The reference policy."""
     reward: RewardConfig = RewardConfig()
+    """Where rewards come from."""
     kl_in_reward: KLInRewardConfig = KLInRewardConfig()
+    """KL penalty folded into the rewards."""
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """Discount per token (gae, reinforce_plus_plus)."""
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
+    """GAE lambda."""
 
     @model_validator(mode="after")
-    def _critic_for_gae(self) -> "RLConfig":
-        if self.advantage == "gae" and not self.critic.enabled:
-            raise ConfigError("rl.critic.enabled", "rl.advantage=gae needs a critic", "set rl.critic.enabled=true")
+    def _roles_agree(self) -> RLConfig:
+        traits = ADVANTAGE_ESTIMATORS.traits(self.advantage)
+        if traits["needs_critic"] and not self.critic.enabled:
+            raise ConfigError("rl.critic.enabled", f"rl.advantage={self.advantage} needs a critic",
+                              "set rl.critic.enabled=true")
+        if self.algorithm == "ppo" and not self.critic.enabled:
+            raise ConfigError("rl.critic.enabled", "rl.algorithm=ppo trains a critic",
+                              "set rl.critic.enabled=true and rl.advantage=gae")
+        if self.algorithm == "grpo" and traits["needs_critic"]:
+            raise ConfigError("rl.advantage", f"{self.advantage} needs the critic of rl.algorithm=ppo",
+                              "use grpo, rloo or reinforce_plus_plus, or set rl.algorithm=ppo")
+        if traits["compares_samples"] and self.rollout.n < 2:
+            raise ConfigError("rl.rollout.n", f"{self.advantage} compares samples of one prompt and needs n >= 2",
+                              "set rl.rollout.n=4")
+        if (self.actor.kl_loss.enabled or self.kl_in_reward.enabled) and not self.reference.enabled:
+            which = "rl.actor.kl_loss" if self.actor.kl_loss.enabled else "rl.kl_in_reward"
+            raise ConfigError("rl.reference.enabled", f"{which} needs the reference policy",
+                              "set rl.reference.enabled=true")
+        if self.reward.function is None and self.reward.model is None:
+            raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
+                              "set rl.reward.function=builtin:arithmetic or a module:function")
         return self
 
 
-class InferConfig(Section):
+class InferConfig(SamplingConfig):
     """Read by `shardwise infer` only: generation with the FSDP2 infer engine."""
 
-    max_new_tokens: Pos = 16
-    temperature: Annotated[float, Field(ge=0)] = 0.0
-    """0: greedy decoding; > 0: sampling at this temperature."""
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     n: Pos = 1
     """Responses per prompt (sampling; with temperature 0 they are all the same)."""
+    max_new_tokens: Pos = 16
+    """Most tokens generated per response (its eos included)."""
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    """0: greedy decoding; > 0: sampling at this temperature."""
     batch_size: Pos = 64
     """Prompts per rank in one generate call."""
     num_prompts: Pos | None = None
@@ -300,17 +420,26 @@ class Config(Section):
     """The whole run."""
 
     run: RunConfig = RunConfig()
+    """Where a run writes, and its seed."""
     model: ModelConfig = ModelConfig()
+    """The model to train or run."""
     parallel: ParallelConfig = ParallelConfig()
+    """The device mesh."""
     fsdp: FsdpConfig = FsdpConfig()
+    """The sharding plan."""
     train: TrainConfig = TrainConfig()
+    """Batches, steps, optimizer, schedule."""
     data: DataConfig = DataConfig()
+    """Where examples or prompts come from."""
     checkpoint: CheckpointConfig = CheckpointConfig()
+    """Saving, resuming and exporting."""
     rl: RLConfig = RLConfig()
+    """RL post-training (`shardwise rl`)."""
     infer: InferConfig = InferConfig()
+    """Generation (`shardwise infer`)."""
 
     @model_validator(mode="after")
-    def _strategy_agrees(self) -> "Config":
+    def _strategy_agrees(self) -> Config:
         strategy = self.parallel.sharding_strategy
         raf_set = "reshard_after_forward" in self.fsdp.model_fields_set
         if strategy == "shard_grad_op" and raf_set and self.fsdp.reshard_after_forward is not False:

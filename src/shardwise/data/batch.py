@@ -1,4 +1,5 @@
-"""The batch protocol passed between RL workers.
+"""The batch protocol: rows of tensors, per-row arrays and metadata, passed between the
+generation engine, the scorers and the RL workers.
 
 A `Batch` is rows of one step's data in three parts:
 

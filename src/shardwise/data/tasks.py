@@ -11,8 +11,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardwise.errors import DataError
-from shardwise.errors import did_you_mean
+from shardwise.errors import DataError, did_you_mean
 
 BUILTIN_PREFIX = "builtin:"
 HELDOUT_SEED_OFFSET = 10_000
@@ -84,6 +83,8 @@ class BuiltinTask:
     score: Callable[[str, str, str], float]
     """``(prompt, response, ground_truth) -> reward`` in [0, 1]."""
     description: str
+    max_new_tokens: int = 6
+    """Tokens the held-out evaluation lets a model generate (an answer and its eos fit)."""
 
 
 BUILTIN_TASKS: dict[str, BuiltinTask] = {

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+import torch.distributed as dist
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from shardwise.errors import ConfigError
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -44,9 +46,6 @@ def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
     eos ``<eos>`` = 2 and unk ``<unk>`` = 3, pads on the right, and does not clean up
     spaces when decoding (that would break the exact round trip).
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     backend = Tokenizer(models.WordLevel(vocab=dict(CHAR_VOCAB), unk_token=UNK_TOKEN))
     # `[\s\S]` rather than `.` so that a newline is a character like any other.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -80,6 +79,46 @@ def has_tokenizer_files(folder: str | Path) -> bool:
     return folder.is_dir() and any(any(folder.glob(p)) for p in TOKENIZER_PATTERNS)
 
 
+def tokenizer_dir(tokenizer: str | None, model_path: str | None, run_dir: str | Path, build: bool) -> Path:
+    """The folder of a run's tokenizer: ``model.tokenizer`` (which must hold tokenizer
+    files); else ``model.path`` if it holds them; else ``<run.dir>/tokenizer``, where the
+    built-in character tokenizer is built when none is there yet and `build` is set (only
+    one process of a job may build it). Raises ConfigError on ``model.tokenizer``."""
+    if tokenizer is not None and not has_tokenizer_files(tokenizer):
+        raise ConfigError("model.tokenizer", f"{tokenizer!r} holds no tokenizer files",
+                          "point it at a folder with tokenizer.json (or vocab files), or leave it unset")
+    found = locate_tokenizer(tokenizer, model_path, run_dir)
+    if found is None:
+        found = Path(run_dir) / "tokenizer"
+        if build:
+            build_char_tokenizer(found)
+    return found
+
+
+def load_tokenizer(folder: str | Path):
+    """The tokenizer saved in `folder`; it must define an eos token (SFT appends it to
+    every response and generation stops at it). Raises ConfigError otherwise."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if tok.eos_token_id is None:
+        raise ConfigError("model.tokenizer", f"the tokenizer in {str(folder)!r} has no eos token",
+                          "responses end with eos and generation stops at it; use a tokenizer that defines one")
+    return tok
+
+
+def shared_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path):
+    """(tokenizer, its folder) for every rank of a job: rank 0 finds or builds the folder
+    and broadcasts where it is, the others load it from there. Collective when a process
+    group exists (a rank that looked for itself could miss a folder rank 0 is writing)."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if distributed else 0
+    where: list[str | None] = [None]
+    if rank == 0:
+        where[0] = str(tokenizer_dir(tokenizer, model_path, run_dir, build=True))
+    if distributed:
+        dist.broadcast_object_list(where, src=0)  # a path string, from our own rank 0
+    return load_tokenizer(where[0]), where[0]
+
+
 def locate_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path) -> Path | None:
     """Where a run's tokenizer lives: `model.tokenizer`; else `model.path` if it holds
     tokenizer files; else `<run.dir>/tokenizer` (where the built-in task's tokenizer is
@@ -88,3 +127,19 @@ def locate_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str
         if candidate is not None and has_tokenizer_files(candidate):
             return Path(candidate)
     return None
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that pads rows: the tokenizer's pad token, else its eos (what HF generation
+    uses when there is no pad), else 0. Padding is masked out everywhere it is used."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def check_vocab(tokenizer, vocab_size: int, key: str = "model.config.vocab_size") -> None:
+    """The model's embedding must hold every token id the tokenizer produces."""
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(key, f"{vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens",
+                          f"set vocab_size >= {len(tokenizer)}")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from shardwise.distributed.runtime import free_port
 from shardwise.errors import ShardwiseError
 
 ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
@@ -225,8 +226,6 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
     seconds without the ranks ending, kills the whole tree. Returns the exit status, the
     failure to report (see the module docstring) and the signal that interrupted the run.
     """
-    from shardwise.distributed.runtime import free_port
-
     error_dir = tempfile.mkdtemp(prefix="shardwise-errors-")
     child_env = dict(os.environ)
     child_env.update(env or {})

@@ -1,4 +1,4 @@
-"""Process group set-up and teardown, device choice and seeding (seed 002).
+"""Process group set-up and teardown, device choice and seeding.
 
 `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); with none
 it runs as a single process (rank 0 of 1) and still creates a 1-rank group so that the same
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from shardwise.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,6 @@ def env_world() -> tuple[int, int, int]:
 
     A WORLD_SIZE that is not a positive integer is a ConfigError naming the variable.
     """
-    from shardwise.errors import ConfigError
-
     values = {}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         text = os.environ.get(var)
@@ -68,11 +69,11 @@ def init_distributed(timeout_s: float | None = None) -> Runtime:
     if timeout_s is None:
         timeout_s = float(os.environ.get("SHARDWISE_PG_TIMEOUT_S", 600))
     if not dist.is_initialized():
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        # A process alone (no launcher's environment) rendezvous with itself in memory: no
+        # port to race for, and nothing left in os.environ for the processes it starts.
+        alone = world == 1 and "MASTER_ADDR" not in os.environ
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s),
+                                timeout=timedelta(seconds=timeout_s), store=dist.HashStore() if alone else None,
                                 device_id=device if backend == "nccl" else None)
     else:
         backend = dist.get_backend()
@@ -104,8 +105,6 @@ def seed_everything(seed: int) -> None:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -17,6 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
 from shardwise.distributed.launch import (
     ERROR_DIR_ENV,
     LAUNCHER_FILE,
@@ -28,10 +32,6 @@ from shardwise.distributed.launch import (
 
 def main(argv: list[str]) -> int:
     die_with_parent()
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     if not debug_enabled():
         # torchrun's modules set their loggers' levels one by one when imported.
         for name in list(logging.root.manager.loggerDict):

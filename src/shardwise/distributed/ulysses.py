@@ -1,4 +1,4 @@
-"""Ulysses sequence parallel (seed 001, ``ulysses_size``): the ``sp`` ranks of a group
+"""Ulysses sequence parallel (``parallel.ulysses_size``): the ``sp`` ranks of a group
 share each sample, each holding a contiguous slice of its sequence.
 
 Everything outside attention is per token, so it runs on the local slice as it is. In
@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
 
 from shardwise.data.collate import IGNORE_INDEX
 from shardwise.errors import ConfigError
@@ -38,8 +41,6 @@ __all__ = ["ATTN_IMPLEMENTATION", "check_model", "enable", "seq_all_to_all", "sl
 
 def sp_group(sp: int, device_type: str) -> dist.ProcessGroup:
     """This rank's sequence-parallel group (collective: every rank calls it)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = dist.get_world_size()
     mesh = init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("sp_dp", "sp"))
     return mesh.get_group("sp")
@@ -107,9 +108,6 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def _register() -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
     AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 

@@ -34,9 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config.schema import Config
-from shardwise.distributed.mesh import build_mesh, mesh_spec
+from shardwise.config.validate import mesh_spec
+from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
+from shardwise.distributed.ulysses import train_only
 from shardwise.fsdp.build import build_sharded_model
+from shardwise.fsdp.plan import ShardingPlan
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +110,18 @@ class InferEngine:
     it, each with its own rows (their numbers may differ, zero included).
     """
 
-    def __init__(self, cfg: Config, runtime: Runtime, task: str = "causal_lm", **config_extra):
+    def __init__(self, cfg: Config, runtime: Runtime, task: str = "causal_lm",
+                 planned: tuple[nn.Module, ShardingPlan] | None = None, **config_extra):
+        """`planned`: the meta model and plan a job's prepare step built for this config
+        (see `shardwise.fsdp.build.build_sharded_model`)."""
         self.cfg = cfg
         self.runtime = runtime
         self.task = task
         self.spec = mesh_spec(cfg.parallel, runtime.world_size)
-        from shardwise.distributed.ulysses import train_only
-
         train_only(self.spec.ulysses, "the infer engine (fsdp2_infer)")  # its forwards take whole sequences
         self.mesh = build_mesh(self.spec, runtime.device.type)
-        self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, **config_extra)
+        self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, planned,
+                                                    **config_extra)
         self.model.eval()
 
     @torch.no_grad()

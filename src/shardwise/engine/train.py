@@ -1,5 +1,11 @@
 """TrainEngine (fsdp2_train): forward / backward / optimizer step on the planned model.
 
+Every trainer (SFT's `TrainEngine.train_step`, the RL actor and critic) runs one loop,
+`TrainEngine.accumulate`: forward and backward over this rank's micro-batches with the
+caller's loss function, the gradient reduce-scatter on the last backward only, then
+`TrainEngine.finish_step`. The engine is the lower layer: `shardwise.rl` imports from it,
+never the reverse.
+
 Loss scaling: every micro-batch returns the SUM of its token losses; the engine multiplies
 by world_size / global_loss_tokens before backward. FSDP averages gradients over all
 world_size ranks, so the final gradient is sum(all token losses in the global batch) /
@@ -7,6 +13,11 @@ global_loss_tokens: the unsharded run's gradient whatever the micro-batching and
 (Without sequence parallelism every rank is its own data-parallel rank; with Ulysses the
 sp ranks of a group hold slices of the same rows, and each slice's token losses are summed
 on the rank holding it.)
+
+Ranks with fewer micro-batches: every forward all-gathers parameters and the last backward
+reduce-scatters gradients, so a rank with fewer micro-batches than the busiest one runs
+throw-away forwards and backwards (one `dummy_inputs` row, loss x 0) up to that count:
+the training twin of `shardwise.engine.infer.forward_by_micro_batch`.
 """
 
 from __future__ import annotations
@@ -14,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,16 +37,21 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import Config
-from shardwise.distributed.mesh import build_mesh, mesh_spec
+from shardwise.config.validate import mesh_spec
+from shardwise.distributed import ulysses
+from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
+from shardwise.engine.infer import default_position_ids
 from shardwise.engine.losses import causal_lm_loss_sum
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.fsdp.build import build_sharded_model
+from shardwise.fsdp.plan import ShardingPlan
 
 log = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+T = TypeVar("T")
 
 
 def lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -41,6 +59,22 @@ def lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
     out = model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
     return causal_lm_loss_sum(out.logits, batch["labels"])
+
+
+def dummy_inputs(seq: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One row of `seq` tokens (at least 1) for a throw-away forward: ``input_ids``,
+    ``attention_mask``, ``position_ids`` ``(1, seq)`` int64 on `device`."""
+    ids = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": default_position_ids(mask)}
+
+
+def agreed_micro_batches(n_local: int, device: torch.device) -> int:
+    """The most micro-batches any rank has, given this rank's `n_local`; collective over
+    the whole world (one all-reduce)."""
+    n = torch.tensor(n_local, dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n)
 
 
 @dataclass
@@ -56,16 +90,18 @@ class StepResult:
 class TrainEngine:
     """Owns the sharded model, its optimizer and LR schedule."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, task: str = "causal_lm", **config_extra):
+    def __init__(self, cfg: Config, runtime: Runtime, task: str = "causal_lm",
+                 planned: tuple[nn.Module, ShardingPlan] | None = None, **config_extra):
+        """`planned`: the meta model and plan a job's prepare step built for this config
+        (see `shardwise.fsdp.build.build_sharded_model`)."""
         self.cfg = cfg
         self.runtime = runtime
         self.spec = mesh_spec(cfg.parallel, runtime.world_size)
         self.mesh = build_mesh(self.spec, runtime.device.type)
-        self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, **config_extra)
+        self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, planned=planned,
+                                                    **config_extra)
         self.sp_group = None
         if self.spec.ulysses > 1:
-            from shardwise.distributed import ulysses
-
             self.sp_group = ulysses.sp_group(self.spec.ulysses, runtime.device.type)
             ulysses.enable(self.model, self.sp_group)
         self.optimizer = build_optimizer(self.model, cfg.train.optimizer)
@@ -99,31 +135,67 @@ class TrainEngine:
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    def accumulate(self, micro_batches: Sequence[T], loss_fn: Callable[[nn.Module, T], torch.Tensor],
+                   scale: float, *, agree: bool = True, dummy_seq_len: int = 1) -> torch.Tensor:
+        """Forward and backward of ``loss_fn(model, mb) * scale`` for each of this rank's
+        micro-batches, gradients accumulated (not stepped: `finish_step` does that).
+
+        `loss_fn` returns a 0-d loss of one micro-batch (a sum of token losses, or a share of
+        a global loss); it moves its micro-batch to the device and may record metrics.
+        `scale` multiplies each loss before backward. With `agree` the ranks first agree on
+        the most micro-batches any rank has (one all-reduce) and a rank with fewer runs
+        throw-away passes (see the module docstring) on one row of `dummy_seq_len` tokens
+        through the model's plain forward; without it every rank must hold the same number
+        of micro-batches. The gradient reduce-scatter runs in the last of the passes only.
+
+        Returns this rank's sum of the unscaled losses, 0-d float64 on the device.
+        """
+        device = self.runtime.device
+        n_local = len(micro_batches)
+        n_all = agreed_micro_batches(n_local, device) if agree else n_local
+        local_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i in range(n_all):
+            with self.gradient_sync(i == n_all - 1):
+                if i >= n_local:
+                    self._throw_away_pass(dummy_seq_len)
+                    continue
+                loss = loss_fn(self.model, micro_batches[i])
+                (loss * scale).backward()
+            local_sum += loss.detach().double()
+        return local_sum
+
+    def _throw_away_pass(self, seq: int) -> None:
+        """A forward and backward with zero gradients: its all-gathers and reduce-scatter
+        pair with those of the ranks that still have micro-batches."""
+        with warnings.catch_warnings():
+            # A token-classification head returns a view; FSDP2 warns that an in-place op on
+            # it would skip the pre-backward all-gather. Only out-of-place ops touch it here.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            out = self.model(**dummy_inputs(seq, self.runtime.device), use_cache=False)
+        out.logits.sum().mul(0.0).backward()
+
     def train_step(self, micro_batches: Sequence[Batch], global_loss_tokens: int,
                    loss_fn: LossFn = lm_loss_sum) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch.
 
         `global_loss_tokens` is the number of loss tokens in the WHOLE global batch (all
-        ranks, all micro-batches).
+        ranks, all micro-batches). Every data-parallel rank holds the same number of
+        micro-batches (its equal share of the global batch), so no agreement is needed.
         """
         assert global_loss_tokens > 0, "a global batch with no loss tokens"
         self.model.train()
         scale = self.grad_average_size / global_loss_tokens
-        local_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         if self.sp_group is not None:
             loss_fn = self._ulysses_loss_fn(loss_fn)
-        for i, mb in enumerate(micro_batches):
-            mb = self._to_device(mb)
-            with self.gradient_sync(i == len(micro_batches) - 1):
-                loss_sum = loss_fn(self.model, mb)
-                (loss_sum * scale).backward()
-            local_sum += loss_sum.detach().double()
+
+        def on_device(model: nn.Module, mb: Batch) -> torch.Tensor:
+            return loss_fn(model, self._to_device(mb))
+
+        local_sum = self.accumulate(micro_batches, on_device, scale, agree=False)
         return self.finish_step(local_sum, global_loss_tokens)
 
     def _ulysses_loss_fn(self, loss_fn: LossFn) -> LossFn:
         """The causal-LM loss on this rank's slice of each row (`shardwise.distributed.ulysses`)."""
-        from shardwise.distributed import ulysses
-
         if loss_fn is not lm_loss_sum:
             raise ValueError("Ulysses sequence parallel trains the causal-LM loss only (lm_loss_sum)")
         sp, sp_rank = self.spec.ulysses, dist.get_rank(self.sp_group)
@@ -186,15 +258,3 @@ class TrainEngine:
                     if p.grad is not None:
                         p.grad.mul_(coef)
         return norm
-
-    # -- evaluation helpers
-    @torch.no_grad()
-    def eval_loss(self, micro_batches: Sequence[Batch], global_loss_tokens: int,
-                  loss_fn: LossFn = lm_loss_sum) -> float:
-        self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        for mb in micro_batches:
-            mb = self._to_device(mb)
-            total += loss_fn(self.model, mb).double()
-        dist.all_reduce(total)
-        return float(total) / global_loss_tokens

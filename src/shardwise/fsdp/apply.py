@@ -14,7 +14,13 @@ import warnings
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.config.dtypes import to_torch_dtype
@@ -36,7 +42,7 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh, *, pin_memory: bool =
 
 def cast_layered_precision(model: nn.Module, plan: ShardingPlan) -> None:
     """Keep each `module_precision` module's parameters at its storage dtype and buffers at
-    its dtype (seed 000: an fp32 norm inside a bf16 model keeps fp32 weights and stats)."""
+    its dtype (an fp32 norm inside a bf16 model keeps fp32 weights and stats)."""
     storage = {u.path: u.storage_dtype for u in plan.units}
     for path, dtype in plan.buffer_casts.items():
         mod = model.get_submodule(path)

@@ -5,11 +5,16 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.config.schema import Config
-from shardwise.distributed.mesh import MeshSpec
+from shardwise.config.validate import MeshSpec
 from shardwise.distributed.runtime import Runtime
 from shardwise.fsdp.apply import apply_plan
 from shardwise.fsdp.plan import ShardingPlan, build_plan, warn_plan
-from shardwise.models.loading import build_full_model, build_meta_model, freeze, load_full_weights
+from shardwise.models.loading import (
+    build_full_model,
+    build_meta_model,
+    freeze,
+    load_full_weights,
+)
 from shardwise.models.patches import patch_model
 
 
@@ -21,12 +26,16 @@ def plan_for(cfg: Config, spec: MeshSpec, task: str = "causal_lm", **config_extr
 
 
 def build_sharded_model(cfg: Config, runtime: Runtime, spec: MeshSpec, mesh, task: str = "causal_lm",
+                        planned: tuple[nn.Module, ShardingPlan] | None = None,
                         **config_extra) -> tuple[nn.Module, ShardingPlan]:
     """The sharded model with real weights on `runtime.device`, and the plan it followed.
 
-    Only rank 0 builds or reads the full weights; the other ranks receive their shards.
+    `planned`: the meta model and plan of `plan_for` for this config and mesh, when a job's
+    prepare step built them already (used up here: `fully_shard` changes the model in
+    place). Only rank 0 builds or reads the full weights; the other ranks receive their
+    shards.
     """
-    model, plan = plan_for(cfg, spec, task, **config_extra)
+    model, plan = planned if planned is not None else plan_for(cfg, spec, task, **config_extra)
     warn_plan(plan, runtime.is_main)
     apply_plan(model, plan, mesh, pin_memory=cfg.fsdp.offload.pin_memory)
     model.to_empty(device="cpu" if cfg.fsdp.offload.enabled else runtime.device)

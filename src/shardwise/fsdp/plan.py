@@ -32,9 +32,10 @@ from torch import nn
 
 from shardwise.config.dtypes import canonical_dtype, dtype_bytes
 from shardwise.config.schema import Config, PrecisionOverride
-from shardwise.distributed.mesh import MeshSpec
+from shardwise.config.validate import MeshSpec
 from shardwise.errors import ConfigError, did_you_mean
-from shardwise.fsdp.patterns import looks_like_class_name, match_pattern
+from shardwise.models.patches.moe import SUPPORTED
+from shardwise.models.patterns import looks_like_class_name, match_pattern
 
 _ORDER = {"fp32": 2, "bf16": 1, "fp16": 1}
 
@@ -319,8 +320,6 @@ def _resolve_experts(idx: _Index, spec: str, key: str) -> list[str]:
     try:
         return idx.resolve(spec, key)
     except ConfigError as e:
-        from shardwise.models.patches.moe import SUPPORTED
-
         fused = sorted({c for c in idx.classes.values() if c in SUPPORTED})
         if not fused:
             raise

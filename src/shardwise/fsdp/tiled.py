@@ -1,4 +1,4 @@
-"""Tiled MLP (seed 001, ``apply_tiled_mlp`` / ``tiled_num_shards``): run a position-wise
+"""Tiled MLP (``fsdp.tiled_mlp``): run a position-wise
 module (an MLP) over its input in `shards` slices of the sequence and keep only the
 input for backward.
 

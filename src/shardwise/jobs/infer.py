@@ -1,12 +1,11 @@
-"""`shardwise infer`: generate responses to the prompts of ``data.source`` with the FSDP2
-infer engine (fsdp2_infer) and write them, scored where there is something to score
-against, to a JSONL file.
+"""The infer recipe behind `shardwise infer`: generate responses to the prompts of
+``data.source`` with the FSDP2 infer engine (fsdp2_infer) and write them, scored where
+there is something to score against, to a JSONL file.
 
 The model is sharded exactly as for training (same plan, same precision) and generates
-with the rollout's HF engine (`shardwise.rl.workers.rollout.HFRollout`): every unit is
-gathered once per call, so ranks whose rows end early never desynchronise the others.
-Prompts are split over the data-parallel ranks in contiguous slices; every rank makes the
-same number of generate calls (a rank short of prompts makes some with none).
+with the generation engine ``infer.engine`` names (`shardwise.engine.generate`). Prompts
+are split over the data-parallel ranks in contiguous slices; every rank makes the same
+number of generate calls (a rank short of prompts makes some with none).
 
 Prompts: a file's records in file order (the first ``infer.num_prompts``), or a built-in
 task's held-out prompts (``run.seed`` + `HELDOUT_SEED_OFFSET`, ``infer.num_prompts`` of
@@ -34,24 +33,49 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
-from shardwise.config.schema import Config, RolloutConfig
+from shardwise.config.schema import Config
+from shardwise.config.validate import MeshSpec, mesh_spec
+from shardwise.data.collate import truncation_note
+from shardwise.data.rewards import (
+    RewardFn,
+    decode_responses,
+    resolve_reward_fn,
+    score_sequences,
+)
 from shardwise.data.tasks import BUILTIN_PREFIX, HELDOUT_PROMPTS, HELDOUT_SEED_OFFSET
-from shardwise.distributed.mesh import MeshSpec, mesh_spec
+from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
 from shardwise.distributed.runtime import Runtime, env_world
-from shardwise.errors import ConfigError
+from shardwise.distributed.ulysses import train_only
+from shardwise.engine.generate import build_generator, prompt_batch
+from shardwise.engine.infer import InferEngine
+from shardwise.fsdp.build import plan_for
+from shardwise.fsdp.plan import ShardingPlan
+from shardwise.jobs.inputs import check_data, check_model, check_tokenizer
+from shardwise.models.loading import load_hf_config
+from shardwise.telemetry import Progress, peak_memory_bytes
 
 log = logging.getLogger(__name__)
 
 REWARD_KEY = "infer.reward"
 SUMMARY_FILE = "infer_summary.json"
 
+__all__ = ["Prepared", "prepare", "reward_spec", "run"]
+
 
 @dataclass
 class Prepared:
+    """What `prepare` checked and built, for `run` in the same process."""
+
+    cfg: Config
     spec: MeshSpec
     records: list[dict[str, Any]]
+    """The prompts (and ground truths when scored)."""
     reward_spec: str | None
+    reward_fn: RewardFn | None
+    planned: tuple[nn.Module, ShardingPlan] | None
+    """The meta model and its plan (used up by the engine that shards it)."""
 
 
 def reward_spec(cfg: Config) -> str | None:
@@ -64,37 +88,27 @@ def reward_spec(cfg: Config) -> str | None:
 def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
     """The records to generate for (see the module docstring); raises DataError /
     ConfigError for a source that cannot be read or holds no records."""
-    from shardwise.data.sources import load_records
-
-    data, n = cfg.data, cfg.infer.num_prompts
-    response_key = data.response_key if scored else None
-    if data.source.startswith(BUILTIN_PREFIX):
-        return load_records(data.source, data.prompt_key, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET,
-                            num_builtin=n or HELDOUT_PROMPTS)
-    records = load_records(data.source, data.prompt_key, response_key, seed=cfg.run.seed)
-    if not records:
-        raise ConfigError("data.source", f"{data.source!r} holds no records", "point it at a file with prompts")
+    n = cfg.infer.num_prompts
+    response_key = cfg.data.response_key if scored else None
+    if cfg.data.source.startswith(BUILTIN_PREFIX):
+        return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS)
+    records = check_data(cfg, response_key)
     return records[:n] if n else records
 
 
 def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     """Every check that can fail on the user's input, before any process group exists:
-    mesh, sharding plan, reward function, prompts."""
-    from shardwise.distributed.ulysses import train_only
-    from shardwise.fsdp.build import plan_for
-    from shardwise.rl.workers.reward import resolve_reward_fn
-
-    from shardwise.jobs.inputs import check_model
-
+    mesh, model folder, tokenizer, sharding plan, reward function, prompts."""
     world = world_size if world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     train_only(spec.ulysses, "`shardwise infer`")
     check_model(cfg)
-    plan_for(cfg, spec)
+    check_tokenizer(cfg)
     name = reward_spec(cfg)
-    if name is not None:
-        resolve_reward_fn(name, key=REWARD_KEY)
-    return Prepared(spec, load_prompts(cfg, scored=name is not None), name)
+    fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
+    records = load_prompts(cfg, scored=name is not None)
+    planned = plan_for(cfg, spec)
+    return Prepared(cfg, spec, records, name, fn, planned)
 
 
 def _my_prompts(num: int, dp_rank: int, dp_size: int) -> range:
@@ -103,42 +117,25 @@ def _my_prompts(num: int, dp_rank: int, dp_size: int) -> range:
     return range(min(num, dp_rank * per), min(num, (dp_rank + 1) * per))
 
 
-def run(cfg: Config, runtime: Runtime) -> dict[str, Any]:
+def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     """Generate, score and write; returns the summary (complete on rank 0)."""
-    from shardwise.engine.infer import InferEngine
-    from shardwise.jobs.sft import check_vocab, resolve_tokenizer
-    from shardwise.models.loading import load_hf_config
-    from shardwise.rl.workers.reward import (
-        decode_responses,
-        resolve_reward_fn,
-        score_sequences,
-    )
-    from shardwise.rl.workers.rollout import HFRollout, prompt_batch
-    from shardwise.telemetry import Progress, peak_memory_bytes
-
-    prepared = prepare(cfg, runtime.world_size)
+    cfg = prepared.cfg
     icfg = cfg.infer
-    fn = resolve_reward_fn(prepared.reward_spec, key=REWARD_KEY) if prepared.reward_spec else None
+    fn = prepared.reward_fn
     records = prepared.records
     run_dir = Path(cfg.run.dir)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, _ = resolve_tokenizer(cfg, runtime)
-    if tokenizer.eos_token_id is None:
-        raise ConfigError("model.tokenizer", "the tokenizer has no eos token", "generation stops at eos; "
-                          "use a tokenizer that defines one")
-    check_vocab(tokenizer, load_hf_config(cfg.model))
+    tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+    check_vocab(tokenizer, load_hf_config(cfg.model).vocab_size)
     if runtime.is_main:
-        from shardwise.data.collate import truncation_note
-
         note = truncation_note(tokenizer, records, cfg.data.max_length, with_response=False)
         if note:
             log.warning("data: %s", note)
-    engine = InferEngine(cfg, runtime)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rollout = HFRollout(engine.model, RolloutConfig(n=icfg.n, max_new_tokens=icfg.max_new_tokens,
-                                                    temperature=icfg.temperature, top_p=icfg.top_p),
-                        runtime, pad_id=pad, eos_id=tokenizer.eos_token_id)
+    engine = InferEngine(cfg, runtime, planned=prepared.planned)
+    prepared.planned = None  # used up by fully_shard
+    generator = build_generator(icfg.engine, engine.model, icfg, runtime, pad_token_id(tokenizer),
+                                tokenizer.eos_token_id, key="infer.engine")
 
     dp_size = engine.spec.dp_size
     mine = _my_prompts(len(records), runtime.rank, dp_size)
@@ -153,7 +150,7 @@ def run(cfg: Config, runtime: Runtime) -> dict[str, Any]:
             batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length, [str(i) for i in idx])
             batch = batch.repeat(icfg.n, interleave=True)
             batch.meta["seed"] = cfg.run.seed * 1_000_003 + call
-            out = rollout.generate_sequences(batch)
+            out = generator.generate_sequences(batch)
             texts, _ = decode_responses(out, tokenizer)
             scores = None
             if fn is not None and len(out):
@@ -220,6 +217,3 @@ def _write_json(path: Path, obj: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
     return path
-
-
-__all__ = ["Prepared", "load_prompts", "prepare", "reward_spec", "run"]

@@ -3,8 +3,8 @@ process: before any process group, Ray worker or file of the run exists.
 
 Each check raises one `ShardwiseError` (exit status 2, one line) naming the key and what
 to change. What they cover: the model folder (config.json and readable safetensors, no
-pickles), the reward-model folder, the data source (readable, parseable, not empty, with
-the keys), and an explicit ``checkpoint.resume`` folder (a complete checkpoint).
+pickles), the tokenizer folder, the data source (readable, parseable, not empty, with the
+keys), and an explicit ``checkpoint.resume`` folder (a complete checkpoint).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
 from shardwise.config.schema import Config
 from shardwise.data.sources import load_records
+from shardwise.data.tokenizer import has_tokenizer_files
 from shardwise.errors import ConfigError
 from shardwise.models.loading import check_weights_folder
 
@@ -23,6 +24,13 @@ def check_model(cfg: Config) -> None:
     """``model.path`` (when set) holds config.json and readable safetensors weights."""
     if cfg.model.path is not None:
         check_weights_folder(cfg.model.path, "model.path")
+
+
+def check_tokenizer(cfg: Config) -> None:
+    """An explicit ``model.tokenizer`` folder holds tokenizer files."""
+    if cfg.model.tokenizer is not None and not has_tokenizer_files(cfg.model.tokenizer):
+        raise ConfigError("model.tokenizer", f"{cfg.model.tokenizer!r} holds no tokenizer files",
+                          "point it at a folder with tokenizer.json (or vocab files), or leave it unset")
 
 
 def check_resume(cfg: Config) -> None:
@@ -41,7 +49,11 @@ def check_resume(cfg: Config) -> None:
     raise ConfigError("checkpoint.resume", f"{resume!r} {incomplete_reason(path)}", hint)
 
 
-def check_data(cfg: Config, response_key: str | None, **kwargs: Any) -> list[dict[str, Any]]:
-    """The records of ``data.source`` (every read, parse and key problem raised here)."""
+def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
+               num_builtin: int | None = None) -> list[dict[str, Any]]:
+    """The records of ``data.source`` (every read, parse and key problem raised here).
+    A built-in task makes `num_builtin` examples (default: its training set) from `seed`
+    (default ``run.seed``)."""
     d = cfg.data
-    return load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed, **kwargs)
+    extra = {} if num_builtin is None else {"num_builtin": num_builtin}
+    return load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed, **extra)

@@ -15,11 +15,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
+from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from shardwise.config.dtypes import to_torch_dtype
 from shardwise.config.schema import ModelConfig
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, did_you_mean
+from shardwise.models.patterns import match_pattern
 
 _TASKS = ("causal_lm", "sequence_classification", "token_classification")
 
@@ -93,8 +101,6 @@ def _check_safetensors_header(file: Path, key: str) -> None:
 
 
 def _auto_class(task: str):
-    import transformers
-
     return {
         "causal_lm": transformers.AutoModelForCausalLM,
         "sequence_classification": transformers.AutoModelForSequenceClassification,
@@ -104,8 +110,6 @@ def _auto_class(task: str):
 
 def load_hf_config(model: ModelConfig, **extra):
     """The HF PretrainedConfig of `model.path` or of the inline `model.config`."""
-    from transformers import AutoConfig
-
     if model.path is not None:
         path = Path(model.path)
         if not (path / "config.json").is_file():
@@ -118,10 +122,6 @@ def load_hf_config(model: ModelConfig, **extra):
     elif model.config is not None:
         fields = dict(model.config)
         model_type = fields.pop("model_type")
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        from shardwise.errors import did_you_mean
-
         if model_type not in CONFIG_MAPPING:
             raise ConfigError("model.config.model_type", f"unknown model_type {model_type!r}",
                               did_you_mean(str(model_type), list(CONFIG_MAPPING.keys())))
@@ -195,11 +195,6 @@ def load_full_weights(sharded: nn.Module, full: nn.Module | None, device: torch.
     `full` is the CPU model on rank 0 and None elsewhere. Each rank keeps only its shard;
     host memory holds one full copy (rank 0's), whatever the number of ranks.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-    )
-
     rank = dist.get_rank()
     assert (full is not None) == (rank == 0), "exactly rank 0 passes the full model"
     full_sd = full.state_dict() if full is not None else {}
@@ -217,8 +212,6 @@ def load_full_weights(sharded: nn.Module, full: nn.Module | None, device: torch.
 
 def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     """requires_grad=False for every parameter under the matched modules; returns their paths."""
-    from shardwise.fsdp.patterns import match_pattern
-
     if not patterns:
         return []
     names = [n for n, _ in model.named_modules()]

@@ -16,7 +16,6 @@ Conventions, unless a docstring says otherwise:
 from __future__ import annotations
 
 import abc
-
 import math
 from collections.abc import Hashable, Sequence
 from typing import Literal
@@ -24,6 +23,7 @@ from typing import Literal
 import torch
 
 from shardwise.errors import nearest
+from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 __all__ = [
     "AGG_MODES",
@@ -33,6 +33,7 @@ __all__ = [
     "KLController",
     "aggregate_loss",
     "apply_kl_in_reward",
+    "kl_controller",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
@@ -316,6 +317,35 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, m)
 
 
+# ------------------------------------------------------------------- the registry of ``rl.advantage``
+# Each takes (token_rewards, mask, *, values, group_ids, gamma, lam) and returns
+# (advantages, returns), both (batch, response_len) float32. Traits: needs_critic (reads
+# `values`), compares_samples (needs several samples per prompt: rl.rollout.n >= 2).
+
+
+@ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True, compares_samples=False)
+def _gae(token_rewards, mask, *, values, group_ids, gamma, lam):
+    return gae_advantages(token_rewards, values, mask, gamma, lam)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo", needs_critic=False, compares_samples=True)
+def _grpo(token_rewards, mask, *, values, group_ids, gamma, lam):
+    adv = grpo_advantages(token_rewards, mask, group_ids)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo", needs_critic=False, compares_samples=True)
+def _rloo(token_rewards, mask, *, values, group_ids, gamma, lam):
+    adv = rloo_advantages(token_rewards, mask, group_ids)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", needs_critic=False, compares_samples=False)
+def _reinforce_plus_plus(token_rewards, mask, *, values, group_ids, gamma, lam):
+    adv = reinforce_plus_plus_advantages(token_rewards, mask, gamma)
+    return adv, adv
+
+
 # ------------------------------------------------------------------- KL
 
 
@@ -385,6 +415,15 @@ class AdaptiveKLController(KLController):
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def kl_controller(kind: str, coef: float, target: float, horizon: float) -> KLController:
+    """The controller ``rl.kl_in_reward.controller`` names: "fixed" or "adaptive"."""
+    if kind == "adaptive":
+        return AdaptiveKLController(coef, target, horizon)
+    if kind == "fixed":
+        return FixedKLController(coef)
+    raise _unknown("KL controller", kind, ("fixed", "adaptive"))
 
 
 @torch.no_grad()
@@ -509,6 +548,9 @@ def policy_loss(
             "ratio_mean": float(masked_mean(ratio.float(), m)),
         }
     return loss, metrics
+
+
+POLICY_LOSSES.register("ppo_clip")(policy_loss)
 
 
 def value_loss(

@@ -1,4 +1,4 @@
-"""Worker groups on Ray: N Ray actors forming one torch.distributed group (seed 003).
+"""Worker groups on Ray: N Ray actors forming one torch.distributed group.
 
 `RayWorkerGroup(worker_cls, world_size, *args, **kwargs)` reserves a placement group of
 ``world_size`` bundles (1 CPU each, plus 1 GPU each where GPUs exist), starts one Ray
@@ -26,7 +26,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from shardwise.errors import ShardwiseError
+from shardwise.distributed.runtime import free_port, init_distributed, teardown
+from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.rl.dispatch import (
     Layout,
     collect_results,
@@ -53,8 +54,6 @@ def _ray():
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a declared dependency of the rl extra
-        from shardwise.errors import ConfigError
-
         raise ConfigError("rl", "Ray is not installed", "pip install 'shardwise[rl]'") from e
     return ray
 
@@ -99,15 +98,11 @@ class _RankHost:
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
 
-        from shardwise.distributed.runtime import free_port
-
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, worker_cls: type,
-              args: tuple, kwargs: dict) -> tuple[int, bool]:
+              args: tuple, kwargs: dict) -> None:
         import ray
-
-        from shardwise.distributed.runtime import init_distributed
 
         gpus = ray.get_gpu_ids()
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
@@ -116,15 +111,11 @@ class _RankHost:
                             format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
         runtime = init_distributed()
         self.worker = worker_cls(*args, runtime=runtime, **kwargs)
-        layout = getattr(self.worker, "dispatch_layout", None)
-        return layout() if callable(layout) else (rank, True)
 
     def execute(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
     def teardown(self) -> None:
-        from shardwise.distributed.runtime import teardown
-
         close = getattr(self.worker, "close", None)
         if callable(close):
             close()
@@ -165,12 +156,14 @@ class RayWorkerGroup:
         self._alive = True
         try:
             addr, port = ray.get(self._actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
-            layouts = self._wait([a.setup.remote(i, world_size, addr, port, worker_cls, args, kwargs)
-                                  for i, a in enumerate(self._actors)], "setup", timeout=setup_timeout_s)
+            self._wait([a.setup.remote(i, world_size, addr, port, worker_cls, args, kwargs)
+                        for i, a in enumerate(self._actors)], "setup", timeout=setup_timeout_s)
         except BaseException:
             self.shutdown(graceful=False)
             raise
-        self.layout = Layout(tuple(d for d, _ in layouts), tuple(c for _, c in layouts))
+        # Every worker is its own data-parallel rank (sequence-parallel rollouts would set
+        # peers that share a rank; none exist yet).
+        self.layout = Layout.data_parallel(world_size)
 
     # -- calling worker methods
     def __getattr__(self, name: str) -> Any:

@@ -2,7 +2,7 @@
 
 A worker method declares its rule with `register`; a worker group (`shardwise.rl.cluster`)
 looks the rule up, splits the arguments with `split_arguments`, calls the method on its
-workers and joins the results with `collect_results`. The rules (seed 003):
+workers and joins the results with `collect_results`. The rules:
 
 - ONE_TO_ALL: every worker gets the same arguments (init, checkpoint, export);
 - DP_COMPUTE: every `Batch` argument is cut into one chunk per data-parallel rank (padded
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from shardwise.rl.batch import Batch
+from shardwise.data.batch import Batch
 
 __all__ = ["Dispatch", "DispatchRule", "Layout", "collect_results", "dispatch_rule", "register",
            "split_arguments"]

@@ -1,17 +1,18 @@
-"""The RL trainer behind `shardwise rl`: one controller process driving Ray worker groups.
+"""The single controller of RL post-training: one process driving Ray worker groups.
 
-Each step (seed 003): prompts -> generate (n samples per prompt) -> reward -> old
-log-probs -> (reference log-probs) -> (values) -> advantages -> (update critic) ->
-update actor. GRPO: group outcome advantages, no critic. PPO: GAE with a critic.
+Each step: prompts -> generate (n samples per prompt) -> reward -> old log-probs ->
+(reference log-probs) -> (values) -> advantages -> (update critic) -> update actor. GRPO:
+group outcome advantages, no critic. PPO: GAE with a critic. The estimator is looked up
+by name in `shardwise.registry.ADVANTAGE_ESTIMATORS`.
 
 The controller holds the prompts, the tokenizer (to decode responses for rule-based
-rewards), the sampler position and the metrics; the workers hold the models. Everything
-that can be wrong in the config is checked by `prepare` before Ray starts.
+rewards), the sampler position and the metrics; the workers hold the models. The recipe
+that checks a config and drives a whole run is `shardwise.jobs.rl`.
 
 Rows per step are ``train.global_batch_size`` prompts x ``rl.rollout.n`` samples, split
 evenly over the data-parallel ranks; ``train.micro_batch_size`` rows per forward.
 
-Metrics (run.dir/metrics.jsonl, one line per step): ``reward/mean``, ``accuracy`` (share
+Metrics (one line per step in run.dir/metrics.jsonl): ``reward/mean``, ``accuracy`` (share
 of samples whose rule-based score is >= 1, i.e. fully right), ``response_length/mean``
 and ``/clip_frac`` (share that hit max_new_tokens), ``entropy``, ``kl`` (k1 between the
 policy and the reference, nats/token), the ``actor/*`` and ``critic/*`` update metrics
@@ -24,89 +25,26 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardwise.config.schema import Config
-from shardwise.data.tasks import HELDOUT_PROMPTS, HELDOUT_SEED_OFFSET
-from shardwise.distributed.mesh import MeshSpec, mesh_spec
-from shardwise.errors import ConfigError
+from shardwise.data.batch import Batch
+from shardwise.data.rewards import RewardFn, score_sequences
+from shardwise.data.sampler import GlobalBatchSampler
+from shardwise.data.tokenizer import pad_token_id
+from shardwise.engine.generate import heldout_accuracy, prompt_batch
+from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
-from shardwise.rl.batch import Batch
-from shardwise.rl.workers.rollout import prompt_batch
+from shardwise.rl.cluster import RayWorkerGroup, init_ray
+from shardwise.rl.workers.hybrid import RLWorker
+from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
 
 log = logging.getLogger(__name__)
 
-EVAL_PROMPTS = HELDOUT_PROMPTS
-"""Held-out prompts of a built-in task scored (greedy) before and after RL."""
-EVAL_SEED_OFFSET = HELDOUT_SEED_OFFSET
-
-
-@dataclass
-class Prepared:
-    cfg: Config
-    spec: MeshSpec
-    rows_per_step: int
-
-
-def prepare(cfg: Config, world_size: int) -> Prepared:
-    """Every check that needs the world size; raises ConfigError, starts nothing."""
-    rl = cfg.rl
-    spec = mesh_spec(cfg.parallel, world_size)
-    from shardwise.distributed.ulysses import train_only
-
-    train_only(spec.ulysses, "`shardwise rl`")
-    if rl.rollout.engine != "hf":
-        raise ConfigError("rl.rollout.engine", f"{rl.rollout.engine!r} is not available yet", "use hf")
-    if rl.algorithm == "ppo" and not rl.critic.enabled:
-        raise ConfigError("rl.critic.enabled", "rl.algorithm=ppo trains a critic",
-                          "set rl.critic.enabled=true and rl.advantage=gae")
-    if rl.algorithm == "grpo" and rl.advantage == "gae":
-        raise ConfigError("rl.advantage", "gae needs the critic of rl.algorithm=ppo",
-                          "use grpo, rloo or reinforce_plus_plus, or set rl.algorithm=ppo")
-    if rl.advantage in ("grpo", "rloo") and rl.rollout.n < 2:
-        raise ConfigError("rl.rollout.n", f"{rl.advantage} compares samples of one prompt and needs n >= 2",
-                          "set rl.rollout.n=4")
-    if (rl.actor.kl_loss.enabled or rl.kl_in_reward.enabled) and not rl.reference.enabled:
-        which = "rl.actor.kl_loss" if rl.actor.kl_loss.enabled else "rl.kl_in_reward"
-        raise ConfigError("rl.reference.enabled", f"{which} needs the reference policy",
-                          "set rl.reference.enabled=true")
-    rows = cfg.train.global_batch_size * rl.rollout.n
-    dp = spec.dp_size
-    if rows % dp:
-        raise ConfigError("train.global_batch_size",
-                          f"{cfg.train.global_batch_size} prompts x rl.rollout.n={rl.rollout.n} = {rows} rows "
-                          f"do not split over {dp} data-parallel ranks",
-                          f"make prompts x n a multiple of {dp}")
-    if (rows // dp) % rl.actor.ppo_mini_batches:
-        raise ConfigError("rl.actor.ppo_mini_batches",
-                          f"{rl.actor.ppo_mini_batches} does not divide the {rows // dp} rows of each rank",
-                          "pick a divisor of (global_batch_size x n / ranks)")
-    if rl.reward.function is None and rl.reward.model is None:
-        raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
-                          "set rl.reward.function=builtin:arithmetic or a module:function")
-    if rl.reward.function is not None:
-        from shardwise.rl.workers.reward import resolve_reward_fn
-
-        resolve_reward_fn(rl.reward.function)
-    if rl.reward.model is not None and not (Path(rl.reward.model) / "config.json").is_file():
-        raise ConfigError("rl.reward.model", f"{rl.reward.model!r} holds no config.json",
-                          "point it at a sequence-classification model folder written by save_pretrained")
-    from shardwise.fsdp.build import plan_for
-    from shardwise.jobs.inputs import check_data, check_model, check_resume
-    from shardwise.models.loading import check_weights_folder
-
-    check_model(cfg)
-    if rl.reward.model is not None:
-        check_weights_folder(rl.reward.model, "rl.reward.model")
-    check_resume(cfg)
-    check_data(cfg, cfg.data.response_key)
-
-    plan_for(cfg, spec)  # pattern errors surface here, on the meta device
-    return Prepared(cfg, spec, rows)
+__all__ = ["Controller", "mean_timing", "worker_groups"]
 
 
 def worker_groups(cfg: Config) -> dict[str, list[str]]:
@@ -124,73 +62,36 @@ def worker_groups(cfg: Config) -> dict[str, list[str]]:
     return groups
 
 
-def controller_tokenizer(cfg: Config):
-    """(tokenizer, its folder): model.tokenizer, model.path, run.dir/tokenizer, or the
-    built-in char tokenizer built into run.dir/tokenizer."""
-    from transformers import AutoTokenizer
-
-    from shardwise.data.tokenizer import (
-        build_char_tokenizer,
-        has_tokenizer_files,
-        locate_tokenizer,
-    )
-
-    if cfg.model.tokenizer is not None and not has_tokenizer_files(cfg.model.tokenizer):
-        raise ConfigError("model.tokenizer", f"{cfg.model.tokenizer!r} holds no tokenizer files")
-    found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
-    if found is None:
-        found = Path(cfg.run.dir) / "tokenizer"
-        build_char_tokenizer(found)
-    tok = AutoTokenizer.from_pretrained(str(found))
-    if tok.eos_token_id is None:
-        raise ConfigError("model.tokenizer", f"the tokenizer in {str(found)!r} has no eos token",
-                          "RL generation stops at eos; use a tokenizer that defines one")
-    return tok, str(found)
-
-
 class Controller:
-    """The single controller (see the module docstring)."""
+    """The single controller (see the module docstring).
 
-    def __init__(self, cfg: Config, world_size: int):
-        from shardwise.data.sampler import GlobalBatchSampler
-        from shardwise.data.sources import load_records
-        from shardwise.models.loading import load_hf_config
+    `records` are the prompts (with their ground truths), `tokenizer` and its folder the
+    run's, `reward_fn` the rule-based reward (None: the reward model alone). Nothing is
+    started until `start`.
+    """
 
+    def __init__(self, cfg: Config, world_size: int, records: list[dict[str, Any]], tokenizer,
+                 tokenizer_dir: str, reward_fn: RewardFn | None):
         self.cfg = cfg
         self.world_size = world_size
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True, mode="json"), indent=2))
-        self.tokenizer, self.tokenizer_dir = controller_tokenizer(cfg)
-        from shardwise.jobs.sft import check_vocab
-
-        check_vocab(self.tokenizer, load_hf_config(cfg.model))
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-            else self.tokenizer.eos_token_id
-        self.eos_id = self.tokenizer.eos_token_id
-        d = cfg.data
-        self.records = load_records(d.source, d.prompt_key, d.response_key, seed=cfg.run.seed)
-        from shardwise.data.collate import truncation_note
-
-        note = truncation_note(self.tokenizer, self.records, d.max_length, with_response=False)
-        if note:
-            log.warning("data: %s", note)
+        self.tokenizer, self.tokenizer_dir = tokenizer, tokenizer_dir
+        self.pad_id = pad_token_id(tokenizer)
+        self.eos_id = tokenizer.eos_token_id
+        self.records = records
         self.sampler = GlobalBatchSampler(len(self.records), cfg.train.global_batch_size, cfg.run.seed)
         self._batches = iter(self.sampler)
-        self.reward_fn = None
-        if cfg.rl.reward.function is not None:
-            from shardwise.rl.workers.reward import resolve_reward_fn
-
-            self.reward_fn = resolve_reward_fn(cfg.rl.reward.function)
-        self.kl_ctl = alg.FixedKLController(cfg.rl.kl_in_reward.coef)
+        self.reward_fn = reward_fn
+        k = cfg.rl.kl_in_reward
+        self.kl_ctl = alg.kl_controller(k.controller, k.coef, k.target, k.horizon)
+        self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
         self.step = 0
-        self.groups: dict[str, Any] = {}
+        self.groups: dict[str, RayWorkerGroup] = {}
 
     # -- the worker groups
     def start(self) -> None:
-        from shardwise.rl.cluster import RayWorkerGroup, init_ray
-        from shardwise.rl.workers.hybrid import RLWorker
-
         plan = worker_groups(self.cfg)
         init_ray(num_cpus=self.world_size * len(plan))
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
@@ -199,11 +100,11 @@ class Controller:
                                                self.eos_id, name=name)
 
     @property
-    def group(self):
+    def group(self) -> RayWorkerGroup:
         """The hybrid engine's group (actor, rollout, reference)."""
         return self.groups["rl"]
 
-    def group_of(self, role: str):
+    def group_of(self, role: str) -> RayWorkerGroup:
         """The group hosting `role`."""
         for name, roles in worker_groups(self.cfg).items():
             if role in roles:
@@ -264,8 +165,6 @@ class Controller:
         last = _last_token_index(mask)
         has = mask.any(-1)
         if self.reward_fn is not None:
-            from shardwise.rl.workers.reward import score_sequences
-
             scored = score_sequences(batch, self.tokenizer, self.reward_fn)
             rule = scored.tensors["token_level_scores"].sum(-1)
             scores += scored.tensors["token_level_scores"]
@@ -292,26 +191,14 @@ class Controller:
                                                  self.kl_ctl.value, rl.kl_in_reward.type)
             self.kl_ctl.update(kl, len(batch))
             metrics["kl_in_reward/coef"] = self.kl_ctl.value
-        uids = list(batch.arrays["uid"])
-        if rl.advantage == "gae":
-            adv, returns = alg.gae_advantages(rewards, t["values"], mask, rl.gamma, rl.lam)
-        elif rl.advantage == "grpo":
-            adv = alg.grpo_advantages(rewards, mask, uids)
-            returns = adv
-        elif rl.advantage == "rloo":
-            adv = alg.rloo_advantages(rewards, mask, uids)
-            returns = adv
-        else:
-            adv = alg.reinforce_plus_plus_advantages(rewards, mask, rl.gamma)
-            returns = adv
+        adv, returns = self.estimator(rewards, mask, values=t.get("values"), group_ids=list(batch.arrays["uid"]),
+                                      gamma=rl.gamma, lam=rl.lam)
         metrics["advantages/abs_mean"] = float(alg.masked_mean(adv.abs(), mask))
         return batch.union(Batch.from_dict({"token_level_rewards": rewards, "advantages": adv,
                                             "returns": returns})), metrics
 
     def train_step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
-        from shardwise.telemetry import PhaseTimer
-
         rl = self.cfg.rl
         g = self.group
         timer = PhaseTimer(synchronize=False)
@@ -354,20 +241,32 @@ class Controller:
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
 
-    # -- evaluation
-    def evaluate(self, n: int = EVAL_PROMPTS) -> float | None:
-        """Greedy accuracy on held-out prompts of a built-in task (None for other data)."""
-        source = self.cfg.data.source
-        if self.reward_fn is None or not source.startswith("builtin:"):
-            return None
-        from shardwise.data.tasks import get_builtin_task
-        from shardwise.rl.workers.reward import score_sequences
+    def fit(self) -> list[dict[str, float]]:
+        """Steps until ``train.max_steps`` (from wherever `resume` left the controller), with
+        the progress bar and one metrics line per logged step; returns every step's metrics."""
+        max_steps = self.cfg.train.max_steps
+        writer = MetricsWriter(self.run_dir, enabled=True, after_step=self.step)
+        bar = Progress(total=max_steps, enabled=True, desc=self.cfg.rl.algorithm, initial=self.step)
+        history: list[dict[str, float]] = []
+        try:
+            while self.step < max_steps:
+                m = self.train_step()
+                history.append(m)
+                if self.step % self.cfg.train.log_every == 0 or self.step == max_steps:
+                    writer.log(self.step, m)
+                bar.update(1, reward=m["reward/mean"], **({"acc": m["accuracy"]} if "accuracy" in m else {}))
+            self.wait_checkpoints()
+        finally:
+            bar.close()
+            writer.close()
+        return history
 
-        records = get_builtin_task(source).make_examples(n, self.cfg.run.seed + EVAL_SEED_OFFSET)
-        batch = prompt_batch(self.tokenizer, records, self.cfg.data.max_length, [f"eval-{i}" for i in range(n)])
-        batch.meta.update(seed=0, greedy=True)
-        out = score_sequences(self.group.generate_sequences(batch), self.tokenizer, self.reward_fn)
-        return float((out.tensors["token_level_scores"].sum(-1) >= 1.0).float().mean())
+    # -- evaluation
+    def evaluate(self) -> float | None:
+        """Greedy held-out accuracy of the current policy on a built-in task (None for file
+        data), by the same function every job reports it with."""
+        return heldout_accuracy(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
+                                self.cfg.run.seed, self.cfg.data.max_length)
 
 
 def mean_timing(history: list[dict[str, float]]) -> dict[str, float]:
@@ -387,53 +286,3 @@ def _last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last nonzero position of each row (0 for an empty row)."""
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     return torch.where(mask, positions, torch.zeros_like(positions)).amax(-1)
-
-
-def run(cfg: Config, world_size: int) -> dict[str, Any]:
-    """The whole RL run; returns a summary (paths, accuracy before/after, final metrics)."""
-    from shardwise.telemetry import MetricsWriter, Progress, plot_metrics
-
-    prepare(cfg, world_size)
-    ctl = Controller(cfg, world_size)
-    summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
-    max_steps = cfg.train.max_steps
-    try:
-        ctl.start()
-        resumed = ctl.resume()
-        summary["resumed_from_step"] = ctl.step if resumed else None
-        summary["accuracy_before"] = ctl.evaluate()
-        writer = MetricsWriter(ctl.run_dir, enabled=True, after_step=ctl.step)
-        bar = Progress(total=max_steps, enabled=True, desc=cfg.rl.algorithm, initial=ctl.step)
-        history: list[dict[str, float]] = []
-        try:
-            while ctl.step < max_steps:
-                m = ctl.train_step()
-                history.append(m)
-                if ctl.step % cfg.train.log_every == 0 or ctl.step == max_steps:
-                    writer.log(ctl.step, m)
-                bar.update(1, reward=m["reward/mean"], **({"acc": m["accuracy"]} if "accuracy" in m else {}))
-            ctl.wait_checkpoints()
-        finally:
-            bar.close()
-            writer.close()
-        summary["steps"] = ctl.step
-        summary["history"] = history
-        summary["timing"] = mean_timing(history)
-        summary["accuracy_after"] = ctl.evaluate()
-        if cfg.checkpoint.export_hf:
-            summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
-        summary["checkpoint"] = str(ctl.run_dir / "checkpoints")
-    except BaseException:
-        ctl.close(graceful=False)
-        raise
-    else:
-        ctl.close()
-    if (ctl.run_dir / "metrics.jsonl").is_file():
-        panels = [("reward / accuracy", ["reward/mean", "accuracy"]),
-                  ("response length", ["response_length/mean"]), ("KL to reference / entropy", ["kl", "entropy"]),
-                  ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
-                  ("seconds per phase", ["time/step", "time/generate", "time/update_actor", "time/old_log_prob"])]
-        if cfg.rl.critic.enabled:
-            panels.append(("critic", ["critic/vf_loss"]))
-        summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
-    return summary

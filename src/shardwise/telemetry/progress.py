@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -127,8 +128,6 @@ def peak_memory_bytes(device: torch.device | str | int) -> int:
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    import resource  # POSIX only; imported here so CUDA callers never need it
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.config.schema import Config
+from shardwise.models.patches.moe import split_moe_experts
 
 
 def patch_model(model: nn.Module, cfg: Config) -> nn.Module:
     """`model` patched in place as `cfg` says (``fsdp.moe_expert_patch``); returned."""
     if cfg.fsdp.moe_expert_patch:
-        from shardwise.models.patches.moe import split_moe_experts
-
         split_moe_experts(model)
     return model
 

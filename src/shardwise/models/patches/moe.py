@@ -1,11 +1,11 @@
-"""The MoE expert patch (seed 001, ``apply_expert_patch``): one module per expert, and
+"""The MoE expert patch (``fsdp.moe_expert_patch``): one module per expert, and
 every expert runs on every rank.
 
 Why: wrapping each expert as its own FSDP unit keeps an all-gather to one expert's
 parameters instead of all of a layer's. But a unit all-gathers in its forward, and HF's
 MoE forward calls only the experts its tokens were routed to: when two ranks route to
-different experts, one rank waits in an all-gather the other never joins (seed 001: the
-run deadlocks). The patched forward calls every expert on every rank, an expert without
+different experts, one rank waits in an all-gather the other never joins (the run
+deadlocks). The patched forward calls every expert on every rank, an expert without
 tokens on an empty batch, so all ranks issue the same collectives in the same order; the
 empty calls add nothing to the output and zero to the gradients.
 
@@ -17,7 +17,7 @@ the fused weights. Parameter names become the original checkpoint layout
 (``mlp.experts.{e}.gate_proj.weight``), which transformers 5 fuses again when it loads a
 folder, so exports of a patched model load in plain transformers.
 
-Supported: fused experts classes in `SUPPORTED` (Qwen3-MoE, as in seed 001).
+Supported: fused experts classes in `SUPPORTED` (Qwen3-MoE).
 """
 
 from __future__ import annotations

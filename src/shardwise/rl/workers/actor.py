@@ -9,15 +9,21 @@ of the whole mini-batch over all ranks (`global_counts`), so the micro-batch los
 ranks add up to the loss of the unsharded mini-batch; multiplied by the dp size before
 backward because FSDP averages gradients over the data-parallel ranks. An update under N
 processes therefore equals the 1-process update on the same rows.
+The micro-batch loop itself (throw-away passes on a rank with fewer rows, one gradient
+reduce-scatter per step) is `TrainEngine.accumulate`; this module supplies the PPO loss.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from shardwise.config.schema import Config
+from shardwise.data.batch import Batch
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import (
     InferEngine,
@@ -26,11 +32,8 @@ from shardwise.engine.infer import (
 )
 from shardwise.engine.train import TrainEngine
 from shardwise.rl import algorithms as alg
-from shardwise.rl.batch import Batch
 from shardwise.rl.workers.common import (
-    agreed_micro_batches,
     check_mini_batches,
-    dummy_inputs,
     global_counts,
     mean_over_ranks,
     rl_engine_config,
@@ -99,12 +102,7 @@ class ActorWorker:
         missing = [k for k in needed if k not in batch.tensors]
         if missing:
             raise ValueError(f"update_actor: the batch lacks {missing}")
-        clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
-        clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
-        mode = a.loss_agg_mode
-        temperature = scoring_temperature(self.cfg)
         device = self.runtime.device
-        dp = self.engine.dp_size
         # The same keys on every rank (a rank without rows still reports them): the
         # reductions below are collective.
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/loss",
@@ -118,44 +116,10 @@ class ActorWorker:
         for _ in range(a.ppo_epochs):
             for mini in (batch.split(mini_size) if mini_size else [batch] * n_mini):
                 tokens, seqs = global_counts(mini.tensors["response_mask"], device)
-                local = torch.zeros((), dtype=torch.float64, device=device)
-                n_local, n_all = agreed_micro_batches(len(mini), size, device)
-                for i in range(n_all):
-                    # Gradients are reduced once per step, in the last backward of every rank.
-                    with self.engine.gradient_sync(i == n_all - 1):
-                        if i >= n_local:
-                            # Throw-away forward and backward (zero gradient): this rank has
-                            # fewer rows, its peers' all-gathers and reduce-scatter still need it.
-                            out = compute_log_probs(self.model, **dummy_inputs(seq, device))
-                            out["log_probs"].sum().mul(0.0).backward()
-                            continue
-                        t = {k: v[i * size:(i + 1) * size].to(device) for k, v in mini.tensors.items()}
-                        mask = t["response_mask"].bool()
-                        out = compute_log_probs(self.model, t["input_ids"], t["attention_mask"],
-                                                t["position_ids"], with_entropy=a.entropy_coef != 0,
-                                                temperature=temperature)
-                        logp = out["log_probs"]
-                        pg, m = alg.policy_loss(t["old_log_probs"], logp, t["advantages"], mask,
-                                                clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
-                                                mode=mode, global_tokens=tokens, global_seqs=seqs)
-                        loss = pg
-                        if a.entropy_coef != 0:
-                            ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs)
-                            loss = loss - a.entropy_coef * ent
-                            metrics["actor/entropy_loss"].append(float(ent.detach()))
-                        if a.kl_loss.enabled:
-                            kl = alg.aggregate_loss(alg.kl_penalty(logp, t["ref_log_probs"], a.kl_loss.type),
-                                                    mask, mode, tokens, seqs)
-                            loss = loss + a.kl_loss.coef * kl
-                            metrics["actor/kl_loss"].append(float(kl.detach()))
-                        # FSDP averages gradients over dp ranks; the loss is already over the
-                        # global mini-batch, so undo that average.
-                        (loss * dp).backward()
-                    local += loss.detach().double()
-                    metrics["actor/pg_loss"].append(float(pg.detach()))
-                    metrics["actor/pg_clipfrac"].append(m["clipfrac"])
-                    metrics["actor/pg_clipfrac_lower"].append(m["clipfrac_lower"])
-                    metrics["actor/ppo_kl"].append(m["approx_kl"])
+                # FSDP averages gradients over dp ranks; the loss is already over the
+                # global mini-batch, so undo that average.
+                local = self.engine.accumulate(mini.split(size), self._ppo_loss(tokens, seqs, metrics),
+                                               self.engine.dp_size, dummy_seq_len=seq)
                 res = self.engine.finish_step(local, 1)
                 metrics["actor/loss"].append(res.loss)
                 metrics["actor/grad_norm"].append(res.grad_norm)
@@ -168,9 +132,48 @@ class ActorWorker:
         steps = a.ppo_epochs * n_mini
         for k, v in sorted(shares.items()):
             total = torch.tensor(sum(v) / steps, dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(total)
+            dist.all_reduce(total)
             out[k] = float(total)
         return out
+
+    def _ppo_loss(self, tokens: float, seqs: float,
+                  metrics: dict[str, list[float]]) -> Callable[[nn.Module, Batch], torch.Tensor]:
+        """The loss of one micro-batch of a global mini-batch with `tokens` response tokens
+        in `seqs` sequences: the PPO policy loss, minus the entropy bonus, plus the KL loss;
+        each call appends the micro-batch's terms to `metrics`."""
+        a = self.cfg.rl.actor
+        clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+        clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+        mode = a.loss_agg_mode
+        temperature = scoring_temperature(self.cfg)
+        device = self.runtime.device
+
+        def loss_fn(model: nn.Module, mb: Batch) -> torch.Tensor:
+            t = {k: v.to(device) for k, v in mb.tensors.items()}
+            mask = t["response_mask"].bool()
+            out = compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"],
+                                    with_entropy=a.entropy_coef != 0, temperature=temperature)
+            logp = out["log_probs"]
+            pg, m = alg.policy_loss(t["old_log_probs"], logp, t["advantages"], mask,
+                                    clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
+                                    mode=mode, global_tokens=tokens, global_seqs=seqs)
+            loss = pg
+            if a.entropy_coef != 0:
+                ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs)
+                loss = loss - a.entropy_coef * ent
+                metrics["actor/entropy_loss"].append(float(ent.detach()))
+            if a.kl_loss.enabled:
+                kl = alg.aggregate_loss(alg.kl_penalty(logp, t["ref_log_probs"], a.kl_loss.type),
+                                        mask, mode, tokens, seqs)
+                loss = loss + a.kl_loss.coef * kl
+                metrics["actor/kl_loss"].append(float(kl.detach()))
+            metrics["actor/pg_loss"].append(float(pg.detach()))
+            metrics["actor/pg_clipfrac"].append(m["clipfrac"])
+            metrics["actor/pg_clipfrac_lower"].append(m["clipfrac_lower"])
+            metrics["actor/ppo_kl"].append(m["approx_kl"])
+            return loss
+
+        return loss_fn
 
 
 def _is_share(key: str) -> bool:

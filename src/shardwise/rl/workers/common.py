@@ -1,12 +1,16 @@
-"""Helpers every trainable role shares: global counts for loss aggregation and
-micro-batching of a rank's rows."""
+"""Helpers every trainable RL role shares: the global counts its losses are normalised
+by, the mini-batch check, metric means over ranks and the engine config of a role.
+
+All but `rl_engine_config` are collective: every rank calls them, each with its own rows.
+The micro-batch loop itself is the engine's (`shardwise.engine.train.TrainEngine.accumulate`).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from shardwise.rl.batch import Batch
+from shardwise.errors import ConfigError
 
 
 def global_counts(mask: torch.Tensor, device: torch.device, group=None) -> tuple[float, float]:
@@ -26,8 +30,6 @@ def check_mini_batches(rows: int, n_mini: int, device: torch.device) -> None:
     """Collective: every rank's rows cut into `n_mini` equal mini-batches, or every rank
     raises the same ConfigError (a rank raising alone would leave its peers waiting in
     the next collective)."""
-    from shardwise.errors import ConfigError
-
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, torch.tensor([rows], dtype=torch.int64, device=device))
     rows_per_rank = [int(c) for c in counts]
@@ -37,34 +39,6 @@ def check_mini_batches(rows: int, n_mini: int, device: torch.device) -> None:
                           f"{n_mini} equal mini-batches",
                           "choose ppo_mini_batches dividing the rows each rank gets "
                           "(rollout rows / data-parallel ranks)")
-
-
-def agreed_micro_batches(rows: int, size: int, device: torch.device) -> tuple[int, int]:
-    """(this rank's micro-batches of `size` rows, the most any rank has); collective.
-
-    Every forward all-gathers parameters and the last backward reduce-scatters
-    gradients, so a rank with fewer micro-batches than the busiest one runs throw-away
-    forwards and backwards (on `dummy_inputs`, loss x 0) up to that count: the training
-    twin of `shardwise.engine.infer.forward_by_micro_batch`.
-    """
-    local = -(-rows // size)
-    n = torch.tensor(local, dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return local, int(n)
-
-
-def dummy_inputs(seq: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One row of `seq` tokens for a throw-away forward."""
-    from shardwise.engine.infer import default_position_ids
-
-    ids = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
-    mask = torch.ones_like(ids)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": default_position_ids(mask)}
-
-
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    """`batch` in pieces of `size` rows (the last may be smaller); [] for an empty batch."""
-    return batch.split(size) if len(batch) else []
 
 
 def mean_over_ranks(values: dict[str, list[float]], device: torch.device) -> dict[str, float]:

@@ -15,17 +15,16 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from shardwise.config.schema import Config
+from shardwise.data.batch import Batch
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids, forward_by_micro_batch
 from shardwise.engine.train import TrainEngine
 from shardwise.rl.algorithms import value_loss
-from shardwise.rl.batch import Batch
 from shardwise.rl.workers.common import (
-    agreed_micro_batches,
     check_mini_batches,
-    dummy_inputs,
     global_counts,
     rl_engine_config,
 )
@@ -153,31 +152,24 @@ class CriticWorker:
         critic = self.cfg.rl.critic
         mode = self.cfg.rl.actor.loss_agg_mode
         tokens, seqs = global_counts(mini.tensors["response_mask"], device)
-        size = self.cfg.train.micro_batch_size
-        n_local, n_all = agreed_micro_batches(len(mini), size, device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         local = torch.zeros(2, dtype=torch.float64, device=device)
-        seq = mini.tensors["input_ids"].shape[1]
-        for i in range(n_all):
-            # Gradients are reduced once per step, in the last backward of every rank.
-            with self.engine.gradient_sync(i == n_all - 1):
-                if i >= n_local:
-                    # Throw-away forward and backward (zero gradient) keeping the
-                    # all-gathers and the reduce-scatter of all ranks in step.
-                    self._forward(**dummy_inputs(seq, device)).sum().mul(0.0).backward()
-                    continue
-                t = {k: v[i * size:(i + 1) * size].to(device) for k, v in mini.tensors.items()}
-                values = values_from_head(self._forward(t["input_ids"], t["attention_mask"], t.get("position_ids")))
-                mask = t["response_mask"].bool()
-                loss, _ = value_loss(values, t["returns"], t["values"], mask, clip=critic.cliprange_value,
-                                     mode=mode, global_tokens=tokens, global_seqs=seqs)
-                # FSDP averages gradients over dp ranks; the loss is already over the
-                # global mini-batch, so undo that average.
-                (loss * self.engine.dp_size).backward()
-                loss_sum += loss.detach().double()
-                value_sum = torch.where(mask, values.detach().double(), 0.0).sum()
-                clipped = clipped_tokens(values.detach(), t["returns"], t["values"], mask, critic.cliprange_value)
-                local += torch.stack([clipped.double(), value_sum])
+
+        def loss_fn(model: nn.Module, mb: Batch) -> torch.Tensor:
+            # `model` is self.engine.model, which `_forward` runs (quietly, see there).
+            t = {k: v.to(device) for k, v in mb.tensors.items()}
+            values = values_from_head(self._forward(t["input_ids"], t["attention_mask"], t.get("position_ids")))
+            mask = t["response_mask"].bool()
+            loss, _ = value_loss(values, t["returns"], t["values"], mask, clip=critic.cliprange_value,
+                                 mode=mode, global_tokens=tokens, global_seqs=seqs)
+            value_sum = torch.where(mask, values.detach().double(), 0.0).sum()
+            clipped = clipped_tokens(values.detach(), t["returns"], t["values"], mask, critic.cliprange_value)
+            local.add_(torch.stack([clipped.double(), value_sum]))
+            return loss
+
+        # FSDP averages gradients over dp ranks; the loss is already over the global
+        # mini-batch, so undo that average.
+        loss_sum = self.engine.accumulate(mini.split(self.cfg.train.micro_batch_size), loss_fn,
+                                          self.engine.dp_size, dummy_seq_len=mini.tensors["input_ids"].shape[1])
         result = self.engine.finish_step(loss_sum, 1)  # the sum over ranks is the loss
         step = {"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/lr": result.lr,
                 "tokens": tokens}

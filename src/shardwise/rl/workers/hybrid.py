@@ -1,10 +1,11 @@
-"""RLWorker: the roles one rank hosts, and the dispatch rule of each method (seed 003).
+"""RLWorker: the roles one rank hosts, and the dispatch rule of each method.
 
-The hybrid engine is ``roles=("actor", "rollout", "ref")`` in one worker: the rollout
-generates with the actor's own FSDP model (parameters gathered for generation, then
-resharded), so there is no second copy of the policy and no weight transfer; the
-reference sits on the same devices. "critic" and "reward_model" may join the same worker
-(colocated) or form a group of their own (separate processes and process group).
+The hybrid engine is ``roles=("actor", "rollout", "ref")`` in one worker: the rollout is
+the generation engine ``rl.rollout.engine`` names, over the actor's FSDP model (the HF
+engine generates with the actor's own parameters, gathered for generation then resharded,
+so there is no second copy of the policy and no weight transfer); the reference sits on
+the same devices. "critic" and "reward_model" may join the same worker (colocated) or form
+a group of their own (separate processes and process group).
 
 Methods a role does not host raise a clear error. Every method is collective over the
 worker group.
@@ -17,10 +18,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shardwise.checkpoint.dcp import CheckpointManager, is_complete
+from shardwise.checkpoint.hf_export import export_model
 from shardwise.config.load import config_from_dict
+from shardwise.data.batch import Batch
 from shardwise.distributed.runtime import Runtime, seed_everything
-from shardwise.rl.batch import Batch
+from shardwise.engine.generate import build_generator
+from shardwise.errors import ConfigError
+from shardwise.models.loading import load_hf_config
 from shardwise.rl.dispatch import Dispatch, register
+from shardwise.rl.weight_sync import WeightSync
+from shardwise.rl.workers.actor import ActorWorker, ReferenceWorker
+from shardwise.rl.workers.critic import CriticWorker
+from shardwise.rl.workers.reward import RewardModelWorker
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +44,8 @@ class RLWorker:
         if unknown:
             raise ValueError(f"unknown roles {unknown}; valid roles are {list(ROLES)}")
         if "rollout" in roles and "actor" not in roles:
-            raise ValueError("the HF rollout generates with the actor's model: colocate 'rollout' with 'actor'")
+            raise ValueError("the rollout generates with (or syncs from) the actor's model: colocate 'rollout' "
+                             "with 'actor'")
         self.cfg = config_from_dict(cfg)
         self.runtime = runtime
         self.roles = tuple(roles)
@@ -42,31 +53,19 @@ class RLWorker:
         self.actor = self.rollout = self.ref = self.critic = self.reward_model = None
         self._ckpt = self._critic_ckpt = None
         run_dir = Path(self.cfg.run.dir)
-        from shardwise.checkpoint.dcp import CheckpointManager
-
         if "actor" in roles:
-            from shardwise.rl.workers.actor import ActorWorker
-
             self.actor = ActorWorker(self.cfg, runtime)
             self._ckpt = CheckpointManager(run_dir, self.cfg.checkpoint, runtime)
         if "rollout" in roles:
-            from shardwise.rl.weight_sync import WeightSync
-            from shardwise.rl.workers.rollout import HFRollout
-
-            self.rollout = HFRollout(self.actor.model, self.cfg.rl.rollout, runtime, pad_id, eos_id)
+            self.rollout = build_generator(self.cfg.rl.rollout.engine, self.actor.model, self.cfg.rl.rollout,
+                                           runtime, pad_id, eos_id)
             self.weight_sync = WeightSync(self.actor.model, self.rollout)
         if "ref" in roles:
-            from shardwise.rl.workers.actor import ReferenceWorker
-
             self.ref = ReferenceWorker(self.cfg, runtime)
         if "critic" in roles:
-            from shardwise.rl.workers.critic import CriticWorker
-
             self.critic = CriticWorker(self.cfg, runtime)
             self._critic_ckpt = CheckpointManager(run_dir / CRITIC_DIR, self.cfg.checkpoint, runtime)
         if "reward_model" in roles:
-            from shardwise.rl.workers.reward import RewardModelWorker
-
             self.reward_model = RewardModelWorker(self.cfg, runtime)
 
     def _need(self, role: str) -> Any:
@@ -122,8 +121,6 @@ class RLWorker:
         """Resume per `checkpoint.resume` (which names the actor's checkpoints, as does
         auto: the latest under run.dir/checkpoints); the critic loads the same step from
         run.dir/critic/checkpoints. Returns the saved `extra` (None: fresh start)."""
-        from shardwise.checkpoint.dcp import CheckpointManager, is_complete
-
         if self._ckpt is None and self._critic_ckpt is None:
             return None
         actor_ckpts = self._ckpt or CheckpointManager(Path(self.cfg.run.dir), self.cfg.checkpoint, self.runtime)
@@ -136,8 +133,6 @@ class RLWorker:
         if self._critic_ckpt is not None:
             critic_path = self._critic_ckpt.dir / path.name
             if not is_complete(critic_path):
-                from shardwise.errors import ConfigError
-
                 raise ConfigError("checkpoint.resume", f"resuming from {str(path)!r}: the critic has no complete "
                                   f"checkpoint at {str(critic_path)!r}",
                                   "resume from a step both were saved at, or set checkpoint.resume=never")
@@ -156,9 +151,6 @@ class RLWorker:
     @register(Dispatch.ONE_TO_ALL, collect="first")
     def export_hf(self, out_dir: str, tokenizer_dir: str | None) -> str:
         """The actor as an HF folder (safetensors), written by rank 0."""
-        from shardwise.checkpoint.hf_export import export_model
-        from shardwise.models.loading import load_hf_config
-
         export_model(self._need("actor").model, Path(out_dir), load_hf_config(self.cfg.model),
                      tokenizer_dir=tokenizer_dir)
         return out_dir

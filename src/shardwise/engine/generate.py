@@ -1,0 +1,356 @@
+"""Generation: prompts in, sampled responses (and their log-probs) out, by an engine chosen
+by name (``hf`` today; `GENERATORS`), and the held-out accuracy every job reports.
+
+Used by `shardwise infer`, the held-out evaluation of every job, and the RL rollout.
+
+The layout (``B`` rows, ``P`` prompt width, ``R`` = ``max_new_tokens``, ``T = P + R``):
+
+- prompts (`prompt_batch` -> ``generate_sequences``): tensors ``prompt_ids`` ``(B, P)``
+  int64, LEFT-padded with the pad id, and ``prompt_mask`` ``(B, P)`` int64 (1 on real
+  tokens); arrays ``prompt`` (str), ``ground_truth`` (str), ``uid`` (group id, str);
+  meta ``seed`` (int, sampling seed of this call) and optionally ``greedy`` (bool).
+- sequences (``generate_sequences`` ->): the prompt part plus ``input_ids`` ``(B, T)``
+  (prompt left-padded, response right-padded to exactly ``R`` with the pad id),
+  ``attention_mask`` ``(B, T)``, ``position_ids`` ``(B, T)`` (=
+  `shardwise.engine.infer.default_position_ids`), ``response_mask`` ``(B, T)`` int64
+  (1 on generated tokens up to and including the first EOS), ``responses`` ``(B, R)``
+  and ``rollout_log_probs`` ``(B, T)`` fp32 (aligned like
+  `shardwise.engine.infer.compute_log_probs`, 0 outside ``response_mask``).
+
+Generating on a sharded model: each forward of an FSDP unit normally all-gathers its
+parameters, so every rank would have to run the same number of forwards. Decoding lengths
+differ per rank (rows stop at EOS), so `HFGenerator` gathers every unit ONCE per call
+(`shardwise.fsdp.gather.gathered_for_generation`): the forwards inside issue no collective
+and each rank decodes as many steps as its own rows need.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig
+
+from shardwise.config.schema import SamplingConfig
+from shardwise.data.batch import Batch
+from shardwise.data.collate import tokenize_prompt
+from shardwise.data.rewards import RewardFn, score_sequences
+from shardwise.data.tasks import (
+    BUILTIN_PREFIX,
+    HELDOUT_PROMPTS,
+    HELDOUT_SEED_OFFSET,
+    get_builtin_task,
+)
+from shardwise.data.tokenizer import pad_token_id
+from shardwise.distributed.runtime import Runtime
+from shardwise.engine.infer import default_position_ids
+from shardwise.errors import ConfigError, did_you_mean
+from shardwise.fsdp.gather import gathered_for_generation
+
+__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "build_generator", "generate_on_ranks",
+           "heldout_accuracy", "prompt_batch", "sampling_seed", "score_accuracy"]
+
+
+class GenerationEngine(abc.ABC):
+    """Generates responses to prompts in the layout of the module docstring.
+
+    Both methods are collective: every rank calls them, each with its own rows.
+    """
+
+    shares_model_parameters: bool = False
+    """True for an engine that generates with the actor's own parameters (nothing to sync)."""
+
+    @abc.abstractmethod
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """This rank's prompts (any number of rows, 0 included) -> their sequences.
+
+        `prompts` holds ``prompt_ids`` / ``prompt_mask`` ``(B, P)`` int64 (left-padded),
+        the arrays ``prompt``, ``ground_truth``, ``uid`` and meta ``seed`` (int) and
+        optionally ``greedy`` (bool). The result keeps all of these and adds
+        ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask`` ``(B, P+R)``,
+        ``responses`` ``(B, R)`` int64 and ``rollout_log_probs`` ``(B, P+R)`` fp32, on CPU.
+        """
+
+    @abc.abstractmethod
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Bring the engine's weights up to date with the actor's.
+
+        `named_tensors` yields ``(HF parameter name, full tensor)`` pairs. Engines with
+        their own copy of the weights (e.g. vLLM) load them here; an engine that shares the
+        trained model's parameters (`HFGenerator`) has nothing to do.
+        """
+
+
+def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str]) -> Batch:
+    """The input of `GenerationEngine.generate_sequences`: left-padded ``prompt_ids`` /
+    ``prompt_mask`` and the arrays ``prompt``, ``ground_truth`` ("" where a record has no
+    response) and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`)."""
+    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length) for r in records]
+    width = max((len(x) for x in ids), default=1)  # no records: a (0, 1) batch
+    pad = pad_token_id(tokenizer)
+    prompt_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        prompt_ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
+        prompt_mask[i, width - len(x):] = 1
+    return Batch.from_dict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask},
+                           {"prompt": [r["prompt"] for r in records],
+                            "ground_truth": ["" if r.get("response") is None else str(r["response"])
+                                             for r in records],
+                            "uid": uids})
+
+
+def sampling_seed(seed: int, rank: int) -> int:
+    """The torch seed of one rank's sampling for the call seeded `seed`: a fixed, well-mixed
+    function of both (numpy's SeedSequence), so ranks draw independent streams."""
+    state = np.random.SeedSequence([seed % 2**64, rank]).generate_state(1, np.uint64)[0]
+    return int(state) % 2**63
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """model.eval() for the block; then every submodule's own training flag is restored."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+@contextlib.contextmanager
+def _own_generation_config(model: nn.Module) -> Iterator[None]:
+    """HF fills every unset generation option from ``model.generation_config`` (e.g. a
+    checkpoint's generation_config.json: Qwen3 ships temperature 0.6, top_k 20); with a
+    blank one for the call, sampling is set by ``rl.rollout`` alone and the recorded
+    log-probs describe the distribution actually sampled from."""
+    previous = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = previous
+
+
+def _check_prompts(prompts: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    for key in ("prompt_ids", "prompt_mask"):
+        if key not in prompts.tensors:
+            raise ValueError(f"generate_sequences: prompts have no tensor {key!r} "
+                             f"(present: {sorted(prompts.tensors)}); see shardwise.rl.workers for the layout")
+    ids, mask = prompts.tensors["prompt_ids"], prompts.tensors["prompt_mask"]
+    if ids.dim() != 2 or mask.shape != ids.shape:
+        raise ValueError(f"generate_sequences: prompt_ids {tuple(ids.shape)} and prompt_mask "
+                         f"{tuple(mask.shape)} must both be (batch, prompt_len)")
+    if len(ids):
+        m = mask.bool()
+        if (m[:, :-1] & ~m[:, 1:]).any():
+            raise ValueError("generate_sequences: prompt_mask has padding after a real token; "
+                             "prompts must be LEFT-padded")
+        if not m.any(-1).all():
+            raise ValueError("generate_sequences: a prompt has no real token (prompt_mask all 0)")
+    return ids.long(), mask.long()
+
+
+class HFGenerator(GenerationEngine):
+    """Sampling with HF ``generate`` on an FSDP2 model, all units gathered once per call.
+
+    `model` is the sharded causal LM (``TrainEngine.model`` or ``InferEngine.model``),
+    shared, not copied: every call samples from its current weights. `pad_id` / `eos_id`
+    are the tokenizer's.
+    """
+
+    shares_model_parameters = True
+
+    def __init__(self, model: nn.Module, cfg: SamplingConfig, runtime: Runtime, pad_id: int, eos_id: int):
+        self.model = model
+        self.cfg = cfg
+        self.runtime = runtime
+        self.pad_id = int(pad_id)
+        self.eos_id = int(eos_id)
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to load: the engine samples with the model's own parameters. The iterable
+        is not consumed, so a lazy one (gathering full tensors on demand) costs nothing."""
+        del named_tensors
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """See `GenerationEngine.generate_sequences`.
+
+        Sampling follows the engine's settings: temperature (0, or ``meta["greedy"]``:
+        greedy), top_p, no top-k, exactly ``max_new_tokens`` (or ``meta["max_new_tokens"]``)
+        = R response columns (right-padded with the pad id after the first EOS, which is
+        kept). Seeded by
+        `sampling_seed` ``(meta["seed"], rank)``: a fixed seed gives the same output, and
+        the global RNG state is left as it was.
+
+        ``rollout_log_probs[:, t]`` is ``log softmax(logits / temperature)`` of the
+        sampled token t at the step that produced it (temperature 1 when greedy), aligned
+        with ``input_ids`` like `shardwise.engine.infer.compute_log_probs` and 0 outside
+        ``response_mask``. Top-p truncation is not in it: it is the temperature-scaled
+        model distribution, what the actor's log-prob recomputation measures.
+
+        Collective (the all-gather of `gathered_for_generation`): every rank calls it.
+        """
+        ids, mask = _check_prompts(prompts)
+        cfg = self.cfg
+        greedy = cfg.temperature == 0 or bool(prompts.meta.get("greedy", False))
+        if not greedy and not isinstance(prompts.meta.get("seed"), int):
+            raise ValueError("generate_sequences: sampling needs meta['seed'] (an int, the seed "
+                             f"of this call); got {prompts.meta.get('seed')!r}")
+        rows, r = len(ids), int(prompts.meta.get("max_new_tokens", cfg.max_new_tokens))
+        temperature = 1.0 if greedy else float(cfg.temperature)
+
+        with gathered_for_generation(self.model):
+            if rows:
+                seqs, log_probs = self._generate(ids, mask, greedy, temperature,
+                                                 prompts.meta.get("seed", 0), r)
+            else:  # nothing to generate; the gather above still matched the other ranks'
+                seqs = torch.empty((0, r), dtype=torch.long)
+                log_probs = torch.empty((0, r), dtype=torch.float32)
+        return self._assemble(prompts, ids, mask, seqs, log_probs, r)
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, greedy: bool, temperature: float,
+                  seed: int, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generated tokens ``(B, L)`` (L <= R: HF stops when every row has hit EOS) and
+        their log-probs ``(B, L)`` fp32 under logits / temperature, both on CPU."""
+        cfg = self.cfg
+        device = self.runtime.device
+        # HF's default top_k=50 would truncate what the rollout claims to sample: 0 turns it off.
+        # Greedy gets no sampling options (HF warns about those it would ignore).
+        sampling = {} if greedy else {"temperature": temperature, "top_p": float(cfg.top_p), "top_k": 0}
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy,
+            **sampling,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        rng_devices = [torch.cuda.current_device()] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), _eval_mode(self.model), \
+                _own_generation_config(self.model):
+            s = sampling_seed(int(seed), self.runtime.rank)
+            torch.default_generator.manual_seed(s)
+            if device.type == "cuda":
+                torch.cuda.manual_seed(s)  # this device only: fork_rng restores only it
+            # HF derives position ids as cumsum(mask) - 1 (0 on left padding) and adds one per
+            # step: default_position_ids of the final attention_mask, which the log-prob
+            # recomputation uses.
+            out = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                generation_config=gen_cfg, synced_gpus=False,
+            )
+        p = ids.shape[1]
+        gen = out.sequences[:, p:]
+        steps = [F.log_softmax(logits.float() / temperature, dim=-1)
+                 .gather(-1, gen[:, i:i + 1]).squeeze(-1)
+                 for i, logits in enumerate(out.logits)]
+        assert len(steps) == gen.shape[1], "one logits row per generated token"
+        log_probs = torch.stack(steps, dim=1) if steps else gen.new_zeros(gen.shape, dtype=torch.float32)
+        return gen.cpu(), log_probs.float().cpu()
+
+    def _assemble(self, prompts: Batch, ids: torch.Tensor, mask: torch.Tensor, gen: torch.Tensor,
+                  gen_log_probs: torch.Tensor, r: int) -> Batch:
+        """The output batch: prompt part + responses padded to exactly R columns."""
+        rows = ids.shape[0]
+        width = gen.shape[1]
+        assert width <= r, f"generate returned {width} tokens, more than max_new_tokens={r}"
+        responses = torch.full((rows, r), self.pad_id, dtype=torch.long)
+        responses[:, :width] = gen
+        lp = torch.zeros((rows, r), dtype=torch.float32)
+        lp[:, :width] = gen_log_probs
+        produced = torch.zeros((rows, r), dtype=torch.bool)
+        produced[:, :width] = True
+        is_eos = (responses == self.eos_id) & produced
+        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+        keep = produced & ~after_eos
+        responses = responses.masked_fill(~keep, self.pad_id)
+        lp = lp.masked_fill(~keep, 0.0)
+
+        response_mask = torch.cat([torch.zeros_like(mask), keep.long()], dim=1)
+        attention_mask = torch.cat([mask, keep.long()], dim=1)
+        tensors = {k: v.cpu() for k, v in prompts.tensors.items()}
+        tensors.update(
+            input_ids=torch.cat([ids.cpu(), responses], dim=1),
+            attention_mask=attention_mask,
+            position_ids=default_position_ids(attention_mask),
+            response_mask=response_mask,
+            responses=responses,
+            rollout_log_probs=torch.cat([torch.zeros(mask.shape, dtype=torch.float32), lp], dim=1),
+        )
+        return Batch(tensors=tensors, arrays=dict(prompts.arrays), meta=copy.deepcopy(prompts.meta))
+
+
+# ------------------------------------------------------------------ the registry
+
+GENERATORS: dict[str, type[GenerationEngine]] = {"hf": HFGenerator}
+"""Generation engines by the name ``rl.rollout.engine`` / ``infer.engine`` gives."""
+
+
+def build_generator(name: str, model: nn.Module, sampling: SamplingConfig, runtime: Runtime, pad_id: int,
+                    eos_id: int, key: str = "rl.rollout.engine") -> GenerationEngine:
+    """The engine called `name` over `model` (the sharded causal LM it generates with, or
+    whose weights it keeps a copy of)."""
+    if name not in GENERATORS:
+        raise ConfigError(key, f"{name!r} is not an available generation engine",
+                          did_you_mean(name, GENERATORS) or "use hf")
+    return GENERATORS[name](model, sampling, runtime, pad_id, eos_id)
+
+
+# ------------------------------------------------------------------ on ranks, and scoring
+
+
+def generate_on_ranks(generator: GenerationEngine, prompts: Batch) -> Batch:
+    """Generate `prompts` (the same batch on every rank) with each data-parallel rank taking
+    a contiguous slice of the rows; every rank returns all sequences, in row order.
+    Collective over the default process group."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    per = -(-len(prompts) // world)
+    mine = prompts[min(len(prompts), rank * per):min(len(prompts), (rank + 1) * per)]
+    out = generator.generate_sequences(mine)
+    if world == 1:
+        return out
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, out.to_bytes())  # bytes of our own processes (safetensors + JSON)
+    batches = [Batch.from_bytes(p) for p in parts]
+    return Batch.concat([b for b in batches if len(b)]) if any(len(b) for b in batches) else out
+
+
+def score_accuracy(sequences: Batch, tokenizer, scorer: RewardFn) -> float:
+    """Share of rows whose response `scorer` rates fully right (score >= 1)."""
+    if not len(sequences):
+        return float("nan")
+    scores = score_sequences(sequences, tokenizer, scorer).tensors["token_level_scores"].sum(-1)
+    return float((scores >= 1.0).float().mean())
+
+
+def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
+                     n: int = HELDOUT_PROMPTS) -> float | None:
+    """Greedy accuracy on the held-out prompts of a built-in task: the figure `shardwise
+    train`, `shardwise rl` and `shardwise infer` all print (None for a file source).
+
+    The prompts are `n` examples of the task generated from ``seed`` + `HELDOUT_SEED_OFFSET`
+    (never trained on), answered greedily with the task's `BuiltinTask.max_new_tokens`
+    and scored by the task's own scorer. `generate` maps a prompt batch (see
+    `prompt_batch`) to its sequences: `generate_on_ranks` inside a job's ranks, a worker
+    group's ``generate_sequences`` in the RL controller.
+    """
+    if not source.startswith(BUILTIN_PREFIX):
+        return None
+    task = get_builtin_task(source)
+    records = task.make_examples(n, seed + HELDOUT_SEED_OFFSET)
+    batch = prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)])
+    batch.meta.update(seed=0, greedy=True, max_new_tokens=task.max_new_tokens)
+    return score_accuracy(generate(batch), tokenizer, task.score)

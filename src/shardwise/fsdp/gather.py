@@ -1,0 +1,171 @@
+"""Full tensors out of a sharded model: one at a time (export, weight sync) or every unit
+at once for a block of forwards (generation).
+
+This is the one module of shardwise that touches torch's private FSDP2 state; everything
+else uses the public `FSDPModule` / `DTensor` API. What it touches, and why, is in
+`_PrivateState`: `gathered_for_generation` must put back each unit's reshard-after-forward
+setting exactly as it was, and torch has no public way to read that setting or to set an
+int one (``set_reshard_after_forward`` takes a bool). Checked against torch 2.13.0 (CPU,
+run by the test suite) and 2.14.1 (its source): both keep the list
+``FSDPState._fsdp_param_groups``; torch 2.11 has one ``_fsdp_param_group`` instead (seen
+on a GPU machine), which `_PrivateState.param_groups` reads too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from shardwise.models.layout import checkpoint_entries, tied_aliases
+
+__all__ = ["full_tensor", "gathered_for_generation", "iter_full_tensors"]
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a state-dict value: a DTensor is all-gathered (collective: every
+    rank of its mesh calls this), a plain tensor is returned detached. CPU-offloaded shards
+    are moved to the mesh's device for the collective (NCCL gathers CUDA tensors only)."""
+    if not isinstance(value, DTensor):
+        return value.detach()
+    mesh_type = value.device_mesh.device_type
+    if value.to_local().device.type != mesh_type:
+        module = getattr(torch, mesh_type)
+        device = torch.device(mesh_type, module.current_device()) if mesh_type != "cpu" else torch.device("cpu")
+        value = DTensor.from_local(value.to_local().to(device), value.device_mesh, value.placements,
+                                   run_check=False, shape=value.shape, stride=value.stride())
+    return value.full_tensor()
+
+
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` for every state-dict entry of `model` (sharded or plain),
+    one at a time: peak extra memory is one full tensor, not the model. Tied aliases are
+    skipped and fused MoE experts cut per expert (`shardwise.models.layout`). Collective:
+    every rank iterates to the end, in the same order. Floating tensors are cast to `dtype`
+    when given."""
+    aliases = tied_aliases(model)
+    sd = model.state_dict()
+    entries = checkpoint_entries(model, [(k, k, tuple(v.shape), v.dtype) for k, v in sd.items() if k not in aliases])
+    full, gathered = None, None
+    for e in entries:
+        if gathered != e.source:  # one gather per source (the cuts of fused experts follow it)
+            full = None
+            full, gathered = full_tensor(sd[e.source]), e.source
+        t = e.take(full)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        yield e.name, t
+
+
+# ------------------------------------------------------------------ torch-private state
+
+
+class _PrivateState:
+    """Reading and writing the private fields of one torch ``FSDPState``.
+
+    - ``_fsdp_param_groups`` (torch >= 2.12; 2.11: a single ``_fsdp_param_group``) and each
+      group's ``post_forward_mesh_info``: None keeps the parameters after forward, the
+      group's own mesh info reshards (True), a smaller mesh info reshards to that many
+      ranks (an int setting);
+    - ``_auto_reshard_after_forward``: True when `fully_shard` got no explicit value, so
+      the root's lazy initialisation turns resharding off for the root;
+    - ``_is_root``: None until the first forward's lazy initialisation.
+    """
+
+    def __init__(self, module: FSDPModule):
+        self.module = module
+        self.state = module._get_fsdp_state()
+
+    @property
+    def param_groups(self) -> list[Any]:
+        groups = getattr(self.state, "_fsdp_param_groups", None)
+        if groups is not None:
+            return list(groups)
+        group = getattr(self.state, "_fsdp_param_group", None)  # torch 2.11
+        return [] if group is None else [group]
+
+    @property
+    def auto(self) -> bool | None:
+        return getattr(self.state, "_auto_reshard_after_forward", None)
+
+    @auto.setter
+    def auto(self, value: bool | None) -> None:
+        if hasattr(self.state, "_auto_reshard_after_forward"):
+            self.state._auto_reshard_after_forward = value
+
+    @property
+    def is_root(self) -> bool | None:
+        return self.state._is_root
+
+    def post_forward(self) -> list[Any]:
+        return [g.post_forward_mesh_info for g in self.param_groups]
+
+    def set_post_forward(self, infos: list[Any]) -> None:
+        for group, info in zip(self.param_groups, infos, strict=True):
+            group.post_forward_mesh_info = info
+
+
+def fsdp_states(model: nn.Module) -> list[_PrivateState]:
+    """One `_PrivateState` per distinct FSDP state under `model`, in module order (a grouped
+    ``fully_shard([a, b])`` has one state for several modules: it appears once)."""
+    out: list[_PrivateState] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            s = _PrivateState(module)
+            if id(s.state) not in seen:
+                seen.add(id(s.state))
+                out.append(s)
+    return out
+
+
+@dataclass
+class _Saved:
+    state: _PrivateState
+    auto: bool | None
+    post_forward: list[Any]
+    was_root: bool | None
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+    """Keep every FSDP unit of `model` unsharded for the duration of the block.
+
+    Collective on entry: each unit all-gathers its parameters once (all ranks must enter,
+    also a rank with nothing to generate). Inside, forwards issue no collective, so ranks
+    may run different numbers of them (each its own decoding steps). For forward-only work
+    (under ``torch.no_grad()``); a backward inside is not supported. Memory per rank inside:
+    the whole model in the units' compute dtype (``fsdp.mixed_precision.param_dtype``).
+
+    On exit (no collective) every unit is resharded and its reshard-after-forward setting
+    restored exactly as it was (bool, int, and the root's own False), including when the
+    model's first forward, and so torch's lazy root set-up, ran inside. `model` is the root
+    of the FSDP tree (e.g. ``TrainEngine.model``).
+    """
+    states = fsdp_states(model)
+    saved = [_Saved(s, s.auto, s.post_forward(), s.is_root) for s in states]
+    try:
+        # Unshard before turning resharding off: a unit left "sharded post forward" (an int
+        # setting, after a no-grad forward) all-gathers over the mesh in post_forward_mesh_info.
+        for s in states:
+            s.module.unshard()
+        for s in states:
+            # Forwards now find their unit unsharded (no all-gather) and keep it (no free).
+            s.module.set_reshard_after_forward(False, recurse=False)
+        yield
+    finally:
+        for s in states:
+            s.module.reshard()  # outside forward: frees the full parameters, no collective
+        for sv in saved:
+            sv.state.auto = sv.auto
+            sv.state.set_post_forward(sv.post_forward)
+            if sv.was_root is None and sv.state.is_root and sv.auto:
+                # The first forward ran inside the block, where resharding was off, so torch's
+                # lazy init skipped its one change: an automatic root keeps its parameters.
+                sv.state.set_post_forward([None] * len(sv.post_forward))

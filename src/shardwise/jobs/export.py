@@ -1,0 +1,46 @@
+"""The export recipe behind `shardwise export`: a DCP checkpoint folder -> an HF folder, in
+one process and without a process group (`shardwise.checkpoint.hf_export.export_checkpoint`).
+
+`prepare` checks the checkpoint folder (complete, and its files match the sizes and
+checksums its commit marker records) before anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.checkpoint.dcp import (
+    COMMITTED,
+    incomplete_reason,
+    is_complete,
+    verify_checkpoint,
+)
+from shardwise.checkpoint.hf_export import ExportReport, export_checkpoint
+from shardwise.errors import ConfigError
+
+__all__ = ["Prepared", "prepare", "run"]
+
+
+@dataclass
+class Prepared:
+    checkpoint_dir: Path
+    out_dir: Path
+
+
+def prepare(checkpoint_dir: str, out_dir: str) -> Prepared:
+    """The folder is a complete, intact checkpoint; ConfigError on the argument otherwise."""
+    ckpt = Path(checkpoint_dir).expanduser()
+    if not is_complete(ckpt):
+        inner = sorted(p for p in ckpt.glob("step_*") if is_complete(p)) if ckpt.is_dir() else []
+        hint = f"did you mean {inner[-1]}?" if inner else "name a folder like <run.dir>/checkpoints/step_00000100"
+        raise ConfigError("CHECKPOINT_DIR", f"{str(ckpt)!r} {incomplete_reason(ckpt)}", hint)
+    problems = verify_checkpoint(ckpt) if (ckpt / COMMITTED).is_file() else []
+    if problems:
+        raise ConfigError("CHECKPOINT_DIR", f"{str(ckpt)!r} failed verification: {problems[0]}",
+                          "export an intact checkpoint (an older step)")
+    return Prepared(ckpt, Path(out_dir).expanduser())
+
+
+def run(prepared: Prepared) -> ExportReport:
+    return export_checkpoint(prepared.checkpoint_dir, prepared.out_dir)

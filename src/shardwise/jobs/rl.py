@@ -1,0 +1,101 @@
+"""The RL recipe behind `shardwise rl`: check everything, then one controller over Ray workers.
+
+`prepare` runs every check the config and its files allow before Ray starts: the mesh,
+rows per step against the ranks and mini-batches, the model and reward-model folders, the
+tokenizer, the prompts, the reward function, an explicit resume folder and the sharding
+plan (on the meta device). `run` builds the `shardwise.rl.trainer.Controller` from what
+was prepared, starts the worker groups, resumes, measures the held-out accuracy, trains,
+measures it again, exports the actor and plots the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.config.schema import Config
+from shardwise.config.validate import MeshSpec, check_rl_rows, mesh_spec
+from shardwise.data.collate import truncation_note
+from shardwise.data.rewards import RewardFn, resolve_reward_fn
+from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
+from shardwise.distributed.ulysses import train_only
+from shardwise.fsdp.build import plan_for
+from shardwise.jobs.inputs import check_data, check_model, check_resume, check_tokenizer
+from shardwise.models.loading import check_weights_folder, load_hf_config
+from shardwise.rl.trainer import Controller, mean_timing
+from shardwise.telemetry import plot_metrics
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Prepared", "prepare", "run"]
+
+
+@dataclass
+class Prepared:
+    """What `prepare` checked, for `run` in the same process (the controller)."""
+
+    cfg: Config
+    spec: MeshSpec
+    world_size: int
+    rows_per_step: int
+    records: list[dict[str, Any]]
+    reward_fn: RewardFn | None
+
+
+def prepare(cfg: Config, world_size: int) -> Prepared:
+    """Every check that can fail on the user's input; raises a ShardwiseError, starts
+    nothing, writes nothing. The workers build their own models; the meta model and plan
+    built here only check the plan."""
+    spec = mesh_spec(cfg.parallel, world_size)
+    train_only(spec.ulysses, "`shardwise rl`")
+    rows = check_rl_rows(cfg, spec.dp_size)
+    check_model(cfg)
+    if cfg.rl.reward.model is not None:
+        check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
+    check_tokenizer(cfg)
+    check_resume(cfg)
+    records = check_data(cfg, cfg.data.response_key)
+    fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
+    plan_for(cfg, spec)  # pattern errors surface here, on the meta device
+    return Prepared(cfg, spec, world_size, rows, records, fn)
+
+
+def run(prepared: Prepared) -> dict[str, Any]:
+    """The whole RL run; returns a summary (paths, accuracy before/after, final metrics)."""
+    cfg = prepared.cfg
+    folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True)
+    tokenizer = load_tokenizer(folder)
+    check_vocab(tokenizer, load_hf_config(cfg.model).vocab_size)
+    note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False)
+    if note:
+        log.warning("data: %s", note)
+    ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn)
+    summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
+    try:
+        ctl.start()
+        resumed = ctl.resume()
+        summary["resumed_from_step"] = ctl.step if resumed else None
+        summary["accuracy_before"] = ctl.evaluate()
+        history = ctl.fit()
+        summary["steps"] = ctl.step
+        summary["history"] = history
+        summary["timing"] = mean_timing(history)
+        summary["accuracy_after"] = ctl.evaluate()
+        if cfg.checkpoint.export_hf:
+            summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
+        summary["checkpoint"] = str(ctl.run_dir / "checkpoints")
+    except BaseException:
+        ctl.close(graceful=False)
+        raise
+    else:
+        ctl.close()
+    if (ctl.run_dir / "metrics.jsonl").is_file():
+        panels = [("reward / accuracy", ["reward/mean", "accuracy"]),
+                  ("response length", ["response_length/mean"]), ("KL to reference / entropy", ["kl", "entropy"]),
+                  ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
+                  ("seconds per phase", ["time/step", "time/generate", "time/update_actor", "time/old_log_prob"])]
+        if cfg.rl.critic.enabled:
+            panels.append(("critic", ["critic/vf_loss"]))
+        summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
+    return summary

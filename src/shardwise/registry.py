@@ -1,0 +1,80 @@
+"""Named implementations that a config key selects: one registry per key.
+
+A registry maps names (what a user writes, e.g. ``rl.advantage: rloo``) to the functions
+that implement them. The module that defines the functions registers each with a
+decorator, so adding one is one edit; the config schema checks a name against the same
+registry, so it needs no second list. The schema sits below the modules that register
+(``config`` < ``rl``), so a registry knows the module that fills it and imports it, by name,
+the first time its names are asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from shardwise.errors import ConfigError, did_you_mean
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "Registry"]
+
+
+class Registry:
+    """Implementations registered under names, for the config key `key`."""
+
+    def __init__(self, key: str, provider: str):
+        self.key = key
+        self.provider = provider
+        """The module whose import registers the implementations."""
+        self._entries: dict[str, Callable[..., Any]] = {}
+        self._traits: dict[str, dict[str, Any]] = {}
+
+    def register(self, name: str, **traits: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: register the function as `name`. `traits` are facts about it that
+        config checks read (e.g. ``needs_critic=True``)."""
+        def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+            assert name not in self._entries, f"{self.key}: {name!r} registered twice"
+            self._entries[name] = fn
+            self._traits[name] = dict(traits)
+            return fn
+
+        return add
+
+    def traits(self, name: str) -> dict[str, Any]:
+        """The facts registered with `name` (ConfigError for an unknown name)."""
+        self.check(name)
+        return self._traits[name]
+
+    def _filled(self) -> dict[str, Callable[..., Any]]:
+        if not self._entries:
+            importlib.import_module(self.provider)
+        return self._entries
+
+    def names(self) -> list[str]:
+        return list(self._filled())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._filled()
+
+    def get(self, name: str) -> Callable[..., Any]:
+        """The implementation called `name`; ConfigError on the key otherwise."""
+        return self._filled()[self.check(name)]
+
+    def check(self, name: str) -> str:
+        """`name` when it is registered; a ConfigError on the key naming the nearest one."""
+        if name not in self._filled():
+            raise ConfigError(self.key, f"{name!r} is not a valid choice",
+                              did_you_mean(str(name), self.names()))
+        return name
+
+
+ADVANTAGE_ESTIMATORS = Registry("rl.advantage", "shardwise.rl.algorithms")
+"""``rl.advantage``: ``fn(rewards, mask, *, values, group_ids, gamma, lam) -> (advantages,
+returns)``, all ``(batch, seq)``."""
+
+POLICY_LOSSES = Registry("rl.actor.policy_loss", "shardwise.rl.algorithms")
+"""``rl.actor.policy_loss``: ``fn(old_log_prob, log_prob, advantages, mask, *, clip_low,
+clip_high, clip_c, mode, global_tokens, global_seqs) -> (loss, metrics)``."""

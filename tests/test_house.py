@@ -1,0 +1,189 @@
+"""The shape of the package: imports run one way, the config documents itself, a registry is
+the one list of names, and a launch builds its meta model and plan once."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pydantic
+import pytest
+from dist.common import TINY_QWEN3
+from dist.launcher import REPO_ROOT
+
+from shardwise.config import load_config
+from shardwise.config.schema import Config
+
+PACKAGE = REPO_ROOT / "src" / "shardwise"
+
+LAYERS = [
+    {"errors", "registry"},
+    {"config", "data", "telemetry"},
+    {"distributed", "models"},
+    {"fsdp"},
+    {"engine"},
+    {"checkpoint"},
+    {"rl"},
+    {"jobs"},
+    {"cli"},
+]
+"""Lowest first: a module may import from its own layer and the ones below, never above."""
+
+LAZY_ALLOWED = {"ray", "matplotlib", "tensorboard", "vllm", "torch.utils.tensorboard", "pyarrow"}
+"""Optional dependencies (heavy, or needed by one kind of input: pyarrow reads .parquet
+files), the only imports allowed inside function bodies."""
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "shardwise":
+        return None
+    top = parts[1] if len(parts) > 1 else ""
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    return None
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        rel = f.relative_to(PACKAGE).with_suffix("")
+        name = ".".join(("shardwise", *rel.parts)).removesuffix(".__init__")
+        out.append((name, f))
+    return out
+
+
+def _imports(tree: ast.AST) -> list[tuple[ast.stmt, list[str]]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node, [node.module]))
+        elif isinstance(node, ast.Import):
+            found.append((node, [a.name for a in node.names]))
+    return found
+
+
+def test_every_module_belongs_to_a_layer():
+    for name, _ in _modules():
+        if name != "shardwise" and name != "shardwise.__main__":
+            assert _layer(name) is not None, f"{name} is in no layer of LAYERS"
+
+
+def test_no_import_runs_back_up():
+    upward = []
+    for name, path in _modules():
+        mine = _layer(name)
+        if mine is None:
+            continue
+        for node, targets in _imports(ast.parse(path.read_text())):
+            for t in targets:
+                theirs = _layer(t)
+                if theirs is not None and theirs > mine:
+                    upward.append(f"{name}:{node.lineno} imports {t}")
+    assert not upward, "imports that run back up:\n" + "\n".join(upward)
+
+
+def test_imports_sit_at_the_top_of_each_module():
+    """Inside a function only optional dependencies are imported, so a module's
+    dependencies are read at its top."""
+    inner = []
+    for name, path in _modules():
+        tree = ast.parse(path.read_text())
+        in_function = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                in_function.update(id(x) for x in ast.walk(fn) if x is not fn)
+        for node, targets in _imports(tree):
+            if id(node) not in in_function:
+                continue
+            if any(t.split(".")[0] in LAZY_ALLOWED or t in LAZY_ALLOWED for t in targets):
+                continue
+            inner.append(f"{name}:{node.lineno} imports {', '.join(targets)}")
+    assert not inner, "imports inside function bodies:\n" + "\n".join(inner)
+
+
+def _fields(cls: type[pydantic.BaseModel], prefix: str = ""):
+    for name, field in cls.model_fields.items():
+        yield prefix + (field.alias or name), field
+        ann = field.annotation
+        for sub in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(sub, type) and issubclass(sub, pydantic.BaseModel):
+                yield from _fields(sub, prefix + (field.alias or name) + ".")
+
+
+def test_every_config_field_is_documented():
+    missing = [key for key, field in _fields(Config) if not (field.description or "").strip()]
+    assert not missing, f"fields without a docstring: {missing}"
+    assert len(list(_fields(Config))) > 120
+
+
+def test_infer_and_rollout_share_one_set_of_sampling_settings():
+    from shardwise.config.schema import InferConfig, RolloutConfig, SamplingConfig
+
+    shared = set(SamplingConfig.model_fields)
+    assert shared == {"engine", "n", "max_new_tokens", "temperature", "top_p"}
+    assert issubclass(InferConfig, SamplingConfig) and issubclass(RolloutConfig, SamplingConfig)
+    # today's YAML keys still load, each section with its own defaults
+    cfg = load_config(None, ["infer.top_p=0.9", "rl.rollout.top_p=0.8"])
+    assert (cfg.infer.top_p, cfg.rl.rollout.top_p, cfg.infer.temperature, cfg.rl.rollout.temperature) == \
+        (0.9, 0.8, 0.0, 1.0)
+
+
+def test_a_new_advantage_estimator_is_one_registration():
+    """The schema takes its valid names from the registry: registering is the only edit."""
+    from shardwise.errors import ConfigError
+    from shardwise.registry import ADVANTAGE_ESTIMATORS
+
+    with pytest.raises(ConfigError, match="did you mean rloo"):
+        load_config(None, ["rl.advantage=rlooo"])
+
+    @ADVANTAGE_ESTIMATORS.register("sign", needs_critic=False, compares_samples=False)
+    def sign(token_rewards, mask, *, values, group_ids, gamma, lam):
+        adv = token_rewards.sign()
+        return adv, adv
+
+    try:
+        assert load_config(None, ["rl.advantage=sign"]).rl.advantage == "sign"
+    finally:
+        ADVANTAGE_ESTIMATORS._entries.pop("sign")
+        ADVANTAGE_ESTIMATORS._traits.pop("sign")
+    with pytest.raises(ConfigError):
+        load_config(None, ["rl.advantage=sign"])
+
+
+def _count_builds(monkeypatch) -> dict[str, int]:
+    import shardwise.fsdp.build as build
+
+    counts = {"meta model": 0, "plan": 0}
+    meta, plan = build.build_meta_model, build.build_plan
+
+    def counting_meta(*a, **k):
+        counts["meta model"] += 1
+        return meta(*a, **k)
+
+    def counting_plan(*a, **k):
+        counts["plan"] += 1
+        return plan(*a, **k)
+
+    monkeypatch.setattr(build, "build_meta_model", counting_meta)
+    monkeypatch.setattr(build, "build_plan", counting_plan)
+    return counts
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_a_train_launch_builds_the_meta_model_and_plan_once(nproc, tmp_path, monkeypatch, capsys):
+    """One process (prepare + run in this process) or a launch of 2 ranks (this process is
+    the launcher): the meta model and the plan are built once here."""
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    counts = _count_builds(monkeypatch)
+    argv = ["train", str(REPO_ROOT / "examples" / "sft_arithmetic.yaml"), f"run.dir={tmp_path}", TINY_QWEN3,
+            "train.max_steps=1", "train.global_batch_size=8", "train.micro_batch_size=4",
+            "checkpoint.export_hf=false", "checkpoint.every_steps=0", "data.max_length=16"]
+    code = main(argv + (["--nproc", str(nproc)] if nproc else []))
+    assert code == 0, capsys.readouterr().err[-3000:]
+    assert counts == {"meta model": 1, "plan": 1}
+    assert (tmp_path / "metrics.jsonl").is_file()
