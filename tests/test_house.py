@@ -187,3 +187,16 @@ def test_a_train_launch_builds_the_meta_model_and_plan_once(nproc, tmp_path, mon
     assert code == 0, capsys.readouterr().err[-3000:]
     assert counts == {"meta model": 1, "plan": 1}
     assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_an_infer_launch_builds_the_meta_model_and_plan_once(tmp_path, monkeypatch, capsys):
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    counts = _count_builds(monkeypatch)
+    code = main(["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"), f"run.dir={tmp_path}",
+                 "model.path=null", TINY_QWEN3, "infer.num_prompts=4", "infer.max_new_tokens=2"])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    assert counts == {"meta model": 1, "plan": 1}
+    assert (tmp_path / "generations.jsonl").is_file()
