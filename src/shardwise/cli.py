@@ -360,4 +360,11 @@ def _exit_status(e: BaseException) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if _under_torchrun():
+        # A rank that finished (its group destroyed, its files closed) leaves without the
+        # interpreter's shutdown: there, C++ threads of torch's process-group machinery were
+        # seen to abort a rank that had completed its work ("terminate called without an
+        # active exception", SIGABRT), failing a job that had succeeded.
+        launch.leave(status)
+    sys.exit(status)

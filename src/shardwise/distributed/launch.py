@@ -158,6 +158,12 @@ def rank_failed(exc: BaseException) -> NoReturn:
 def exit_after_failure(code: int) -> NoReturn:
     """Leave now: no teardown barrier (the peers are not coming), no atexit handlers that
     could wait on a collective. The peers' collectives fail and torchrun ends them."""
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """Flush stdout and stderr and end the process with `code`, skipping the interpreter's
+    shutdown (atexit handlers, module teardown, C++ static destructors)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
