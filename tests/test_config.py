@@ -414,3 +414,14 @@ def test_global_batch_not_a_multiple_of_micro_is_an_sft_error_not_a_schema_error
     assert info.value.key == "train.global_batch_size"
     assert "18 is not a multiple of micro_batch_size x data-parallel size (4 x 1 = 4)" in str(info.value)
     assert "try 16" in str(info.value)
+
+
+def test_exponent_numbers_without_a_dot_are_floats(tmp_path):
+    """PyYAML (YAML 1.1) reads `1e-5` as a string; a user means a number, and inside
+    model.config it would reach transformers as text."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  config: {model_type: llama, rms_norm_eps: 1e-5}\ntrain:\n  optimizer: {lr: 3e-4}\n")
+    cfg = load_config(path, ["model.config.initializer_range=2E-2"])
+    assert cfg.model.config["rms_norm_eps"] == 1e-5 and isinstance(cfg.model.config["rms_norm_eps"], float)
+    assert cfg.model.config["initializer_range"] == 0.02 and cfg.train.optimizer.lr == 3e-4
+    assert load_config(path, ["run.dir=1e5x"]).run.dir == "1e5x"  # not a number: stays text

@@ -53,7 +53,7 @@ def _attention(rank: int, world: int, kv_heads: int) -> dict:
     from shardwise.distributed.runtime import init_distributed, teardown
     from shardwise.distributed.ulysses import sp_group, ulysses_attention
 
-    runtime = init_distributed(timeout_s=60)
+    init_distributed(timeout_s=60)
     group = sp_group(world, "cpu")
     g = torch.Generator().manual_seed(0)
     b, h, s, d = 2, 4, 8, 8

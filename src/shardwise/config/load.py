@@ -1,7 +1,10 @@
 """Load a YAML file plus `a.b=c` overrides into a typed `Config`, with clear errors.
 
-YAML is read with `yaml.safe_load` (never eval'd); override values are parsed as YAML
-scalars/flow collections, so `x=3`, `x=true`, `x=[a,b]`, `x={k: v}` work.
+YAML is read with a safe loader (never eval'd); override values are parsed as YAML
+scalars/flow collections, so `x=3`, `x=true`, `x=[a,b]`, `x={k: v}` work. Numbers in
+exponent form without a dot (`1e-5`, `3E4`) are floats, as YAML 1.2 and every config a
+user copies from elsewhere mean them (PyYAML's YAML 1.1 rules read them as strings, which
+then reach e.g. transformers' `rms_norm_eps` as text).
 """
 
 from __future__ import annotations
@@ -18,6 +21,25 @@ from shardwise.config.schema import Config
 from shardwise.errors import ConfigError, did_you_mean
 
 
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader whose floats include ``1e-5``-style numbers (see the module docstring)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: plain data only
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """YAML file (or nothing) + overrides -> validated Config. Raises ConfigError."""
     raw: dict[str, Any] = {}
@@ -26,7 +48,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not p.is_file():
             raise ConfigError("", f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = _yaml(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError("", f"{p} is not valid YAML: {e}") from None
         if loaded is None:
@@ -79,13 +101,13 @@ def parse_override_value(text: str) -> Any:
     if not text.strip():
         return None
     try:
-        return yaml.safe_load(text)
+        return _yaml(text)
     except yaml.YAMLError:
         pass
     quoted = _BRACE_PATH.sub(lambda m: '"' + m.group(1) + '"', text)
     if quoted != text:
         try:
-            return yaml.safe_load(quoted)
+            return _yaml(quoted)
         except yaml.YAMLError:
             pass
     t = text.strip()
