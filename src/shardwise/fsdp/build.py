@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec
@@ -38,12 +40,32 @@ def build_sharded_model(cfg: Config, runtime: Runtime, spec: MeshSpec, mesh, tas
     model, plan = planned if planned is not None else plan_for(cfg, spec, task, **config_extra)
     warn_plan(plan, runtime.is_main)
     apply_plan(model, plan, mesh, pin_memory=cfg.fsdp.offload.pin_memory)
+    # CPU offload: FSDP keeps the parameter shards in host memory (pinned with
+    # `pin_memory`) and moves each unit to the compute device in its forward.
     model.to_empty(device="cpu" if cfg.fsdp.offload.enabled else runtime.device)
     full = patch_model(build_full_model(cfg.model, cfg.run.seed, task, **config_extra), cfg) if runtime.is_main else None
+    # Loaded while every tensor is on one device (torch's full-state-dict loading refuses a
+    # mix); the broadcasts themselves run on the process group's device.
     load_full_weights(model, full, runtime.device)
+    if cfg.fsdp.offload.enabled:
+        # Everything FSDP does not manage (buffers such as rotary inv_freq, the parameters
+        # of ignored modules) is used by forwards on the compute device as it is.
+        _outside_fsdp_to(model, runtime.device)
     del full
     _retie(model)
     return model, plan
+
+
+def _outside_fsdp_to(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer and every parameter that is not an FSDP shard (not a DTensor) of
+    the materialised `model` to `device` (a no-op when they are there already)."""
+    for path, module in model.named_modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.device != device:
+                setattr(module, name, buf.to(device))
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor) and param.device != device:
+                setattr(module, name, nn.Parameter(param.to(device), requires_grad=param.requires_grad))
 
 
 def _retie(model: nn.Module) -> None:

@@ -202,12 +202,16 @@ def load_full_weights(sharded: nn.Module, full: nn.Module | None, device: torch.
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Non-persistent buffers are not in any state dict; send rank 0's values.
     full_bufs = dict(full.named_buffers()) if full is not None else {}
+    # The broadcast runs on `device` (NCCL sends device tensors only): a buffer held on
+    # another device (CPU offload materialises the model in host memory) goes through a copy.
     for name in non_persistent_buffers(sharded):
         buf = sharded.get_buffer(name)
-        src = full_bufs[name].to(device=device, dtype=buf.dtype) if full is not None else None
+        wire = buf if buf.device == device else torch.empty_like(buf, device=device)
         if rank == 0:
-            buf.copy_(src)
-        dist.broadcast(buf, src=0)
+            wire.copy_(full_bufs[name].to(device=device, dtype=buf.dtype))
+        dist.broadcast(wire, src=0)
+        if wire is not buf:
+            buf.copy_(wire)
 
 
 def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
