@@ -468,3 +468,33 @@ def test_bad_prompts_raise_before_any_collective(edit, message):
     edit(prompts)
     with pytest.raises(ValueError, match=re.escape(message)):
         rollout.generate_sequences(prompts)
+
+
+def test_private_state_reads_a_torch_2_11_state_too():
+    """torch 2.11's FSDPState has one `_fsdp_param_group` (None before lazy init) and no
+    `_fsdp_param_groups`; the accessor reads both shapes (the installed torch's is covered by
+    the tests above). A stand-in object with exactly the 2.11 attributes."""
+    from shardwise.fsdp.gather import _PrivateState
+
+    class Group:
+        post_forward_mesh_info = "own"
+
+    class State211:
+        def __init__(self, group):
+            self._fsdp_param_group = group
+            self._is_root = None
+            self._auto_reshard_after_forward = True
+
+    class Module:
+        def __init__(self, state):
+            self.state = state
+
+        def _get_fsdp_state(self):
+            return self.state
+
+    group = Group()
+    s = _PrivateState(Module(State211(group)))
+    assert s.param_groups == [group] and s.post_forward() == ["own"] and s.auto is True and s.is_root is None
+    s.set_post_forward([None])
+    assert group.post_forward_mesh_info is None
+    assert _PrivateState(Module(State211(None))).param_groups == []
