@@ -182,6 +182,8 @@ class OptimizerConfig(Section):
     """Adam's (beta1, beta2)."""
     eps: Annotated[float, Field(gt=0)] = 1.0e-8
     """Adam's epsilon."""
+    fused: bool | None = None
+    """torch's fused AdamW kernel; null: fused on CUDA, the foreach kernels on CPU."""
 
 
 class SchedulerConfig(Section):
@@ -191,6 +193,17 @@ class SchedulerConfig(Section):
     """Linear warmup from 0, in optimizer steps."""
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     """linear / cosine: the final learning rate as a share of lr."""
+
+
+class ChunkedLossConfig(Section):
+    enabled: bool = False
+    """Run the LM head and the loss (or log-probs and entropy) over chunks of the tokens,
+    recomputing each chunk's logits in backward, so the full (tokens x vocab) fp32 logits
+    never exist at once."""
+    chunk_tokens: Pos = 2048
+    """Tokens (over all rows of a micro-batch) per chunk: a chunk's fp32 logits take
+    chunk_tokens x vocab x 4 bytes, and a few such tensors exist at once (their gradient,
+    the softmax when the entropy is wanted)."""
 
 
 class TrainConfig(Section):
@@ -210,6 +223,11 @@ class TrainConfig(Section):
     """Global-norm clip; null disables."""
     log_every: Pos = 1
     """Write metrics every this many steps (and the last)."""
+    compile: bool = False
+    """Per-block torch.compile: each FSDP unit's module (not the root) is compiled before
+    fully_shard, after recompute wrapping; the infer engine's too."""
+    chunked_loss: ChunkedLossConfig = ChunkedLossConfig()
+    """The LM head and the loss over chunks of tokens (memory of a large vocabulary)."""
 
 
 class DataConfig(Section):

@@ -31,6 +31,7 @@ from transformers.masking_utils import sdpa_mask
 
 from shardwise.data.collate import IGNORE_INDEX
 from shardwise.errors import ConfigError
+from shardwise.models.chunked_head import per_token_log_probs
 
 ATTN_IMPLEMENTATION = "shardwise_ulysses"
 _GROUP_ATTR = "_shardwise_sp_group"
@@ -185,8 +186,16 @@ def slice_batch(batch: dict[str, torch.Tensor], sp_rank: int, sp: int) -> dict[s
     return {"input_ids": ids[:, cut], "position_ids": pos[:, cut], "shift_labels": shift[:, cut]}
 
 
-def loss_sum(model: nn.Module, sliced: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy of this rank's slice (fp32)."""
+def loss_sum(model: nn.Module, sliced: dict[str, torch.Tensor], chunk_tokens: int | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy of this rank's slice (fp32 scalar).
+
+    `chunk_tokens` (``train.chunked_loss``): the LM head and the cross-entropy run over
+    chunks of that many of the slice's tokens, recomputed in backward
+    (`shardwise.models.chunked_head`); the same sum without the slice's full logits.
+    """
+    if chunk_tokens is not None:
+        return -per_token_log_probs(model, sliced["shift_labels"], chunk_tokens, input_ids=sliced["input_ids"],
+                                    position_ids=sliced["position_ids"])["log_probs"].sum()
     out = model(input_ids=sliced["input_ids"], position_ids=sliced["position_ids"], use_cache=False)
     logits = out.logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), sliced["shift_labels"].reshape(-1),

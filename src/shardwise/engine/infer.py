@@ -20,6 +20,9 @@ the reference policy and the losses; one function computes it):
   produced token ``t``, i.e. of ``softmax(logits[:, t - 1])``; ``entropy[:, 0] = 0``.
 - `InferEngine.log_probs` sets both to exactly 0 where ``response_mask`` is 0 (by
   selection, not multiplication, so a NaN at a padded position cannot leak through).
+- With ``chunk_tokens`` (``train.chunked_loss``) the same numbers come from the LM head
+  run over chunks of tokens (`shardwise.models.chunked_head`): the ``(batch, seq, vocab)``
+  logits are never formed, in forward or backward; only the order of fp32 sums differs.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ from torch import nn
 
 from shardwise.config.schema import Config
 from shardwise.config.validate import mesh_spec
+from shardwise.data.collate import IGNORE_INDEX
 from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
 from shardwise.distributed.ulysses import train_only
+from shardwise.engine.losses import loss_chunk_tokens
 from shardwise.fsdp.build import build_sharded_model
 from shardwise.fsdp.plan import ShardingPlan
+from shardwise.models import chunked_head
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +88,8 @@ def log_probs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
 
 def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor | None = None,
-                      with_entropy: bool = False, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+                      with_entropy: bool = False, temperature: float = 1.0,
+                      chunk_tokens: int | None = None) -> dict[str, torch.Tensor]:
     """One forward of `model` and its per-token log-probs, in the module's convention.
 
     input_ids, attention_mask ``(batch, seq)`` on the model's compute device; position_ids
@@ -92,9 +99,22 @@ def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     mode the caller set: the RL actor calls it with grad on the TrainEngine's model; the
     InferEngine under ``torch.no_grad()``. `temperature` divides the logits first: the RL
     roles score sequences under the distribution the rollout sampled from.
+
+    `chunk_tokens` (see `shardwise.engine.losses.loss_chunk_tokens`): None computes the
+    full logits and `log_probs_from_logits`; a number runs the LM head, the log-softmax and
+    the entropy over chunks of that many tokens (all rows together), recomputed in
+    backward, so no ``(batch, seq, vocab)`` tensor is formed. Same contract, same values
+    up to the order of fp32 sums.
     """
     if position_ids is None:
         position_ids = default_position_ids(attention_mask)
+    if chunk_tokens is not None:
+        # position t predicts input_ids[t + 1]; the last position predicts nothing
+        targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+        res = chunked_head.per_token_log_probs(model, targets, chunk_tokens, temperature=temperature,
+                                               with_entropy=with_entropy, input_ids=input_ids,
+                                               attention_mask=attention_mask, position_ids=position_ids)
+        return {k: F.pad(v[:, :-1], (1, 0)) for k, v in res.items()}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=False)
     logits = out.logits if temperature == 1.0 else out.logits / temperature
@@ -123,6 +143,11 @@ class InferEngine:
         self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, planned,
                                                     **config_extra)
         self.model.eval()
+        # `log_probs` runs the LM head over chunks of this many tokens (train.chunked_loss);
+        # None: full logits. Other tasks (a reward head) have no LM head to chunk.
+        self.chunk_tokens = loss_chunk_tokens(cfg.train.chunked_loss) if task == "causal_lm" else None
+        if self.chunk_tokens is not None:
+            chunked_head.check_model(self.model)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -153,6 +178,7 @@ class InferEngine:
         Returns ``{"log_probs": (batch, seq) fp32}`` plus ``"entropy"`` with
         `with_entropy`; both exactly 0 where response_mask is 0. Rows are run
         `micro_batch_size` at a time (default: all at once); the result is the same.
+        With ``train.chunked_loss`` the LM head runs over chunks of tokens (`compute_log_probs`).
         """
         if response_mask.shape != input_ids.shape:
             raise ValueError(f"response_mask {tuple(response_mask.shape)} must have the shape of "
@@ -165,7 +191,7 @@ class InferEngine:
             raise ValueError("response_mask marks padding (attention_mask == 0)")
 
         def run(ids, mask, pos):
-            return compute_log_probs(self.model, ids, mask, pos, with_entropy)
+            return compute_log_probs(self.model, ids, mask, pos, with_entropy, chunk_tokens=self.chunk_tokens)
 
         self.model.eval()
         out = forward_by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size,

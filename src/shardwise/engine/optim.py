@@ -6,14 +6,27 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import OptimizerConfig, SchedulerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, with torch's fused kernel (one kernel for all
+    parameters of a device and dtype) where the parameters live on CUDA, else its foreach
+    kernels; ``optimizer.fused`` forces either. Fused and foreach compute the same update
+    up to the rounding of their fused arithmetic."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+    fused = cfg.fused
+    if fused is None:
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    # A multi-tensor kernel takes sharded (DTensor) or plain parameters, not both: FSDP's
+    # ignored modules keep plain ones, so they get a parameter group of their own.
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    groups = [{"params": g} for g in (sharded, plain) if g] if sharded and plain else params
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=fused, foreach=None if fused else True)
 
 
 def lr_factor(step: int, cfg: SchedulerConfig, total_steps: int) -> float:

@@ -23,6 +23,7 @@ the training twin of `shardwise.engine.infer.forward_by_micro_batch`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import warnings
@@ -42,10 +43,16 @@ from shardwise.distributed import ulysses
 from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids
-from shardwise.engine.losses import causal_lm_loss_sum
+from shardwise.engine.losses import (
+    causal_lm_loss_sum,
+    chunked_causal_lm_loss_sum,
+    loss_chunk_tokens,
+)
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.fsdp.build import build_sharded_model
 from shardwise.fsdp.plan import ShardingPlan
+from shardwise.models import chunked_head
+from shardwise.models.chunked_head import per_token_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +61,18 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 T = TypeVar("T")
 
 
-def lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Default loss: summed next-token cross-entropy over labelled positions."""
+def lm_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Default loss: summed next-token cross-entropy over labelled positions (fp32 scalar).
+
+    `chunk_tokens` None: from the full logits (`causal_lm_loss_sum`); a number: the LM head
+    and the cross-entropy over chunks of that many tokens, recomputed in backward
+    (`chunked_causal_lm_loss_sum`, ``train.chunked_loss``), the same sum without the
+    ``(batch, seq, vocab)`` logits. `TrainEngine.lm_loss` is this with the config's choice.
+    """
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+    if chunk_tokens is not None:
+        return chunked_causal_lm_loss_sum(model, batch["labels"], chunk_tokens, input_ids=batch["input_ids"],
+                                          **kwargs)
     out = model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
     return causal_lm_loss_sum(out.logits, batch["labels"])
 
@@ -104,6 +120,14 @@ class TrainEngine:
         if self.spec.ulysses > 1:
             self.sp_group = ulysses.sp_group(self.spec.ulysses, runtime.device.type)
             ulysses.enable(self.model, self.sp_group)
+        # Tokens per chunk of the LM head and loss (train.chunked_loss); None: full logits.
+        # Other tasks (a value or reward head) have no LM head to chunk.
+        self.chunk_tokens = loss_chunk_tokens(cfg.train.chunked_loss) if task == "causal_lm" else None
+        if self.chunk_tokens is not None:
+            chunked_head.check_model(self.model)
+        # The causal-LM loss the config selects (train_step's default): lm_loss_sum, chunked or not.
+        self.lm_loss: LossFn = (lm_loss_sum if self.chunk_tokens is None
+                                else functools.partial(lm_loss_sum, chunk_tokens=self.chunk_tokens))
         self.optimizer = build_optimizer(self.model, cfg.train.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.scheduler, cfg.train.max_steps)
         self.step = 0
@@ -167,26 +191,37 @@ class TrainEngine:
     def _throw_away_pass(self, seq: int) -> None:
         """A forward and backward with zero gradients: its all-gathers and reduce-scatter
         pair with those of the ranks that still have micro-batches."""
+        inputs = dummy_inputs(seq, self.runtime.device)
+        if self.chunk_tokens is not None:
+            # Chunked like the real passes: a long dummy row must not form (seq x vocab) logits.
+            out = per_token_log_probs(self.model, torch.zeros_like(inputs["input_ids"]), self.chunk_tokens,
+                                      **inputs)["log_probs"]
+            out.sum().mul(0.0).backward()
+            return
         with warnings.catch_warnings():
             # A token-classification head returns a view; FSDP2 warns that an in-place op on
             # it would skip the pre-backward all-gather. Only out-of-place ops touch it here.
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            out = self.model(**dummy_inputs(seq, self.runtime.device), use_cache=False)
+            out = self.model(**inputs, use_cache=False)
         out.logits.sum().mul(0.0).backward()
 
     def train_step(self, micro_batches: Sequence[Batch], global_loss_tokens: int,
-                   loss_fn: LossFn = lm_loss_sum) -> StepResult:
+                   loss_fn: LossFn | None = None) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch.
 
         `global_loss_tokens` is the number of loss tokens in the WHOLE global batch (all
         ranks, all micro-batches). Every data-parallel rank holds the same number of
         micro-batches (its equal share of the global batch), so no agreement is needed.
+        `loss_fn` defaults to `lm_loss` (the causal-LM loss, chunked per
+        ``train.chunked_loss``); `lm_loss_sum` itself is the plain full-logits loss.
         """
         assert global_loss_tokens > 0, "a global batch with no loss tokens"
         self.model.train()
         scale = self.grad_average_size / global_loss_tokens
         if self.sp_group is not None:
             loss_fn = self._ulysses_loss_fn(loss_fn)
+        elif loss_fn is None:
+            loss_fn = self.lm_loss
 
         def on_device(model: nn.Module, mb: Batch) -> torch.Tensor:
             return loss_fn(model, self._to_device(mb))
@@ -194,22 +229,31 @@ class TrainEngine:
         local_sum = self.accumulate(micro_batches, on_device, scale, agree=False)
         return self.finish_step(local_sum, global_loss_tokens)
 
-    def _ulysses_loss_fn(self, loss_fn: LossFn) -> LossFn:
-        """The causal-LM loss on this rank's slice of each row (`shardwise.distributed.ulysses`)."""
-        if loss_fn is not lm_loss_sum:
+    def _ulysses_loss_fn(self, loss_fn: LossFn | None) -> LossFn:
+        """The causal-LM loss on this rank's slice of each row (`shardwise.distributed.ulysses`):
+        chunked per ``train.chunked_loss`` for the default (`lm_loss`), plain for `lm_loss_sum`."""
+        if loss_fn is not None and loss_fn is not self.lm_loss and loss_fn is not lm_loss_sum:
             raise ValueError("Ulysses sequence parallel trains the causal-LM loss only (lm_loss_sum)")
         sp, sp_rank = self.spec.ulysses, dist.get_rank(self.sp_group)
-        return lambda model, mb: ulysses.loss_sum(model, ulysses.slice_batch(mb, sp_rank, sp))
+        chunk = None if loss_fn is lm_loss_sum else self.chunk_tokens
+        if chunk is None:
+            return lambda model, mb: ulysses.loss_sum(model, ulysses.slice_batch(mb, sp_rank, sp))
+        return lambda model, mb: ulysses.loss_sum(model, ulysses.slice_batch(mb, sp_rank, sp), chunk_tokens=chunk)
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.runtime.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def finish_step(self, local_loss_sum: torch.Tensor, global_loss_tokens: int) -> StepResult:
-        """All-reduce the loss, sync ignored grads, clip, step (or skip if non-finite)."""
+        """All-reduce the loss, sync ignored grads, clip, step (or skip if non-finite).
+
+        The loss, the norm and the clipping stay on the device; the one host
+        synchronisation of the step reads loss and norm together, to decide whether to step.
+        """
         dist.all_reduce(local_loss_sum)  # every rank summed distinct tokens: the sum is global
-        loss = float(local_loss_sum) / global_loss_tokens
         self._sync_ignored_grads()
-        grad_norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+        norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+        loss_sum, grad_norm = torch.stack([local_loss_sum.double(), norm.double()]).tolist()
+        loss = loss_sum / global_loss_tokens
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
         if skipped:
@@ -232,29 +276,32 @@ class TrainEngine:
                 dist.all_reduce(p.grad)
                 p.grad.div_(self.grad_average_size)
 
-    def grad_norm_sq_local(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
-        for p in self.model.parameters():
-            if p.grad is None or not isinstance(p.grad, DTensor):
-                continue
-            g = p.grad.to_local()
-            total += g.float().pow(2).sum().to(total.device)
-        return total
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """The true global L2 norm of the gradients (0-d fp32 tensor on the device), over all
+        shards; with `max_norm` every gradient is scaled by min(1, max_norm / (norm + 1e-6)).
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """The true global L2 norm over all shards; clip to `max_norm` if given."""
-        sq = self.grad_norm_sq_local()
-        # Shards of one parameter live on the ranks of a shard group; replicas hold copies.
+        Each rank takes the norm of its local shards with torch's foreach kernels; squares
+        are summed over the shard group only (replicas of HSDP hold copies), then the
+        parameters FSDP does not manage (the same on every rank) are added. No host
+        synchronisation: a non-finite norm scales the gradients to NaN, and the caller skips
+        the step."""
+        device = self.runtime.device
+        local = [p.grad.to_local() for p in self.model.parameters()
+                 if p.grad is not None and isinstance(p.grad, DTensor)]
+        sq = (torch.nn.utils.get_total_norm(local, 2.0, foreach=True).float().square().to(device)
+              if local else torch.zeros((), dtype=torch.float32, device=device))
         group = self.mesh["shard"].get_group() if "shard" in self.mesh.mesh_dim_names else None
         dist.all_reduce(sq, group=group)
-        for p in self._ignored:
-            if p.grad is not None:
-                sq += p.grad.float().pow(2).sum().to(sq.device)
-        norm = float(sq.sqrt())
-        if max_norm is not None and math.isfinite(norm):
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+        ignored = [p.grad for p in self._ignored if p.grad is not None]
+        if ignored:
+            sq = sq + torch.nn.utils.get_total_norm(ignored, 2.0, foreach=True).float().square().to(device)
+        norm = sq.sqrt()
+        if max_norm is not None:
+            # Sharded and FSDP-ignored gradients in separate calls: a foreach kernel takes
+            # DTensors or plain tensors, not both.
+            sharded = [p for p in self.model.parameters() if isinstance(p.grad, DTensor)]
+            plain = [p for p in self.model.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)]
+            for group_params in (sharded, plain):
+                if group_params:
+                    torch.nn.utils.clip_grads_with_norm_(group_params, max_norm, norm, foreach=True)
         return norm

@@ -54,13 +54,15 @@ def scoring_temperature(cfg: Config) -> float:
 
 
 def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.device, micro_batch_size: int,
-                       with_entropy: bool, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+                       with_entropy: bool, temperature: float = 1.0,
+                       chunk_tokens: int | None = None) -> dict[str, torch.Tensor]:
     """Log-probs (and entropy) of `batch`'s sequences under `model` at `temperature`, 0
-    outside ``response_mask``; collective (ranks may hold different numbers of rows)."""
+    outside ``response_mask``; collective (ranks may hold different numbers of rows).
+    `chunk_tokens`: the LM head over chunks of tokens (`compute_log_probs`)."""
     t = batch.tensors
 
     def run(ids, mask, pos):
-        return compute_log_probs(model, ids, mask, pos, with_entropy, temperature)
+        return compute_log_probs(model, ids, mask, pos, with_entropy, temperature, chunk_tokens=chunk_tokens)
 
     with torch.no_grad():
         out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
@@ -85,7 +87,8 @@ class ActorWorker:
         """``old_log_probs`` and ``entropy`` ``(B, T)`` of this rank's sequences."""
         self.model.eval()
         out = sequence_log_probs(self.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
-                                 with_entropy=True, temperature=scoring_temperature(self.cfg))
+                                 with_entropy=True, temperature=scoring_temperature(self.cfg),
+                                 chunk_tokens=self.engine.chunk_tokens)
         self.model.train()
         return Batch.from_dict({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
@@ -146,13 +149,15 @@ class ActorWorker:
         clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         mode = a.loss_agg_mode
         temperature = scoring_temperature(self.cfg)
+        chunk_tokens = self.engine.chunk_tokens
         device = self.runtime.device
 
         def loss_fn(model: nn.Module, mb: Batch) -> torch.Tensor:
             t = {k: v.to(device) for k, v in mb.tensors.items()}
             mask = t["response_mask"].bool()
             out = compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"],
-                                    with_entropy=a.entropy_coef != 0, temperature=temperature)
+                                    with_entropy=a.entropy_coef != 0, temperature=temperature,
+                                    chunk_tokens=chunk_tokens)
             logp = out["log_probs"]
             pg, m = alg.policy_loss(t["old_log_probs"], logp, t["advantages"], mask,
                                     clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
@@ -191,5 +196,6 @@ class ReferenceWorker:
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         out = sequence_log_probs(self.engine.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
-                                 with_entropy=False, temperature=scoring_temperature(self.cfg))
+                                 with_entropy=False, temperature=scoring_temperature(self.cfg),
+                                 chunk_tokens=self.engine.chunk_tokens)
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})
