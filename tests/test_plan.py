@@ -240,6 +240,28 @@ def test_offload_marks_every_unit() -> None:
     assert [u.offload for u in plan.units] == [True, True, True]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], []),
+        (["train.compile=true"], QWEN_LAYERS),
+        # every non-root unit, nested ones and the embeddings / head included; never the root
+        (["train.compile=true", "fsdp.wrap.embeddings=true", "fsdp.wrap.lm_head=true",
+          "fsdp.module_precision={model.layers.0.mlp: fp32}"],
+         ["model.embed_tokens", "model.layers.0.mlp", *QWEN_LAYERS, "lm_head"]),
+    ],
+)
+def test_compile_marks_every_non_root_unit(overrides: list[str], expected: list[str]) -> None:
+    from shardwise.cli import format_plan
+
+    _, plan = plan_of(*overrides)
+    assert [u.path for u in plan.units if u.compiled] == plan.compiled == expected
+    assert plan.unit("").compiled is False
+    assert [u["compiled"] for u in plan.to_json()["units"]] == [u.path in expected for u in plan.units]
+    lines = [ln for ln in format_plan(plan).splitlines() if ln.startswith("compiled")]
+    assert lines == ([f"compiled (torch.compile, one per unit): {', '.join(expected)}"] if expected else [])
+
+
 # ---------------------------------------------------------------------------- prefetch
 
 
@@ -319,8 +341,10 @@ def test_plan_json_from_the_cli() -> None:
     assert [u["path"] for u in units] == ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3",
                                           "model.norm", "lm_head", ""]
     for u in units:
-        assert {"path", "param_dtype", "reduce_dtype", "reshard_after_forward", "offload", "recompute"} <= set(u)
+        assert {"path", "param_dtype", "reduce_dtype", "reshard_after_forward", "offload", "recompute",
+                "compiled"} <= set(u)
     assert [u["recompute"] for u in units] == [True, True, False, False, False, False, False]
+    assert [u["compiled"] for u in units] == [False] * 7  # the example leaves train.compile off
     assert [u["param_dtype"] for u in units] == ["bf16"] * 4 + ["fp32", "fp32", "bf16"]
     assert units[-1]["reshard_after_forward"] is False
     mem = got["memory_per_rank_bytes"]

@@ -82,6 +82,8 @@ def format_plan(plan) -> str:
         extra.append("recompute (inside units): " + ", ".join(recompute_only))
     if plan.tiled_mlp:
         extra.append(f"tiled MLP ({plan.tiled_mlp_shards} slices of the sequence): " + ", ".join(plan.tiled_mlp))
+    if plan.compiled:
+        extra.append("compiled (torch.compile, one per unit): " + ", ".join(plan.compiled))
     if plan.buffer_casts:
         extra.append("layered precision: " + ", ".join(f"{p}={d}" for p, d in plan.buffer_casts.items()))
     if plan.frozen:

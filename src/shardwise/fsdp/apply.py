@@ -3,8 +3,10 @@
 `apply_plan` is the recipe, top to bottom:
   1. layered precision casts (modules kept at their own dtype, parameters and buffers)
   2. tiled MLP forwards, then activation recompute wrappers
-  3. inner units, bottom-up, then the root
-  4. explicit forward / backward prefetch
+  3. torch.compile of each compiled unit's forward (around the recompute wrapper, inside
+     the FSDP hooks `fully_shard` adds next: torchtitan's order)
+  4. inner units, bottom-up, then the root
+  5. explicit forward / backward prefetch
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh, *, pin_memory: bool =
     cast_layered_precision(model, plan)
     apply_tiled_mlp(model, plan.tiled_mlp, plan.tiled_mlp_shards)
     apply_recompute(model, plan.recompute, plan.use_reentrant)
+    apply_compile(model, plan.compiled)
     ignored = ignored_parameters(model, plan.ignored)
     for unit in plan.units:
         shard_unit(model, unit, mesh, ignored, pin_memory=pin_memory)
@@ -84,6 +87,45 @@ def _checkpointed(forward, use_reentrant: bool):
 
         return checkpoint(positional, *args, *[kwargs[k] for k in keys], use_reentrant=True)
 
+    return run
+
+
+def apply_compile(model: nn.Module, paths: list[str]) -> None:
+    """torch.compile each module's forward in place, keeping module names (state-dict keys
+    and FSDP unit paths stay the HF ones).
+
+    Only `forward` is replaced, not the module: `fully_shard` (called after this) hooks the
+    module's `__call__`, so its all-gather / reshard hooks run eagerly around the compiled
+    code, the effect torchtitan gets by compiling each block before `fully_shard`. A
+    recompute wrapper installed before is compiled with the forward (dynamo traces
+    non-reentrant checkpointing as one region it recomputes in backward).
+
+    `dynamic=None` (automatic): the first call compiles for its shapes, the first call with
+    another sequence length or batch size recompiles once with those sizes symbolic, and
+    that graph serves every later length. `fullgraph=False`: a unit around something dynamo
+    cannot trace (a nested FSDP unit's hooks, the tiled MLP's autograd function) runs in
+    pieces instead of failing.
+
+    Calls with a KV cache (HF decoding: `past_key_values` set) run the eager forward: each
+    layer's cache update bakes its `layer_idx` and the cache's state into the graph, so
+    decoding would compile about two graphs per layer and exhaust dynamo's recompile limit
+    (8 per code object, shared by all layers and by the training graphs).
+    """
+    for path in paths:
+        mod = model.get_submodule(path)
+        mod.forward = _compiled(mod.forward)
+
+
+def _compiled(forward):
+    compiled = torch.compile(forward, fullgraph=False, dynamic=None)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if kwargs.get("past_key_values") is not None:
+            return forward(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    run.compiled_forward = compiled
     return run
 
 

@@ -20,6 +20,8 @@ Rules (documented for users in README "Sharding plan"):
   inside them are dropped.
 - Prefetch applies to the top-level units (those not nested in another non-root unit) in
   forward order: unit i all-gathers units i+1..i+F ahead in forward and i-1..i-B in backward.
+- `train.compile`: every non-root unit's module is compiled (torch.compile, one per unit);
+  the root never is (it holds the embeddings, the head and HF's mask / position glue).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Unit:
     reshard_after_forward: bool | int
     offload: bool
     recompute: bool = False
+    compiled: bool = False
+    """This unit's module forward runs under torch.compile (fsdp/apply.py:apply_compile)."""
     prefetch_forward: list[str] = field(default_factory=list)
     prefetch_backward: list[str] = field(default_factory=list)
     num_params: int = 0
@@ -92,6 +96,11 @@ class ShardingPlan:
             if u.path == path:
                 return u
         raise KeyError(path)
+
+    @property
+    def compiled(self) -> list[str]:
+        """Paths of the units whose module is compiled, in apply order."""
+        return [u.path for u in self.units if u.compiled]
 
     def to_json(self) -> dict:
         per_rank = self.memory_per_rank_bytes
@@ -293,6 +302,7 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
             reshard_after_forward=(False if path == "" else reshard),
             offload=offload,
             recompute=path in recompute,
+            compiled=cfg.train.compile and path != "",
         ))
 
     for ig in ignored:
