@@ -42,6 +42,7 @@ demo: $(STAMP)
 # Sharding / memory configurations side by side (about 5 minutes): results/bench/
 bench: $(STAMP)
 	$(PY) benchmarks/train_configs.py
+	$(PY) benchmarks/gpu_throughput.py
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)

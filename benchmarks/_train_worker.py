@@ -22,7 +22,6 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -37,13 +36,14 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config import load_config
 from shardwise.data.collate import IGNORE_INDEX, count_loss_tokens
+from shardwise.distributed.launch import leave
 from shardwise.distributed.runtime import (
     env_world,
     init_distributed,
     seed_everything,
     teardown,
 )
-from shardwise.engine.train import Batch, TrainEngine, lm_loss_sum
+from shardwise.engine.train import Batch, TrainEngine
 
 DATA_SEED = 1234
 
@@ -171,18 +171,18 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     meter = SavedActivationMeter(engine.model)
     calls = 0
 
-    def measured_once(loss: Callable[[nn.Module, Batch], torch.Tensor]) -> Callable[[nn.Module, Batch], torch.Tensor]:
+    def measured_once(loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """`loss` with the meter on during its first call (one micro-batch's forward and loss)."""
-        def wrapped(model: nn.Module, batch: Batch) -> torch.Tensor:
+        def wrapped(model: nn.Module, batch: Batch, **kwargs) -> torch.Tensor:
             nonlocal calls
             calls += 1
             if calls > 1:
-                return loss(model, batch)
+                return loss(model, batch, **kwargs)
             with meter.active():
-                return loss(model, batch)
+                return loss(model, batch, **kwargs)
         return wrapped
 
-    measured_loss = measured_once(lm_loss_sum)
+    measured_loss = measured_once(engine.lm_loss)  # the loss the config selects (chunked or not)
     if engine.sp_group is not None:
         # Ulysses: the engine computes the loss of each rank's sequence slice itself
         # (`ulysses.loss_sum`, looked up per call); measure its first call instead.
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         _sync(runtime.device)
         start = time.perf_counter()
         result = engine.train_step(micro_batches, tokens,
-                                   loss_fn=measured_loss if step == 0 and engine.sp_group is None else lm_loss_sum)
+                                   loss_fn=measured_loss if step == 0 and engine.sp_group is None else None)
         _sync(runtime.device)
         elapsed = time.perf_counter() - start
         if hook is not None:
@@ -294,4 +294,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Without the interpreter's shutdown: a finished rank was seen to abort there (SIGABRT,
+    # "terminate called without an active exception") after its results were written.
+    leave(main())
