@@ -122,7 +122,7 @@ def test_infer_and_rollout_share_one_set_of_sampling_settings():
     from shardwise.config.schema import InferConfig, RolloutConfig, SamplingConfig
 
     shared = set(SamplingConfig.model_fields)
-    assert shared == {"engine", "n", "max_new_tokens", "temperature", "top_p"}
+    assert shared == {"engine", "n", "max_new_tokens", "temperature", "top_p", "vllm"}
     assert issubclass(InferConfig, SamplingConfig) and issubclass(RolloutConfig, SamplingConfig)
     # today's YAML keys still load, each section with its own defaults
     cfg = load_config(None, ["infer.top_p=0.9", "rl.rollout.top_p=0.8"])

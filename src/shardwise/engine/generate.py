@@ -1,5 +1,5 @@
 """Generation: prompts in, sampled responses (and their log-probs) out, by an engine chosen
-by name (``hf`` today; `GENERATORS`), and the held-out accuracy every job reports.
+by name (``hf``, ``vllm``; `GENERATORS`), and the held-out accuracy every job reports.
 
 Used by `shardwise infer`, the held-out evaluation of every job, and the RL rollout.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import importlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -295,18 +296,32 @@ class HFGenerator(GenerationEngine):
 
 # ------------------------------------------------------------------ the registry
 
-GENERATORS: dict[str, type[GenerationEngine]] = {"hf": HFGenerator}
-"""Generation engines by the name ``rl.rollout.engine`` / ``infer.engine`` gives."""
+GENERATORS: dict[str, type[GenerationEngine] | str] = {
+    "hf": HFGenerator,
+    # imported when first chosen: it imports this module, and vLLM only when an engine starts
+    "vllm": "shardwise.engine.vllm_engine:VLLMGenerator",
+}
+"""Generation engines by the name ``rl.rollout.engine`` / ``infer.engine`` gives (a class,
+or ``"module:Class"`` imported when first chosen)."""
 
 
 def build_generator(name: str, model: nn.Module, sampling: SamplingConfig, runtime: Runtime, pad_id: int,
-                    eos_id: int, key: str = "rl.rollout.engine") -> GenerationEngine:
+                    eos_id: int, key: str = "rl.rollout.engine",
+                    compute_dtype: str | None = None) -> GenerationEngine:
     """The engine called `name` over `model` (the sharded causal LM it generates with, or
-    whose weights it keeps a copy of)."""
+    whose weights it keeps a copy of). `compute_dtype` (the trainer's
+    ``fsdp.mixed_precision.param_dtype``) is what ``vllm.dtype: auto`` becomes, so the
+    engine samples at the precision the actor scores its log-probs in."""
     if name not in GENERATORS:
         raise ConfigError(key, f"{name!r} is not an available generation engine",
                           did_you_mean(name, GENERATORS) or "use hf")
-    return GENERATORS[name](model, sampling, runtime, pad_id, eos_id)
+    engine = GENERATORS[name]
+    if isinstance(engine, str):
+        module, _, cls = engine.partition(":")
+        engine = GENERATORS[name] = getattr(importlib.import_module(module), cls)
+    if sampling.vllm.dtype == "auto" and compute_dtype is not None:
+        sampling = sampling.model_copy(update={"vllm": sampling.vllm.model_copy(update={"dtype": compute_dtype})})
+    return engine(model, sampling, runtime, pad_id, eos_id)
 
 
 # ------------------------------------------------------------------ on ranks, and scoring

@@ -1,0 +1,649 @@
+"""Generation with vLLM inside the trainer's own processes (`VLLMGenerator`).
+
+The engine is vLLM's offline ``LLM`` built in-process with
+``distributed_executor_backend="external_launcher"``: it adopts the torch.distributed
+world the trainer already made (no process, no port of its own; vLLM sets
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for this backend). vLLM lays the world out as
+``ExternalDP x DP x PP x TP`` with TP innermost, so with ``tensor_parallel_size`` = t the
+ranks ``[g*t, ..., g*t + t - 1]`` form TP group g and every TP group is an independent
+engine (t = 1: one engine per rank). Building one is collective over the whole world
+(vLLM creates its process groups with ``new_group`` and all-reduces the KV-cache size).
+
+The engine starts with dummy weights (``load_format="dummy"``; only ``model.config`` is
+written, to a private temporary folder) and gets the actor's weights from `sync_weights`:
+one in-place ``reload_weights`` over a lazy iterator of the actor's full tensors.
+
+What vLLM 0.32 does to the process, and what this module does about it:
+
+- it seeds python, numpy and torch (all devices) at start-up: the RNG states are saved and
+  put back around construction and every generation;
+- its CPU worker replaces ``torch.set_num_threads`` with a no-op (meant for its own
+  OpenMP binding, which only its multiprocess executor does): the real function and the
+  thread count are put back;
+- it ``gc.freeze()``s the heap at start-up: undone;
+- its shutdown destroys the default process group: `VLLMGenerator.shutdown` lets it
+  destroy its own groups only, so the trainer's group outlives the engine;
+- environment variables other than ``VLLM_*`` that it sets at start-up (e.g.
+  ``TORCHINDUCTOR_COMPILE_THREADS=1``) are put back.
+
+With TP > 1 every rank of a TP group must submit exactly the same requests (each runs the
+same scheduler; different requests give silently wrong tokens), so `generate_sequences`
+all-gathers the prompts of the TP group, generates all of them on every rank of the group
+and keeps this rank's rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import glob
+import importlib.util
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from shardwise.data.batch import Batch
+from shardwise.distributed.launch import debug_enabled
+from shardwise.distributed.runtime import Runtime
+from shardwise.engine.generate import GenerationEngine, _check_prompts, sampling_seed
+from shardwise.engine.infer import default_position_ids
+
+__all__ = ["VLLMGenerator", "vllm_available"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32", "auto": "auto"}
+_DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+"""KV cache of the CPU backend when VLLM_CPU_KVCACHE_SPACE (GiB) is not set: 1 GiB (vLLM
+would otherwise reserve gpu_memory_utilization of the node's memory, minus its RSS)."""
+
+
+def vllm_available() -> bool:
+    """True when ``import vllm`` would find the package (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+# ------------------------------------------------------------------ process side effects
+
+
+@contextlib.contextmanager
+def _kept_rng_states() -> Iterator[None]:
+    """Put back python, numpy and torch (CPU and current CUDA device) RNG states on exit."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+
+@contextlib.contextmanager
+def _contained_startup() -> Iterator[None]:
+    """Undo vLLM's start-up changes to this process (see the module docstring)."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    environ = dict(os.environ)
+    try:
+        with _kept_rng_states():
+            yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        gc.unfreeze()
+        for key in set(os.environ) - set(environ):
+            if not key.startswith("VLLM_"):
+                del os.environ[key]
+        for key, value in environ.items():
+            if not key.startswith("VLLM_") and os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _default_group_kept() -> Iterator[None]:
+    """vLLM's teardown calls ``dist.destroy_process_group()`` on the default group: skip that
+    one call (its own groups are destroyed as usual)."""
+    real = dist.destroy_process_group
+
+    def destroy(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            return None
+        return real(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = real
+
+
+@contextlib.contextmanager
+def _cpu_shm_ident(ident: str) -> Iterator[None]:
+    """Name vLLM's CPU shared-memory segments (TP all-reduce) after `ident`.
+
+    The CPU worker names them from ``VLLM_DIST_IDENT``, which it sets from the init method
+    just before making its groups; with the external launcher that is ``env://``, the same
+    for every engine on the machine, and the segments (``/dev/shm/<ident>-tp:0-[0-1]-cpushm_<i>``,
+    created with O_EXCL and never unlinked by vLLM) of an earlier or concurrent engine make
+    the next one fail with ``create shm in SHMManager failed. errno: 17``. The ident is
+    set between the two."""
+    try:
+        from vllm.v1.worker import cpu_worker
+    except ImportError:  # not the CPU build
+        yield
+        return
+    real = cpu_worker.init_worker_distributed_environment
+
+    def init(*args, **kwargs):
+        os.environ["VLLM_DIST_IDENT"] = ident
+        return real(*args, **kwargs)
+
+    cpu_worker.init_worker_distributed_environment = init
+    try:
+        yield
+    finally:
+        cpu_worker.init_worker_distributed_environment = real
+
+
+@contextlib.contextmanager
+def _torchrun_env(rank: int, local_rank: int) -> Iterator[None]:
+    """The external launcher reads RANK / LOCAL_RANK (and, to make a group, MASTER_*) from
+    the environment; a process whose group was made without them gets them for the call."""
+    wanted = {"RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+    saved = {k: os.environ.get(k) for k in wanted}
+    for k, v in wanted.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+def _architecture(model: nn.Module) -> str:
+    """The HF class name of `model` (FSDP2's ``fully_shard`` makes a subclass ``FSDP<name>``)."""
+    for cls in type(model).__mro__:
+        if not issubclass(cls, FSDPModule) and cls.__name__.endswith("ForCausalLM"):
+            return cls.__name__
+    return type(model).__name__
+
+
+def _logprobs_mode(temperature: float, top_p: float) -> str:
+    """The vLLM ``logprobs_mode`` whose number is ``log softmax(logits / T)`` of the sampled
+    token (HFGenerator's ``rollout_log_probs``; greedy: T = 1).
+
+    ``processed_logprobs`` is computed after temperature AND top-k/top-p (for greedy
+    requests: of the plain logits), ``raw_logprobs`` before temperature. So: top_p = 1:
+    processed; T in (0, 1): raw; T != 1 with top_p < 1: neither is exact, processed (the
+    nucleus-renormalised distribution actually sampled from) with a warning.
+    """
+    if top_p >= 1.0:
+        return "processed_logprobs"
+    if temperature in (0.0, 1.0):
+        return "raw_logprobs"
+    log.warning("vllm: with temperature %s and top_p %s the rollout log-probs are those of the "
+                "top-p-renormalised distribution, not log softmax(logits / T)", temperature, top_p)
+    return "processed_logprobs"
+
+
+def _request_seed(seed: int, rank: int, row: int) -> int:
+    """The vLLM seed of one request: independent per (call seed, rank, row), so repeated
+    prompts (n responses each) draw different samples."""
+    base = sampling_seed(int(seed), rank)
+    return int(np.random.SeedSequence([base, row]).generate_state(1, np.uint64)[0]) % 2**63
+
+
+# ------------------------------------------------------------------ weights read back (worker side)
+
+
+def _local_weights(worker) -> dict[str, Any]:
+    """Run on the vLLM worker (``collective_rpc``): this TP rank's parameters with how each
+    one is split, for `VLLMGenerator.read_weights`.
+
+    On CPU vLLM packs each linear layer's weight for its GEMM kernel and leaves the
+    parameter empty; that weight is read back through the layer's own kernel applied to an
+    identity matrix (``I @ W.T``: every output is one product by 1 plus exact zeros, so the
+    weight comes back bit for bit)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        LinearBase,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    model = worker.model_runner.get_model()
+    out = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            module_name, _, pname = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            t = param.detach()
+            kind, meta = "replicated", None
+            if isinstance(module, LinearBase):
+                if pname == "weight" and t.numel() == 0:
+                    eye = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
+                    t = module.quant_method.apply(module, eye, None).t()
+                if isinstance(module, QKVParallelLinear):
+                    if module.num_kv_head_replicas != 1:
+                        raise NotImplementedError("read_weights: KV heads replicated over TP ranks")
+                    kind, meta = "split0", [module.num_heads * module.head_size,
+                                            module.num_kv_heads * module.head_size,
+                                            module.num_kv_heads * module.v_head_size]
+                elif isinstance(module, MergedColumnParallelLinear):
+                    kind, meta = "split0", [s // module.tp_size for s in module.output_sizes]
+                elif isinstance(module, ColumnParallelLinear):
+                    kind = "cat0"
+                elif isinstance(module, RowParallelLinear) and pname == "weight":
+                    kind = "cat1"
+            elif isinstance(module, VocabParallelEmbedding) and pname == "weight":
+                t = t[:module.shard_indices.num_org_elements]
+                kind = "cat0"
+            out.append((name, kind, meta, t.to("cpu", copy=True)))
+        # The LM head as the logits see it: through its GEMM kernel (on CPU a packed copy of
+        # the weight, which a tied head shares with no one), also when tied to the embedding.
+        entries = {e[0]: i for i, e in enumerate(out)}
+        for mname, module in model.named_modules():
+            if isinstance(module, ParallelLMHead):
+                hidden = module.weight.shape[1]
+                eye = torch.eye(hidden, dtype=module.weight.dtype, device=module.weight.device)
+                t = module.quant_method.apply(module, eye, None).t()[:module.shard_indices.num_org_elements]
+                entry = (f"{mname}.weight", "cat0", None, t.to("cpu", copy=True))
+                if entry[0] in entries:
+                    out[entries[entry[0]]] = entry
+                else:
+                    out.append(entry)
+    return {"params": out, "packed": dict(getattr(model, "packed_modules_mapping", {}) or {})}
+
+
+def _refresh_tied_heads(worker) -> int:
+    """Run on the vLLM worker after ``reload_weights``: re-process every LM head whose weight
+    is the embedding's (tied). vLLM 0.32 reloads layer by layer and post-processes only the
+    layers that received weights; on CPU an LM head's post-processing packs its weight into
+    a GEMM kernel, so a tied head (which receives nothing: the checkpoint has no
+    lm_head.weight) would keep computing logits with the weights of the first load.
+    Returns the number of heads re-processed."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    model = worker.model_runner.get_model()
+    embeddings = {id(m.weight) for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    done = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, ParallelLMHead) and id(module.weight) in embeddings:
+                module.quant_method.process_weights_after_loading(module)
+                done += 1
+    return done
+
+
+def _full_weights(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """HF-named full tensors from every TP rank's `_local_weights` (in TP-rank order)."""
+    packed = parts[0]["packed"]
+    full: dict[str, torch.Tensor] = {}
+    for i, (name, kind, meta, _) in enumerate(parts[0]["params"]):
+        shards = [p["params"][i][3] for p in parts]
+        if kind == "replicated":
+            full[name] = shards[0]
+        elif kind == "cat0":
+            full[name] = torch.cat(shards, 0)
+        elif kind == "cat1":
+            full[name] = torch.cat(shards, 1)
+        else:  # split0: a fused module (qkv, gate_up): one HF tensor per piece, each TP-split on dim 0
+            module_name, _, pname = name.rpartition(".")
+            parent, _, fused = module_name.rpartition(".")
+            pieces = packed.get(fused)
+            if pieces is None or len(pieces) != len(meta):
+                raise NotImplementedError(f"read_weights: cannot unfuse {name} (packed modules {packed})")
+            split = [s.split(meta, 0) for s in shards]
+            for j, piece in enumerate(pieces):
+                full[f"{parent}.{piece}.{pname}"] = torch.cat([s[j] for s in split], 0)
+    return full
+
+
+# ------------------------------------------------------------------ the engine
+
+
+class VLLMGenerator(GenerationEngine):
+    """Sampling with an in-process vLLM engine holding its own copy of the actor's weights.
+
+    `model` is the sharded causal LM whose weights the engine copies: only its ``config``
+    (and HF class name) is used here; `sync_weights` brings the weights. `cfg` has ``n``,
+    ``max_new_tokens``, ``temperature``, ``top_p`` and ``vllm`` with
+    ``tensor_parallel_size``, ``gpu_memory_utilization``, ``max_model_len`` (None: the
+    model's), ``enforce_eager``, ``enable_prefix_caching``, ``dtype`` (bf16 / fp16 / fp32 /
+    auto), ``free_cache_engine`` (CUDA: sleep after generating, so the KV cache and the
+    weights' memory are free while training) and ``sync_bucket_mb`` (unused: see
+    `sync_weights`). On CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 GiB when
+    unset.
+
+    Construction, `sync_weights`, `generate_sequences` and `shutdown` are collective over
+    the world (construction, shutdown) or the TP group (the others): every rank calls them.
+
+    Attributes after use: ``startup_seconds``, ``last_sync_seconds``, ``last_sync_bytes``
+    (of the tensors handed to the engine by this rank), ``last_generate_seconds``.
+    """
+
+    shares_model_parameters = False
+
+    def __init__(self, model: nn.Module, cfg: Any, runtime: Runtime, pad_id: int, eos_id: int):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.pad_id = int(pad_id)
+        self.eos_id = int(eos_id)
+        vcfg = cfg.vllm
+        self.tp = int(vcfg.tensor_parallel_size)
+        if not dist.is_initialized():
+            raise RuntimeError("VLLMGenerator needs an initialized torch.distributed world "
+                               "(shardwise.distributed.runtime.init_distributed)")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if self.tp < 1 or world % self.tp:
+            raise ValueError(f"vllm.tensor_parallel_size={self.tp} must divide the world size {world}")
+        self.rank, self.world = rank, world
+        self.tp_rank = rank % self.tp
+        self.tp_ranks = list(range(rank - self.tp_rank, rank - self.tp_rank + self.tp))
+        # Our own gloo group per TP group (prompt exchange, weight read-back); new_group is
+        # collective over the world: every rank makes every group, in the same order.
+        self.tp_group = None
+        if self.tp > 1:
+            for g in range(world // self.tp):
+                group = dist.new_group(list(range(g * self.tp, (g + 1) * self.tp)), backend="gloo")
+                if g == rank // self.tp:
+                    self.tp_group = group
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.on_cuda = runtime.device.type == "cuda"
+        # Level 1: the KV cache is dropped and the weights are moved to host memory (kept:
+        # a generation without a sync in between, e.g. the held-out evaluation, stays right).
+        self.sleep_level = 1 if (self.on_cuda and vcfg.free_cache_engine) else 0
+        self._asleep: set[str] = set()
+        self._weights_current = False
+        self.logprobs_mode = _logprobs_mode(float(cfg.temperature), float(cfg.top_p))
+        self.last_sync_seconds = 0.0
+        self.last_sync_bytes = 0
+        self.last_generate_seconds = 0.0
+        self.llm = None
+
+        self._config_dir = tempfile.mkdtemp(prefix="shardwise-vllm-")
+        config = copy.deepcopy(model.config)
+        if not getattr(config, "architectures", None):
+            config.architectures = [_architecture(model)]
+        config.save_pretrained(self._config_dir)
+
+        dtype = str(vcfg.dtype)
+        if dtype not in _DTYPES:
+            raise ValueError(f"vllm.dtype={dtype!r}; one of {sorted(_DTYPES)}")
+        kwargs: dict[str, Any] = dict(
+            model=self._config_dir, load_format="dummy", skip_tokenizer_init=True,
+            generation_config="vllm",  # no defaults from a generation_config.json
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=self.tp, dtype=_DTYPES[dtype], seed=0,
+            gpu_memory_utilization=float(vcfg.gpu_memory_utilization),
+            max_model_len=vcfg.max_model_len, enforce_eager=bool(vcfg.enforce_eager),
+            enable_prefix_caching=bool(vcfg.enable_prefix_caching),
+            logprobs_mode=self.logprobs_mode, max_logprobs=1,
+            enable_sleep_mode=self.sleep_level > 0,
+        )
+        if not self.on_cuda and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = _DEFAULT_CPU_KV_CACHE_BYTES
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM logs every start-up stage, weight reload and cache reset at INFO, and a
+        # harmless traceback (no tokenizer for its chat-template warm-up) at WARNING: on the
+        # user's terminal only its errors, unless --debug or the user set a level.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if debug_enabled() else "ERROR")
+        # One name for this engine's shared-memory segments, the same on every rank.
+        ident = [f"shardwise-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"]
+        dist.broadcast_object_list(ident, src=0)
+        self.shm_ident = ident[0]
+        start = time.perf_counter()
+        try:
+            from vllm import LLM
+
+            with _contained_startup(), _torchrun_env(rank, runtime.local_rank), _cpu_shm_ident(self.shm_ident):
+                self.llm = LLM(**kwargs)
+        except BaseException:
+            shutil.rmtree(self._config_dir, ignore_errors=True)
+            if self.tp_group is not None:
+                dist.destroy_process_group(self.tp_group)
+            raise
+        self.startup_seconds = time.perf_counter() - start
+        self._sleep()
+
+    # -------------------------------------------------------------- sleep (CUDA)
+
+    def _sleep(self) -> None:
+        if self.sleep_level and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list[str]) -> None:
+        """Wake the parts named in `tags` that are asleep (each woken once)."""
+        if self._asleep:
+            todo = [t for t in tags if t in self._asleep]
+            if todo:
+                self.llm.wake_up(tags=todo)
+                self._asleep -= set(todo)
+
+    # -------------------------------------------------------------- weights
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the actor's ``(HF name, full tensor)`` pairs into the engine, then drop the
+        prefix cache (its KV was computed with the old weights).
+
+        One ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``
+        over a lazy iterator: vLLM consumes it in-process, so a tensor gathered from the
+        FSDP shards is copied into the engine (each TP rank slicing its part) before the
+        next is gathered; peak extra memory is one full tensor plus the pieces of one fused
+        layer (q/k/v, gate/up) waiting for the rest. Not in buckets (``sync_bucket_mb``):
+        each ``reload_weights`` call puts every layer of the model on the meta device and
+        back, and a fused layer only partly present in a call is post-processed (repacked)
+        with the missing part undefined (one call per tensor gives wrong tokens; calls cut
+        at whole-layer boundaries are right), so buckets would only add cost and a hazard.
+
+        `named_tensors` is consumed to the end on every rank (a lazy FSDP gather is
+        collective). Tied weights: an ``lm_head.weight`` of a tied model is skipped (vLLM's
+        tied head is the embedding), and the head is re-processed afterwards
+        (`_refresh_tied_heads`: on CPU it would otherwise keep the first load's weights)."""
+        start = time.perf_counter()
+        nbytes = 0
+        device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
+        source = iter(named_tensors)
+        done = False
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal nbytes, done
+            for name, tensor in source:
+                if self.tied and name == "lm_head.weight":
+                    continue
+                tensor = tensor.detach()
+                if tensor.device != device:
+                    tensor = tensor.to(device)
+                nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+            done = True
+
+        self._wake(["weights"])
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(),
+                                                              "is_checkpoint_format": True})
+        finally:
+            if not done:  # keep the ranks' lazy gathers matched even if vLLM stopped early
+                for _ in source:
+                    pass
+        if not done:
+            raise RuntimeError("vllm reload_weights stopped before the last weight")
+        if self.tied:
+            self.llm.collective_rpc(_refresh_tied_heads)
+        if not self.llm.reset_prefix_cache():  # KV computed with the old weights must not be reused
+            raise RuntimeError("vllm: reset_prefix_cache failed (requests still running?)")
+        self._weights_current = True
+        self.last_sync_seconds = time.perf_counter() - start
+        self.last_sync_bytes = nbytes
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights as ``{HF name: full tensor}`` on CPU (fused q/k/v and
+        gate/up split back, TP shards concatenated, vocab padding dropped). Linear layers
+        and the LM head are read through their kernels (what the forward uses); a tied
+        head appears under its own name too. For tests and debugging: collective over the TP
+        group, the whole model in host memory."""
+        self._wake(["weights"])
+        local = self.llm.collective_rpc(_local_weights)[0]
+        if self.tp_group is None:
+            return _full_weights([local])
+        parts: list[Any] = [None] * self.tp
+        dist.all_gather_object(parts, local, group=self.tp_group)
+        return _full_weights(parts)
+
+    # -------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """See `GenerationEngine.generate_sequences`; the same sampling settings and layout
+        as `HFGenerator`: greedy when ``temperature`` is 0 or ``meta["greedy"]``, else
+        temperature / top_p with top-k off; R = ``meta.get("max_new_tokens",
+        max_new_tokens)`` response columns, the first EOS kept, then the pad id.
+
+        Seeds: request i of rank k gets a seed derived from ``sampling_seed(meta["seed"], k)``
+        and i (vLLM draws each seeded request from its own generator), so a fixed seed gives
+        the same rows; the global RNG states are left as they were.
+
+        ``rollout_log_probs`` are vLLM's numbers for the sampled tokens (see
+        `_logprobs_mode`): ``log softmax(logits / T)`` (T = 1 when greedy), computed by
+        vLLM's own forward, so equal to a recomputation up to kernel rounding.
+
+        Collective over the TP group: with TP > 1 the group's prompts are gathered and
+        every rank of the group generates them all (vLLM needs identical requests on the
+        ranks of a TP group); 0 rows on a rank is fine.
+        """
+        if self.llm is None:
+            raise RuntimeError("VLLMGenerator: the engine was shut down")
+        ids, mask = _check_prompts(prompts)
+        cfg = self.cfg
+        greedy = cfg.temperature == 0 or bool(prompts.meta.get("greedy", False))
+        if not greedy and not isinstance(prompts.meta.get("seed"), int):
+            raise ValueError("generate_sequences: sampling needs meta['seed'] (an int, the seed "
+                             f"of this call); got {prompts.meta.get('seed')!r}")
+        r = int(prompts.meta.get("max_new_tokens", cfg.max_new_tokens))
+        seed = int(prompts.meta.get("seed", 0))
+        mine = [{"tokens": row[m.bool()].tolist(), "greedy": greedy, "max_tokens": r,
+                 "seed": _request_seed(seed, self.rank, i)} for i, (row, m) in enumerate(zip(ids, mask))]
+        if self.tp_group is not None:
+            parts: list[Any] = [None] * self.tp
+            dist.all_gather_object(parts, mine, group=self.tp_group)
+        else:
+            parts = [mine]
+        first = sum(len(p) for p in parts[:self.tp_rank])
+        requests = [q for p in parts for q in p]
+
+        start = time.perf_counter()
+        outputs = self._generate(requests) if requests else []
+        self.last_generate_seconds = time.perf_counter() - start
+        tokens, log_probs = [], []
+        for out in outputs[first:first + len(mine)]:
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            tokens.append(toks)
+            log_probs.append([float(c.logprobs[j][t].logprob) for j, t in enumerate(toks)])
+        return self._assemble(prompts, ids, mask, tokens, log_probs, r)
+
+    def _generate(self, requests: list[dict[str, Any]]) -> list[Any]:
+        from vllm import SamplingParams
+
+        if not self._weights_current:
+            raise RuntimeError("VLLMGenerator: the engine holds no weights of the actor (it starts with "
+                               "dummy ones); call sync_weights before generating")
+        cfg = self.cfg
+        params = []
+        for q in requests:
+            sampling = (dict(temperature=0.0) if q["greedy"] else
+                        dict(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=0, seed=q["seed"]))
+            params.append(SamplingParams(n=1, max_tokens=q["max_tokens"], logprobs=0, stop_token_ids=[self.eos_id],
+                                         detokenize=False, **sampling))
+        self._wake(["weights", "kv_cache"])
+        try:
+            with _kept_rng_states():
+                return self.llm.generate([{"prompt_token_ids": q["tokens"]} for q in requests], params,
+                                         use_tqdm=False)
+        finally:
+            self._sleep()
+
+    def _assemble(self, prompts: Batch, ids: torch.Tensor, mask: torch.Tensor, tokens: list[list[int]],
+                  log_probs: list[list[float]], r: int) -> Batch:
+        """The output batch (`HFGenerator._assemble`'s layout): prompt part + responses padded
+        to exactly R columns with the pad id, cut after the first EOS (kept)."""
+        rows = ids.shape[0]
+        responses = torch.full((rows, r), self.pad_id, dtype=torch.long)
+        lp = torch.zeros((rows, r), dtype=torch.float32)
+        produced = torch.zeros((rows, r), dtype=torch.bool)
+        for i, (toks, lps) in enumerate(zip(tokens, log_probs, strict=True)):
+            assert len(toks) <= r, f"vllm returned {len(toks)} tokens, more than max_new_tokens={r}"
+            responses[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            lp[i, :len(toks)] = torch.tensor(lps, dtype=torch.float32)
+            produced[i, :len(toks)] = True
+        is_eos = (responses == self.eos_id) & produced
+        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+        keep = produced & ~after_eos
+        responses = responses.masked_fill(~keep, self.pad_id)
+        lp = lp.masked_fill(~keep, 0.0)
+
+        response_mask = torch.cat([torch.zeros_like(mask), keep.long()], dim=1)
+        attention_mask = torch.cat([mask, keep.long()], dim=1)
+        tensors = {k: v.cpu() for k, v in prompts.tensors.items()}
+        tensors.update(
+            input_ids=torch.cat([ids.cpu(), responses], dim=1),
+            attention_mask=attention_mask,
+            position_ids=default_position_ids(attention_mask),
+            response_mask=response_mask,
+            responses=responses,
+            rollout_log_probs=torch.cat([torch.zeros(mask.shape, dtype=torch.float32), lp], dim=1),
+        )
+        return Batch(tensors=tensors, arrays=dict(prompts.arrays), meta=copy.deepcopy(prompts.meta))
+
+    # -------------------------------------------------------------- teardown
+
+    def shutdown(self) -> None:
+        """Tear the engine down (collective over the world: vLLM destroys its process
+        groups); the trainer's default group stays, and the engine's shared-memory
+        segments (CPU, TP > 1) are unlinked. Safe to call twice."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            try:
+                with _default_group_kept():
+                    llm.llm_engine.renderer.shutdown()
+                    llm.llm_engine.engine_core.shutdown()
+            finally:
+                del llm
+                gc.collect()
+                if self.on_cuda:
+                    torch.cuda.empty_cache()
+        if self.tp_group is not None:
+            dist.destroy_process_group(self.tp_group)
+            self.tp_group = None
+        for path in glob.glob(os.path.join("/dev/shm", glob.escape(self.shm_ident) + "*")):
+            with contextlib.suppress(FileNotFoundError):  # a peer of the TP group was first
+                os.unlink(path)
+        shutil.rmtree(self._config_dir, ignore_errors=True)

