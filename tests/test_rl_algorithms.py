@@ -23,6 +23,8 @@ from shardwise.rl.algorithms import (
     policy_loss,
     reinforce_plus_plus_advantages,
     rloo_advantages,
+    rollout_mismatch,
+    tis_weights,
     value_loss,
 )
 
@@ -432,6 +434,32 @@ def test_policy_loss_seq_mode_and_global_tokens():
     close(loss, 6.6, atol=1e-12)
     loss, _ = policy_loss(old, logp, adv, mask, global_tokens=10)
     close(loss, 0.66, atol=1e-12)
+
+
+def test_truncated_importance_weights_scale_each_token_of_the_policy_loss():
+    old, logp, adv, mask = ppo_case()
+    # the rollout engine's log-probs: ratios old/rollout of 2, 1, 0.5, 1 and e^5 (truncated at 3)
+    rollout = old - torch.tensor([[math.log(2.0), 0.0, math.log(0.5), 0.0, 5.0, 0.0]], dtype=old.dtype)
+    w = tis_weights(old, rollout, mask, cap=3.0)
+    close(w, [[2.0, 1.0, 0.5, 1.0, 3.0, 1.0]], atol=1e-12)  # 1 on the padded token
+    # the per-token terms of test_policy_loss_clip_and_dual_clip: -1.2, 1.5, -.5, .8, 6
+    loss, _ = policy_loss(old, logp, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0, token_weights=w)
+    close(loss, (-1.2 * 2 + 1.5 - 0.5 * 0.5 + 0.8 + 6 * 3) / 5, atol=1e-12)
+    plain, _ = policy_loss(old, logp, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0,
+                           token_weights=torch.ones_like(w))
+    close(plain, 1.32, atol=1e-12)
+
+
+def test_rollout_mismatch_reports_difference_and_importance_ratio():
+    old = torch.tensor([[0.0, -1.0, -2.0, -3.0]], dtype=torch.float64)
+    rollout = torch.tensor([[0.0, -1.5, -1.0, 123.0]], dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 0]])  # the prompt token and the padding do not count
+    m = rollout_mismatch(old, rollout, mask)
+    assert m["rollout/log_prob_diff_abs_mean"] == pytest.approx(0.75)
+    assert m["rollout/log_prob_diff_abs_max"] == pytest.approx(1.0)
+    assert m["rollout/importance_ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(-1.0)) / 2)
+    assert m["rollout/importance_ratio_max"] == pytest.approx(math.exp(0.5))
+    assert rollout_mismatch(old, rollout, torch.zeros_like(mask)) == {}
 
 
 # ------------------------------------------------------------------ value loss

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config.schema import Config
-from shardwise.config.validate import MeshSpec, mesh_spec
+from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_spec
 from shardwise.data.collate import truncation_note
 from shardwise.data.rewards import (
     RewardFn,
@@ -54,6 +54,7 @@ from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import check_data, check_model, check_tokenizer
 from shardwise.models.loading import load_hf_config
+from shardwise.rl.weight_sync import WeightSync
 from shardwise.telemetry import Progress, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     world = world_size if world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     train_only(spec.ulysses, "`shardwise infer`")
+    check_generation_engine(cfg.infer, world, "infer")
     check_model(cfg)
     check_tokenizer(cfg)
     name = reward_spec(cfg)
@@ -121,7 +123,6 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     """Generate, score and write; returns the summary (complete on rank 0)."""
     cfg = prepared.cfg
     icfg = cfg.infer
-    fn = prepared.reward_fn
     records = prepared.records
     run_dir = Path(cfg.run.dir)
     if runtime.is_main:
@@ -135,7 +136,24 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     engine = InferEngine(cfg, runtime, planned=prepared.planned)
     prepared.planned = None  # used up by fully_shard
     generator = build_generator(icfg.engine, engine.model, icfg, runtime, pad_token_id(tokenizer),
-                                tokenizer.eos_token_id, key="infer.engine")
+                                tokenizer.eos_token_id, key="infer.engine",
+                                compute_dtype=cfg.fsdp.mixed_precision.param_dtype)
+    summary = _generate_all(prepared, runtime, engine, generator, tokenizer)
+    # Collective, before the process group goes. Not on an error path: a failed rank leaves
+    # at once (`launch.rank_failed`) and a collective would wait for it.
+    shutdown = getattr(generator, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    return summary
+
+
+def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, generator, tokenizer) -> dict[str, Any]:
+    cfg = prepared.cfg
+    icfg = cfg.infer
+    fn = prepared.reward_fn
+    records = prepared.records
+    run_dir = Path(cfg.run.dir)
+    WeightSync(engine.model, generator).sync()  # an engine with its own weights (vllm) gets the model's
 
     dp_size = engine.spec.dp_size
     mine = _my_prompts(len(records), runtime.rank, dp_size)

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise.config.schema import Config
-from shardwise.config.validate import MeshSpec, check_rl_rows, mesh_spec
+from shardwise.config.validate import (
+    MeshSpec,
+    check_generation_engine,
+    check_rl_rows,
+    mesh_spec,
+)
 from shardwise.data.collate import truncation_note
 from shardwise.data.rewards import RewardFn, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
@@ -50,6 +55,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     spec = mesh_spec(cfg.parallel, world_size)
     train_only(spec.ulysses, "`shardwise rl`")
     rows = check_rl_rows(cfg, spec.dp_size)
+    check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
     check_model(cfg)
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")

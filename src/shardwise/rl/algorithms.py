@@ -511,8 +511,13 @@ def policy_loss(
     mode: str = "token-mean",
     global_tokens: int | float | torch.Tensor | None = None,
     global_seqs: int | float | torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual clip; all inputs ``(batch, response_len)``.
+
+    `token_weights` (no gradient) multiply each token's term before the reduction: the
+    truncated importance-sampling weights ``min(pi_old / pi_rollout, cap)`` of
+    `tis_weights` (``rl.rollout.tis_cap``).
 
     ``ratio = exp(clamp(logp - old_logp, -20, 20))``; ``pg1 = -A * ratio``;
     ``pg2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)``; per token
@@ -539,6 +544,8 @@ def policy_loss(
     bound = -adv * clip_c
     dual = torch.minimum(clipped, bound)
     per_token = torch.where(adv < 0, dual, clipped)
+    if token_weights is not None:
+        per_token = per_token * torch.where(m, token_weights.detach().to(per_token.dtype), zero)
     loss = aggregate_loss(per_token, m, mode, global_tokens=global_tokens, global_seqs=global_seqs)
     with torch.no_grad():
         metrics = {
@@ -551,6 +558,35 @@ def policy_loss(
 
 
 POLICY_LOSSES.register("ppo_clip")(policy_loss)
+
+
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weights ``min(exp(old_logp - rollout_logp), cap)`` per
+    token (1 outside `mask`): the rollout engine sampled from its own numbers of the policy
+    (another kernel, another precision); reweighting each token by the actor's probability
+    over the engine's corrects the policy gradient for it, truncated at `cap` to bound its
+    variance."""
+    m = _bool_mask(mask, old_logp)
+    log_ratio = torch.where(m, old_logp - rollout_logp, torch.zeros((), dtype=old_logp.dtype, device=old_logp.device))
+    return torch.clamp(torch.exp(torch.clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)), max=cap)
+
+
+def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the actor's
+    (``old_log_probs``, recomputed by FSDP) over the `mask`ed tokens: mean and max of the
+    absolute difference, and mean and max of the importance ratio
+    ``exp(old_logp - rollout_logp)``. All 0 / 1 for an engine that samples with the actor's
+    own numbers, up to the rounding of a batched recomputation."""
+    m = _bool_mask(mask, old_logp)
+    if not bool(m.any()):
+        return {}
+    diff = (old_logp - rollout_logp).float()[m]
+    ratio = torch.exp(torch.clamp(diff, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    return {"rollout/log_prob_diff_abs_mean": float(diff.abs().mean()),
+            "rollout/log_prob_diff_abs_max": float(diff.abs().max()),
+            "rollout/importance_ratio_mean": float(ratio.mean()),
+            "rollout/importance_ratio_max": float(ratio.max())}
 
 
 def value_loss(

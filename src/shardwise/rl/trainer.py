@@ -17,7 +17,11 @@ of samples whose rule-based score is >= 1, i.e. fully right), ``response_length/
 and ``/clip_frac`` (share that hit max_new_tokens), ``entropy``, ``kl`` (k1 between the
 policy and the reference, nats/token), the ``actor/*`` and ``critic/*`` update metrics
 (loss, clip fractions, grad norm, lr) and ``time/<phase>`` seconds for generate, reward,
-old_log_prob, ref, values, advantage, update_critic, update_actor, checkpoint and step.
+old_log_prob, ref, values, advantage, update_critic, update_actor, checkpoint and step;
+``rollout/*``: the rollout engine's log-probs of the sampled tokens against the actor's
+(absolute difference, importance ratio; `shardwise.rl.algorithms.rollout_mismatch`);
+with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
+``time/generate``) and ``weight_sync/bytes`` of the step's push.
 """
 
 from __future__ import annotations
@@ -206,6 +210,9 @@ class Controller:
         t0 = time.perf_counter()
         with timer("generate"):
             batch = g.generate_sequences(self.next_prompts())
+        # The engine's own figures (the weight push before generating): the slowest rank's.
+        for name, values in batch.meta.pop("metrics", {}).items():
+            metrics[name] = float(max(values) if isinstance(values, list) else values)
         with timer("reward"):
             batch, m = self.score(batch)
             metrics.update(m)
@@ -213,6 +220,8 @@ class Controller:
             batch = batch.union(g.compute_log_prob(batch))
         mask = batch.tensors["response_mask"].bool()
         metrics["entropy"] = float(alg.masked_mean(batch.tensors["entropy"], mask))
+        metrics.update(alg.rollout_mismatch(batch.tensors["old_log_probs"], batch.tensors["rollout_log_probs"],
+                                            mask))
         if rl.reference.enabled:
             with timer("ref"):
                 batch = batch.union(g.compute_ref_log_prob(batch))

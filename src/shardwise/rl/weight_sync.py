@@ -9,6 +9,8 @@ nothing.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -26,12 +28,33 @@ class WeightSync:
         self.engine = engine
         self.dtype = dtype
         self.syncs = 0
+        self.changed = True  # the engine starts without the actor's weights
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def actor_changed(self) -> None:
+        """The actor's weights moved (an update, a checkpoint load): push before the next
+        generation."""
+        self.changed = True
 
     def sync(self) -> bool:
         """Push the actor's current weights into the engine; False when the engine shares
         the actor's parameters and nothing had to move. Collective."""
         if self.engine.shares_model_parameters:
             return False
+        start = time.perf_counter()
         self.engine.sync_weights(iter_full_tensors(self.actor_model, self.dtype))
+        self.seconds = time.perf_counter() - start
+        self.bytes = int(getattr(self.engine, "last_sync_bytes", 0))
         self.syncs += 1
+        self.changed = False
         return True
+
+    def sync_if_changed(self) -> bool:
+        """`sync` when the actor changed since the last push; True when it pushed."""
+        return self.sync() if self.changed else False
+
+    def last_metrics(self) -> dict[str, float]:
+        """``time/weight_sync`` (seconds, gathering the full tensors included) and
+        ``weight_sync/bytes`` (what this rank handed to its engine) of the last push."""
+        return {"time/weight_sync": self.seconds, "weight_sync/bytes": float(self.bytes)}

@@ -102,6 +102,7 @@ class ActorWorker:
         n_mini = a.ppo_mini_batches
         check_mini_batches(len(batch), n_mini, self.runtime.device)
         needed = [*_SEQ_KEYS, "old_log_probs", "advantages"] + (["ref_log_probs"] if a.kl_loss.enabled else [])
+        needed += ["rollout_log_probs"] if self.cfg.rl.rollout.tis_cap is not None else []
         missing = [k for k in needed if k not in batch.tensors]
         if missing:
             raise ValueError(f"update_actor: the batch lacks {missing}")
@@ -150,6 +151,7 @@ class ActorWorker:
         mode = a.loss_agg_mode
         temperature = scoring_temperature(self.cfg)
         chunk_tokens = self.engine.chunk_tokens
+        tis_cap = self.cfg.rl.rollout.tis_cap
         device = self.runtime.device
 
         def loss_fn(model: nn.Module, mb: Batch) -> torch.Tensor:
@@ -159,9 +161,11 @@ class ActorWorker:
                                     with_entropy=a.entropy_coef != 0, temperature=temperature,
                                     chunk_tokens=chunk_tokens)
             logp = out["log_probs"]
+            weights = (None if tis_cap is None
+                       else alg.tis_weights(t["old_log_probs"], t["rollout_log_probs"], mask, tis_cap))
             pg, m = alg.policy_loss(t["old_log_probs"], logp, t["advantages"], mask,
                                     clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
-                                    mode=mode, global_tokens=tokens, global_seqs=seqs)
+                                    mode=mode, global_tokens=tokens, global_seqs=seqs, token_weights=weights)
             loss = pg
             if a.entropy_coef != 0:
                 ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs)

@@ -58,7 +58,8 @@ class RLWorker:
             self._ckpt = CheckpointManager(run_dir, self.cfg.checkpoint, runtime)
         if "rollout" in roles:
             self.rollout = build_generator(self.cfg.rl.rollout.engine, self.actor.model, self.cfg.rl.rollout,
-                                           runtime, pad_id, eos_id)
+                                           runtime, pad_id, eos_id,
+                                           compute_dtype=self.cfg.fsdp.mixed_precision.param_dtype)
             self.weight_sync = WeightSync(self.actor.model, self.rollout)
         if "ref" in roles:
             self.ref = ReferenceWorker(self.cfg, runtime)
@@ -78,8 +79,13 @@ class RLWorker:
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch) -> Batch:
         rollout = self._need("rollout")
-        self.weight_sync.sync()  # a no-op for the HF engine, which uses the actor's parameters
-        return rollout.generate_sequences(prompts)
+        # A no-op for the HF engine (it uses the actor's parameters) and when the actor has
+        # not changed since the last push (the held-out evaluation after a step).
+        synced = self.weight_sync.sync_if_changed()
+        out = rollout.generate_sequences(prompts)
+        if synced:
+            out.meta.setdefault("metrics", {}).update(self.weight_sync.last_metrics())
+        return out
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -99,7 +105,10 @@ class RLWorker:
 
     @register(Dispatch.DP_COMPUTE, collect="first", pad=False)
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        return self._need("actor").update_actor(batch)
+        out = self._need("actor").update_actor(batch)
+        if self.rollout is not None:
+            self.weight_sync.actor_changed()
+        return out
 
     @register(Dispatch.DP_COMPUTE, collect="first", pad=False)
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -130,6 +139,8 @@ class RLWorker:
         extra = None
         if self._ckpt is not None:
             extra = self._ckpt.load(self.actor.engine, path)
+            if self.rollout is not None:
+                self.weight_sync.actor_changed()
         if self._critic_ckpt is not None:
             critic_path = self._critic_ckpt.dir / path.name
             if not is_complete(critic_path):
@@ -156,6 +167,10 @@ class RLWorker:
         return out_dir
 
     def close(self) -> None:
+        """Before the process group goes: the rollout engine's own teardown is collective."""
+        shutdown = getattr(self.rollout, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
         for m in (self._ckpt, self._critic_ckpt):
             if m is not None:
                 m.close()
