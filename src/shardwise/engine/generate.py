@@ -56,7 +56,7 @@ from shardwise.engine.infer import default_position_ids
 from shardwise.errors import ConfigError, did_you_mean
 from shardwise.fsdp.gather import gathered_for_generation
 
-__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "build_generator", "generate_on_ranks",
+__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "assemble_sequences", "build_generator", "generate_on_ranks",
            "heldout_accuracy", "prompt_batch", "sampling_seed", "score_accuracy"]
 
 
@@ -274,24 +274,33 @@ class HFGenerator(GenerationEngine):
         lp[:, :width] = gen_log_probs
         produced = torch.zeros((rows, r), dtype=torch.bool)
         produced[:, :width] = True
-        is_eos = (responses == self.eos_id) & produced
-        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
-        keep = produced & ~after_eos
-        responses = responses.masked_fill(~keep, self.pad_id)
-        lp = lp.masked_fill(~keep, 0.0)
+        return assemble_sequences(prompts, ids, mask, responses, lp, produced, self.pad_id, self.eos_id)
 
-        response_mask = torch.cat([torch.zeros_like(mask), keep.long()], dim=1)
-        attention_mask = torch.cat([mask, keep.long()], dim=1)
-        tensors = {k: v.cpu() for k, v in prompts.tensors.items()}
-        tensors.update(
-            input_ids=torch.cat([ids.cpu(), responses], dim=1),
-            attention_mask=attention_mask,
-            position_ids=default_position_ids(attention_mask),
-            response_mask=response_mask,
-            responses=responses,
-            rollout_log_probs=torch.cat([torch.zeros(mask.shape, dtype=torch.float32), lp], dim=1),
-        )
-        return Batch(tensors=tensors, arrays=dict(prompts.arrays), meta=copy.deepcopy(prompts.meta))
+
+def assemble_sequences(prompts: Batch, ids: torch.Tensor, mask: torch.Tensor, responses: torch.Tensor,
+                       log_probs: torch.Tensor, produced: torch.Tensor, pad_id: int, eos_id: int) -> Batch:
+    """The output batch of every engine (the module docstring's layout) from the prompts
+    (`ids`, `mask` ``(B, P)``) and the engine's generated tokens ``(B, R)`` with their
+    log-probs, `produced` marking the positions the engine actually generated: everything
+    after a row's first EOS (which is kept) becomes the pad id with log-prob 0."""
+    is_eos = (responses == eos_id) & produced
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    keep = produced & ~after_eos
+    responses = responses.masked_fill(~keep, pad_id)
+    log_probs = log_probs.masked_fill(~keep, 0.0)
+
+    response_mask = torch.cat([torch.zeros_like(mask), keep.long()], dim=1)
+    attention_mask = torch.cat([mask, keep.long()], dim=1)
+    tensors = {k: v.cpu() for k, v in prompts.tensors.items()}
+    tensors.update(
+        input_ids=torch.cat([ids.cpu(), responses], dim=1),
+        attention_mask=attention_mask,
+        position_ids=default_position_ids(attention_mask),
+        response_mask=response_mask,
+        responses=responses,
+        rollout_log_probs=torch.cat([torch.zeros(mask.shape, dtype=torch.float32), log_probs], dim=1),
+    )
+    return Batch(tensors=tensors, arrays=dict(prompts.arrays), meta=copy.deepcopy(prompts.meta))
 
 
 # ------------------------------------------------------------------ the registry

@@ -58,8 +58,12 @@ from torch.distributed.fsdp import FSDPModule
 from shardwise.data.batch import Batch
 from shardwise.distributed.launch import debug_enabled
 from shardwise.distributed.runtime import Runtime
-from shardwise.engine.generate import GenerationEngine, _check_prompts, sampling_seed
-from shardwise.engine.infer import default_position_ids
+from shardwise.engine.generate import (
+    GenerationEngine,
+    _check_prompts,
+    assemble_sequences,
+    sampling_seed,
+)
 
 __all__ = ["VLLMGenerator", "vllm_available"]
 
@@ -604,24 +608,7 @@ class VLLMGenerator(GenerationEngine):
             responses[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
             lp[i, :len(toks)] = torch.tensor(lps, dtype=torch.float32)
             produced[i, :len(toks)] = True
-        is_eos = (responses == self.eos_id) & produced
-        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
-        keep = produced & ~after_eos
-        responses = responses.masked_fill(~keep, self.pad_id)
-        lp = lp.masked_fill(~keep, 0.0)
-
-        response_mask = torch.cat([torch.zeros_like(mask), keep.long()], dim=1)
-        attention_mask = torch.cat([mask, keep.long()], dim=1)
-        tensors = {k: v.cpu() for k, v in prompts.tensors.items()}
-        tensors.update(
-            input_ids=torch.cat([ids.cpu(), responses], dim=1),
-            attention_mask=attention_mask,
-            position_ids=default_position_ids(attention_mask),
-            response_mask=response_mask,
-            responses=responses,
-            rollout_log_probs=torch.cat([torch.zeros(mask.shape, dtype=torch.float32), lp], dim=1),
-        )
-        return Batch(tensors=tensors, arrays=dict(prompts.arrays), meta=copy.deepcopy(prompts.meta))
+        return assemble_sequences(prompts, ids, mask, responses, lp, produced, self.pad_id, self.eos_id)
 
     # -------------------------------------------------------------- teardown
 
