@@ -31,6 +31,7 @@ import contextlib
 import copy
 import importlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,8 +57,9 @@ from shardwise.engine.infer import default_position_ids
 from shardwise.errors import ConfigError, did_you_mean
 from shardwise.fsdp.gather import gathered_for_generation
 
-__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "assemble_sequences", "build_generator", "generate_on_ranks",
-           "heldout_accuracy", "prompt_batch", "sampling_seed", "score_accuracy"]
+__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "SamplingCall", "assemble_sequences", "build_generator",
+           "generate_on_ranks", "heldout_accuracy", "prompt_batch", "sampling_call", "sampling_seed",
+           "score_accuracy"]
 
 
 class GenerationEngine(abc.ABC):
@@ -142,6 +144,35 @@ def _own_generation_config(model: nn.Module) -> Iterator[None]:
         model.generation_config = previous
 
 
+@dataclass(frozen=True)
+class SamplingCall:
+    """What one ``generate_sequences`` call asks of an engine, read and checked once for
+    every engine: the prompts, greedy or not, R and the call's seed."""
+
+    ids: torch.Tensor
+    """``(B, P)`` int64, left-padded."""
+    mask: torch.Tensor
+    """``(B, P)`` int64, 1 on real tokens."""
+    greedy: bool
+    """The engine's temperature is 0, or ``meta["greedy"]``."""
+    max_new_tokens: int
+    """R: ``meta["max_new_tokens"]`` or the engine's setting."""
+    seed: int
+    """``meta["seed"]`` (0 when greedy and absent)."""
+
+
+def sampling_call(prompts: Batch, cfg: SamplingConfig) -> SamplingCall:
+    """The prompts' layout checked and the call's settings read (ValueError naming what
+    is wrong); sampling needs ``meta["seed"]``."""
+    ids, mask = _check_prompts(prompts)
+    greedy = cfg.temperature == 0 or bool(prompts.meta.get("greedy", False))
+    if not greedy and not isinstance(prompts.meta.get("seed"), int):
+        raise ValueError("generate_sequences: sampling needs meta['seed'] (an int, the seed "
+                         f"of this call); got {prompts.meta.get('seed')!r}")
+    return SamplingCall(ids, mask, greedy, int(prompts.meta.get("max_new_tokens", cfg.max_new_tokens)),
+                        int(prompts.meta.get("seed", 0)))
+
+
 def _check_prompts(prompts: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     for key in ("prompt_ids", "prompt_mask"):
         if key not in prompts.tensors:
@@ -202,19 +233,13 @@ class HFGenerator(GenerationEngine):
 
         Collective (the all-gather of `gathered_for_generation`): every rank calls it.
         """
-        ids, mask = _check_prompts(prompts)
-        cfg = self.cfg
-        greedy = cfg.temperature == 0 or bool(prompts.meta.get("greedy", False))
-        if not greedy and not isinstance(prompts.meta.get("seed"), int):
-            raise ValueError("generate_sequences: sampling needs meta['seed'] (an int, the seed "
-                             f"of this call); got {prompts.meta.get('seed')!r}")
-        rows, r = len(ids), int(prompts.meta.get("max_new_tokens", cfg.max_new_tokens))
-        temperature = 1.0 if greedy else float(cfg.temperature)
+        call = sampling_call(prompts, self.cfg)
+        ids, mask, greedy, r = call.ids, call.mask, call.greedy, call.max_new_tokens
+        temperature = 1.0 if greedy else float(self.cfg.temperature)
 
         with gathered_for_generation(self.model):
-            if rows:
-                seqs, log_probs = self._generate(ids, mask, greedy, temperature,
-                                                 prompts.meta.get("seed", 0), r)
+            if len(ids):
+                seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r)
             else:  # nothing to generate; the gather above still matched the other ranks'
                 seqs = torch.empty((0, r), dtype=torch.long)
                 log_probs = torch.empty((0, r), dtype=torch.float32)

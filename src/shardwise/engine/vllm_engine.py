@@ -60,8 +60,8 @@ from shardwise.distributed.launch import debug_enabled
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.generate import (
     GenerationEngine,
-    _check_prompts,
     assemble_sequences,
+    sampling_call,
     sampling_seed,
 )
 
@@ -545,16 +545,10 @@ class VLLMGenerator(GenerationEngine):
         """
         if self.llm is None:
             raise RuntimeError("VLLMGenerator: the engine was shut down")
-        ids, mask = _check_prompts(prompts)
-        cfg = self.cfg
-        greedy = cfg.temperature == 0 or bool(prompts.meta.get("greedy", False))
-        if not greedy and not isinstance(prompts.meta.get("seed"), int):
-            raise ValueError("generate_sequences: sampling needs meta['seed'] (an int, the seed "
-                             f"of this call); got {prompts.meta.get('seed')!r}")
-        r = int(prompts.meta.get("max_new_tokens", cfg.max_new_tokens))
-        seed = int(prompts.meta.get("seed", 0))
-        mine = [{"tokens": row[m.bool()].tolist(), "greedy": greedy, "max_tokens": r,
-                 "seed": _request_seed(seed, self.rank, i)} for i, (row, m) in enumerate(zip(ids, mask))]
+        call = sampling_call(prompts, self.cfg)
+        ids, mask, r = call.ids, call.mask, call.max_new_tokens
+        mine = [{"tokens": row[m.bool()].tolist(), "greedy": call.greedy, "max_tokens": r,
+                 "seed": _request_seed(call.seed, self.rank, i)} for i, (row, m) in enumerate(zip(ids, mask))]
         if self.tp_group is not None:
             parts: list[Any] = [None] * self.tp
             dist.all_gather_object(parts, mine, group=self.tp_group)
