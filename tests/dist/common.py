@@ -3,6 +3,10 @@ unsharded reference run, and the body each rank runs."""
 
 from __future__ import annotations
 
+import importlib
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -152,3 +156,22 @@ def assert_trained_params_close(got: dict[str, torch.Tensor], want: dict[str, to
     assert over <= diff.numel() // 1000, report
     assert float(diff.abs().max()) <= lr * steps, report
     assert float(diff.norm()) <= 1e-3 * float(update.norm()), report
+
+
+REQUIRED_ENV = "SHARDWISE_REQUIRED_MODULES"
+"""Comma-separated optional modules that must be there: `make test` sets it to the ones it
+installs, so their tests fail instead of skipping when an install breaks."""
+
+
+def import_optional(name: str, install: str):
+    """Import the optional module `name` for a test module, or skip that module (saying
+    `install`). When `name` is in ``SHARDWISE_REQUIRED_MODULES`` a missing or broken
+    install is a failure, not a skip."""
+    required = name in os.environ.get(REQUIRED_ENV, "").split(",")
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # ImportError, or a broken install (a CUDA wheel without its libraries)
+        message = f"{name} is not importable ({exc!r}); {install}"
+        if required:
+            pytest.fail(f"{message} ({REQUIRED_ENV} requires it)", pytrace=False)
+        pytest.skip(message, allow_module_level=True)
