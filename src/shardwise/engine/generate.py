@@ -91,6 +91,11 @@ class GenerationEngine(abc.ABC):
         trained model's parameters (`HFGenerator`) has nothing to do.
         """
 
+    def shutdown(self) -> None:  # noqa: B027 - a default, not an abstract method
+        """Release what the engine holds beside the model (an engine of its own). Collective:
+        every rank calls it, before the process group goes, on success paths only (a failed
+        rank leaves at once, and a collective would wait for it). Nothing by default."""
+
 
 def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str]) -> Batch:
     """The input of `GenerationEngine.generate_sequences`: left-padded ``prompt_ids`` /

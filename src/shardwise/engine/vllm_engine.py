@@ -38,7 +38,6 @@ import contextlib
 import copy
 import gc
 import glob
-import importlib.util
 import logging
 import os
 import random
@@ -65,20 +64,17 @@ from shardwise.engine.generate import (
     sampling_seed,
 )
 
-__all__ = ["VLLMGenerator", "vllm_available"]
+__all__ = ["VLLMGenerator"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32", "auto": "auto"}
+_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""vLLM's names for the config's (``vllm.dtype`` and the canonical ``param_dtype`` it
+defaults to)."""
 _DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache of the CPU backend when VLLM_CPU_KVCACHE_SPACE (GiB) is not set: 1 GiB (vLLM
 would otherwise reserve gpu_memory_utilization of the node's memory, minus its RSS)."""
 
-
-def vllm_available() -> bool:
-    """True when ``import vllm`` would find the package (without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 # ------------------------------------------------------------------ process side effects

@@ -141,9 +141,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     summary = _generate_all(prepared, runtime, engine, generator, tokenizer)
     # Collective, before the process group goes. Not on an error path: a failed rank leaves
     # at once (`launch.rank_failed`) and a collective would wait for it.
-    shutdown = getattr(generator, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+    generator.shutdown()
     return summary
 
 

@@ -10,6 +10,7 @@ nothing.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -43,12 +44,18 @@ class WeightSync:
         if self.engine.shares_model_parameters:
             return False
         start = time.perf_counter()
-        self.engine.sync_weights(iter_full_tensors(self.actor_model, self.dtype))
+        self.bytes = 0
+        self.engine.sync_weights(self._counted(iter_full_tensors(self.actor_model, self.dtype)))
         self.seconds = time.perf_counter() - start
-        self.bytes = int(getattr(self.engine, "last_sync_bytes", 0))
         self.syncs += 1
         self.changed = False
         return True
+
+    def _counted(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The same pairs, adding each tensor's bytes to `bytes` as the engine takes it."""
+        for name, tensor in named_tensors:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
 
     def sync_if_changed(self) -> bool:
         """`sync` when the actor changed since the last push; True when it pushed."""

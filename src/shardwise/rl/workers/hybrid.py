@@ -168,9 +168,8 @@ class RLWorker:
 
     def close(self) -> None:
         """Before the process group goes: the rollout engine's own teardown is collective."""
-        shutdown = getattr(self.rollout, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if self.rollout is not None:
+            self.rollout.shutdown()
         for m in (self._ckpt, self._critic_ckpt):
             if m is not None:
                 m.close()
