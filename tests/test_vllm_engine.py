@@ -108,6 +108,7 @@ def engine_body(rank: int, world: int, model_override: str, tp: int) -> dict:
     import time
 
     import torch.distributed as dist
+    from tqdm import TMonitor
 
     from shardwise.config import load_config
     from shardwise.distributed.runtime import init_distributed, teardown
@@ -202,7 +203,10 @@ def engine_body(rank: int, world: int, model_override: str, tp: int) -> dict:
     out["set_num_threads_real_after"] = torch.set_num_threads is set_num_threads
     deadline = time.time() + 5
     while time.time() < deadline:
-        left = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
+        # tqdm's monitor is the tqdm library's own daemon, started by the first bar any code
+        # creates (vLLM's weight loader makes disabled ones) and kept while the class lives.
+        left = [t.name for t in threading.enumerate()
+                if t.ident not in threads_before and t.is_alive() and not isinstance(t, TMonitor)]
         if not left:
             break
         time.sleep(0.1)
