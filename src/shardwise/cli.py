@@ -1,10 +1,14 @@
-"""The `shardwise` command: plan | train | infer | rl | export.
+"""The `shardwise` command: plan | train | infer | rl | export | convert.
 
 Each command is a recipe of `shardwise.jobs`: ``prepare`` (every check the config and its
 files allow; exit status 2 and one line on stderr, before any process group, Ray worker or
 file of the run exists) and ``run``. The CLI parses arguments, takes the run folder's
 lock, launches torchrun for ``--nproc`` (`shardwise.distributed.launch`) and prints the
 summary; the `Prepared` object goes on to ``run`` in the same process.
+
+``--dialect roll|mindspeed|rlinf`` reads CONFIG as another system's config
+(`shardwise.config.dialects`): converted first, then the overrides; a device count in it
+is the default of ``--nproc`` / ``--world-size``. ``convert`` writes the converted YAML.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.dcp import CheckpointManager
 from shardwise.config import load_config
+from shardwise.config.dialects import DIALECTS, load_dialect_config, read_dialect
 from shardwise.config.schema import Config
 from shardwise.config.validate import check_sft_batch, mesh_spec
 from shardwise.distributed import launch
@@ -98,10 +103,21 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
+    """The command's config, and the rank count its file names (a dialect's device list)."""
+    if args.dialect is None:
+        return load_config(args.config, args.overrides), None
+    cfg, conv = load_dialect_config(args.config, args.dialect, args.overrides)
+    if not _under_torchrun():  # said once, by the launching process
+        for note in conv.notes:
+            print(f"shardwise: note: not converted: {note}", file=sys.stderr)
+    return cfg, conv.world_size
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     local_files_only()
-    cfg = load_config(args.config, args.overrides)
-    world = args.world_size if args.world_size is not None else env_world()[1]
+    cfg, ranks = _load(args)
+    world = args.world_size if args.world_size is not None else ranks or env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     check_sft_batch(cfg.train, spec.dp_size)
     _, plan = plan_for(cfg, spec)
@@ -129,12 +145,14 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
     `--nproc` processes through torchrun, or this process under an outer torchrun (or
     alone): `run` on every rank with what `prepare` built, `report` on rank 0."""
     local_files_only()
-    cfg = load_config(args.config, args.overrides)
-    if args.nproc and not _under_torchrun():
+    cfg, ranks = _load(args)
+    nproc = args.nproc or ranks
+    if nproc and not _under_torchrun():
         RunDirLock(cfg.run.dir, command_line()).check_free()
-        job.prepare(cfg, world_size=args.nproc)
+        job.prepare(cfg, world_size=nproc)
+        dialect = ["--dialect", args.dialect] if args.dialect else []
         with RunDirLock(cfg.run.dir, command_line()) as lock:
-            res = launch.launch_torchrun(args.nproc, [args.command, args.config, *args.overrides],
+            res = launch.launch_torchrun(nproc, [args.command, args.config, *dialect, *args.overrides],
                                          env=lock.child_env())
         # Messages start on a line of their own: rank 0's progress bar may hold the last one.
         if res.interrupted is not None:
@@ -219,6 +237,10 @@ def _report_rl(cfg: Config, summary: dict) -> None:
         start = summary.get("resumed_from_step")
         label = "before RL" if not start else f"at step {start} (resumed)"
         print(f"  held-out accuracy (greedy): {label} {before:.1%}, after RL {after:.1%}")
+        sb, sa = summary.get("sampled_before"), summary.get("sampled_after")
+        if sb and sa:
+            print(f"  held-out sampled (T={cfg.rl.rollout.temperature:g}): "
+                  + ", ".join(f"{k} {sb[k]:.1%} -> {sa[k]:.1%}" for k in sb))
     timing = summary.get("timing") or {}
     if timing.get("time/step"):
         step_s = timing["time/step"]
@@ -242,8 +264,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     """RL post-training: this process is the single controller; `--nproc` Ray workers
     (default 1) form the FSDP process group. See shardwise.jobs.rl."""
     local_files_only()
-    cfg = load_config(args.config, args.overrides)
-    nproc = args.nproc or 1
+    cfg, ranks = _load(args)
+    nproc = args.nproc or ranks or 1
     if nproc < 1:
         raise ConfigError("--nproc", f"{nproc} is not a positive number of processes", "e.g. --nproc 2")
     RunDirLock(cfg.run.dir, command_line()).check_free()
@@ -287,8 +309,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Another system's config as a shardwise YAML; see shardwise.config.dialects."""
+    conv = read_dialect(args.file, args.dialect)
+    text = conv.to_yaml()
+    for note in conv.notes:
+        print(f"shardwise: note: not converted: {note}", file=sys.stderr)
+    if args.out is None:
+        print(text, end="")
+    else:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"converted {args.file} ({args.dialect}) -> {args.out}", file=sys.stderr)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "plan": cmd_plan, "train": cmd_train, "infer": cmd_infer, "rl": cmd_rl, "export": cmd_export}
+    "plan": cmd_plan, "train": cmd_train, "infer": cmd_infer, "rl": cmd_rl, "export": cmd_export,
+    "convert": cmd_convert}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,27 +335,36 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true",
                         help="print full tracebacks (of every rank and worker) instead of one line per error")
-    sp = sub.add_parser("plan", parents=[common], help="print the sharding plan of a config (no process group, no weights)")
+    dialect = argparse.ArgumentParser(add_help=False)
+    dialect.add_argument("--dialect", choices=DIALECTS, default=None,
+                         help="CONFIG is a ROLL, MindSpeed or RLinf config: converted first, then the overrides "
+                              "(see `shardwise convert`)")
+    sp = sub.add_parser("plan", parents=[common, dialect], help="print the sharding plan of a config (no process group, no weights)")
     sp.add_argument("config")
     sp.add_argument("overrides", nargs="*", help="key.sub=value")
     sp.add_argument("--world-size", type=int, default=None)
     sp.add_argument("--json", action="store_true")
-    tp = sub.add_parser("train", parents=[common], help="supervised fine-tuning (SFT) with the FSDP2 train engine")
+    tp = sub.add_parser("train", parents=[common, dialect], help="supervised fine-tuning (SFT) with the FSDP2 train engine")
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")
     tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
-    ip = sub.add_parser("infer", parents=[common], help="generate (and score) responses to data.source's prompts with the FSDP2 "
+    ip = sub.add_parser("infer", parents=[common, dialect], help="generate (and score) responses to data.source's prompts with the FSDP2 "
                         "infer engine")
     ip.add_argument("config")
     ip.add_argument("overrides", nargs="*", help="key.sub=value")
     ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
-    rp = sub.add_parser("rl", parents=[common], help="RL post-training (GRPO, PPO): a single controller over Ray workers")
+    rp = sub.add_parser("rl", parents=[common, dialect], help="RL post-training (GRPO, PPO): a single controller over Ray workers")
     rp.add_argument("config")
     rp.add_argument("overrides", nargs="*", help="key.sub=value")
     rp.add_argument("--nproc", type=int, default=None, help="number of worker processes (Ray actors); default 1")
     ep = sub.add_parser("export", parents=[common], help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
     ep.add_argument("checkpoint_dir")
     ep.add_argument("out_dir")
+    cp = sub.add_parser("convert", parents=[common], help="write a ROLL, MindSpeed or RLinf config as a shardwise "
+                        "YAML (a comment on each key names its source key)")
+    cp.add_argument("--from", dest="dialect", choices=DIALECTS, required=True, help="the file's dialect")
+    cp.add_argument("file")
+    cp.add_argument("--out", default=None, help="write here (default: stdout)")
     return p
 
 

@@ -42,22 +42,24 @@ def _yaml(text: str) -> Any:
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """YAML file (or nothing) + overrides -> validated Config. Raises ConfigError."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("", f"config file {str(p)!r} does not exist")
-        try:
-            loaded = _yaml(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError("", f"{p} is not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError("", f"{p} must hold a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded
-    raw = apply_overrides(raw, overrides)
-    return config_from_dict(raw)
+    raw = {} if path is None else read_yaml_mapping(path)
+    return config_from_dict(apply_overrides(raw, overrides))
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML file that holds a mapping (empty file: {}), read with the safe loader."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("", f"config file {str(p)!r} does not exist")
+    try:
+        loaded = _yaml(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{p} is not valid YAML: {e}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError("", f"{p} must hold a mapping of sections, got {type(loaded).__name__}")
+    return loaded
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
