@@ -42,23 +42,26 @@ test: $(STAMP) $(VLLM_STAMP)
 	SHARDWISE_REQUIRED_MODULES=vllm $(PY) -m pytest -q
 
 # The main job, on CPU with 2 processes (about 4 minutes): a tiny Qwen3 learns
-# builtin:arithmetic by SFT, then GRPO (Ray workers, FSDP2 actor + rollout + reference)
-# starts from the exported SFT model. Prints the held-out accuracy before and after RL;
-# `shardwise infer` then answers the held-out prompts with the RL model (FSDP2 infer engine).
+# builtin:reverse by SFT from demonstrations that copy the word 60% of the time, then GRPO
+# (Ray workers, FSDP2 actor + rollout + reference) makes the reversal its greedy answer.
+# Prints the held-out accuracy and pass@k before and after RL; `shardwise infer` then
+# answers the held-out prompts with the RL model (FSDP2 infer engine).
 demo: $(STAMP)
-	rm -rf runs/sft_arithmetic runs/grpo_arithmetic runs/infer_arithmetic
-	$(VENV)/bin/shardwise plan examples/sft_arithmetic.yaml --world-size $(NPROC)
-	$(VENV)/bin/shardwise train examples/sft_arithmetic.yaml --nproc $(NPROC)
-	$(VENV)/bin/shardwise rl examples/grpo_arithmetic.yaml --nproc $(NPROC)
-	$(VENV)/bin/shardwise infer examples/infer_arithmetic.yaml --nproc $(NPROC)
-	head -n 5 runs/infer_arithmetic/generations.jsonl
+	rm -rf runs/sft_reverse runs/grpo_reverse runs/infer_reverse
+	$(VENV)/bin/shardwise plan examples/sft_reverse.yaml --world-size $(NPROC)
+	$(VENV)/bin/shardwise train examples/sft_reverse.yaml --nproc $(NPROC)
+	$(VENV)/bin/shardwise rl examples/grpo_reverse.yaml --nproc $(NPROC)
+	$(VENV)/bin/shardwise infer examples/infer_reverse.yaml --nproc $(NPROC)
+	head -n 5 runs/infer_reverse/generations.jsonl
 
-# Sharding / memory configurations side by side (about 5 minutes): results/bench/
+# Sharding / memory configurations, the step's speed, rollout engines, shardwise rl against
+# TRL's GRPOTrainer, side by side (about 15 minutes): results/
 bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/train_configs.py
 	$(PY) benchmarks/gpu_throughput.py
-	test -d runs/sft_arithmetic/hf || $(MAKE) demo
+	test -d runs/sft_reverse/hf || $(MAKE) demo
 	$(PY) benchmarks/rollout_engines.py
+	$(PY) benchmarks/rl_vs_trl.py    # slow: 3-5 minutes, plus the TRL venv's install on its first run
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)

@@ -70,7 +70,7 @@ def task_accuracy(hf_dir: Path, task_name: str, n: int, seed: int, max_new_token
     task = get_builtin_task(task_name)
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    examples = task.make_examples(n, seed)
+    examples = task.heldout_examples(n, seed)
     correct = 0.0
     for i in range(0, n, batch_size):
         chunk = examples[i:i + batch_size]
@@ -91,23 +91,23 @@ def test_greedy_on_two_ranks_equals_plain_unsharded_generate(sft_demo_model, tmp
 
     run_dir = tmp_path / "run"
     # 32 prompts per call: 4 calls per rank, the last with 4 prompts, all of other widths
-    res = infer(run_dir, f"model.path={sft_demo_model}", "infer.batch_size=32")
+    res = infer(run_dir, f"model.path={sft_demo_model}", "infer.batch_size=32", "data.source=builtin:reverse",
+                "infer.max_new_tokens=8")
     got = rows(run_dir / "generations.jsonl")
-    held_out = get_builtin_task("arithmetic").make_examples(200, HELDOUT_SEED_OFFSET)
+    held_out = get_builtin_task("reverse").heldout_examples(200, HELDOUT_SEED_OFFSET)
     assert [r["index"] for r in got] == list(range(200))
     assert [r["prompt"] for r in got] == [e["prompt"] for e in held_out]
     assert [r["ground_truth"] for r in got] == [e["response"] for e in held_out]
-    assert [r["response"] for r in got] == plain_greedy(sft_demo_model, [e["prompt"] for e in held_out], 6)
+    assert [r["response"] for r in got] == plain_greedy(sft_demo_model, [e["prompt"] for e in held_out], 8)
 
     # the accuracy the SFT job printed for this model (plain transformers, batches of 50)
-    accuracy = task_accuracy(sft_demo_model, "arithmetic", n=200, seed=HELDOUT_SEED_OFFSET)
+    accuracy = task_accuracy(sft_demo_model, "reverse", n=200, seed=HELDOUT_SEED_OFFSET, max_new_tokens=8)
     summary = json.loads((run_dir / "infer_summary.json").read_text())
     assert summary["accuracy"] == accuracy == sum(r["score"] for r in got) / 200
-    # Right and wrong answers both, so the comparison means something. The demo SFT model's
-    # accuracy depends on the CPU's kernels (33.5% with AVX512, 71.0% with AVX2: 1000
-    # steps at lr 2e-3 amplify rounding), so the bounds only exclude all-or-nothing.
+    # Right and wrong answers both, so the comparison means something: the demo SFT model
+    # mostly copies the word (its demonstrations did 60% of the time), sometimes reverses it.
     assert 0.05 < accuracy < 0.95
-    assert f"accuracy (builtin:arithmetic): {accuracy:.1%}" in res.stdout
+    assert f"accuracy (builtin:reverse): {accuracy:.1%}" in res.stdout
     assert summary["world_size"] == 2 and summary["responses"] == 200
     assert "infer" in res.stderr  # the rank-0 progress bar
 

@@ -113,3 +113,53 @@ def test_actor_update_two_processes_equals_one(mode, split):
     after_one = one["after"][[order.index(i) for i in range(ROWS)]]
     torch.testing.assert_close(after_two, after_one, rtol=0, atol=1e-5)
     assert float((one["after"] - one["before"]).abs().max()) > 1e-2  # the update did move the policy
+
+
+def on_policy_body(rank: int, world: int, overrides: list[str], split: tuple[int, ...], shortcut: bool) -> dict:
+    from shardwise.config import load_config
+    from shardwise.data.batch import Batch
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.rl.workers.actor import ActorWorker, ReferenceWorker
+
+    runtime = init_distributed(timeout_s=60)
+    cfg = load_config(None, overrides)
+    actor = ActorWorker(cfg, runtime)
+    batch, noise = rollout_batch()
+    batch, noise = batch[shares(split)[rank]], noise[shares(split)[rank]]
+    scored = actor.compute_log_prob(batch)
+    ref = ReferenceWorker(cfg, runtime).compute_ref_log_prob(batch).tensors["ref_log_probs"]
+    mask = batch.tensors["response_mask"].bool()
+    old = scored.tensors["old_log_probs"]
+    batch = batch.union(Batch.from_dict({"ref_log_probs": (ref - 0.2 * noise).masked_fill(~mask, 0.0),
+                                         "rollout_log_probs": (old + 0.05 * noise).masked_fill(~mask, 0.0)}))
+    given = batch if shortcut else batch.union(Batch.from_dict({"old_log_probs": old}))
+    metrics = actor.update_actor(given)
+    params = full_params(actor.model)
+    teardown()
+    return {"metrics": metrics, "params": params if rank == 0 else None, "old": old, "entropy": scored.tensors["entropy"],
+            "ref": batch.tensors["ref_log_probs"], "rollout": batch.tensors["rollout_log_probs"], "mask": mask}
+
+
+def test_on_policy_update_without_old_log_probs_equals_the_one_with_them():
+    # One epoch of one mini-batch: the old log-probs are the update's own forward, detached.
+    # Uneven rows (6, 2) over 2 ranks, the KL loss and truncated IS on. The policy metrics
+    # the controller takes from the old-log-prob forward come from the update's forward.
+    from shardwise.rl import algorithms as alg
+
+    overrides = [*BASE, "rl.actor.ppo_epochs=1", "rl.actor.ppo_mini_batches=1", "rl.rollout.tis_cap=2.0"]
+    fast = run_ranks(on_policy_body, 2, overrides, (6, 2), True, timeout=180)
+    slow = run_ranks(on_policy_body, 2, overrides, (6, 2), False, timeout=180)
+    for k, v in slow[0]["params"].items():
+        torch.testing.assert_close(fast[0]["params"][k], v, rtol=0, atol=1e-6, msg=k)
+    for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy_loss"):
+        assert fast[0]["metrics"][key] == pytest.approx(slow[0]["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert fast[0]["metrics"]["actor/ppo_kl"] == 0.0 and fast[0]["metrics"]["actor/pg_clipfrac"] == 0.0
+    assert fast[1]["metrics"] == fast[0]["metrics"]
+    # what the controller computes over all rows from the old-log-prob forward
+    cat = {k: torch.cat([r[k] for r in slow]) for k in ("old", "entropy", "ref", "rollout", "mask")}
+    want = {"entropy": float(alg.masked_mean(cat["entropy"], cat["mask"])),
+            "kl": float(alg.masked_mean(alg.kl_penalty(cat["old"], cat["ref"], "k1"), cat["mask"])),
+            **alg.rollout_mismatch(cat["old"], cat["rollout"], cat["mask"])}
+    assert sorted(want) == sorted(k for k in fast[0]["metrics"] if not k.startswith("actor/"))
+    for key, value in want.items():
+        assert fast[0]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -234,6 +234,9 @@ class TrainConfig(Section):
 class DataConfig(Section):
     source: str = "builtin:arithmetic"
     """builtin:NAME, or a local .jsonl / .json / .parquet file."""
+    num_examples: Pos = 2048
+    """builtin:NAME only: how many training examples the task generates from run.seed
+    (its held-out prompts are generated apart, from run.seed + 10000)."""
     prompt_key: str = "prompt"
     """The column holding each prompt."""
     response_key: str = "response"
@@ -340,6 +343,12 @@ class ActorConfig(Section):
     """Passes over each rollout batch (actor and critic)."""
     ppo_mini_batches: Pos = 1
     """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
+    on_policy_shortcut: bool = True
+    """With one epoch of one mini-batch (and no KL in the reward) the update is on-policy:
+    the old log-probs are the update's own, detached (the ratio is exactly 1), so no
+    separate forward computes them; entropy, KL and rollout-mismatch metrics come from the
+    update's forward. false: always run the old-log-prob forward (the result is the same
+    up to fp rounding)."""
     policy_loss: Annotated[str, AfterValidator(POLICY_LOSSES.check)] = "ppo_clip"
     """The policy loss, by name (`shardwise.rl.algorithms`): ppo_clip (clipped surrogate
     with dual clip)."""
@@ -425,6 +434,11 @@ class RLConfig(Section):
     """Discount per token (gae, reinforce_plus_plus)."""
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
     """GAE lambda."""
+    record_batches: NonNeg = 0
+    """Write the whole batch of each of the first this many steps (prompts, responses,
+    masks, rollout / old / reference log-probs, scores, advantages) to
+    run.dir/batches/step_NNNNNNNN.batch, for checking the pipeline by hand
+    (`shardwise.data.batch.Batch.from_bytes` reads one: safetensors and JSON, no pickle)."""
 
     @model_validator(mode="after")
     def _roles_agree(self) -> RLConfig:

@@ -57,11 +57,12 @@ def load_records(
     seed: int,
     num_builtin: int = 2048,
     cache_dir: str | None = None,
+    heldout: bool = False,
 ) -> list[dict[str, str | None]]:
     """The records of `source`, in file order (or the task's order), as plain dicts.
 
     `source` is ``builtin:NAME`` (`num_builtin` examples of that task, generated from
-    `seed`) or a path (``~`` expanded) to a local ``.jsonl`` / ``.json`` / ``.parquet``
+    `seed`; with `heldout`, its held-out examples, which carry true answers) or a path (``~`` expanded) to a local ``.jsonl`` / ``.json`` / ``.parquet``
     file. Each record is ``{"prompt": row[prompt_key], "response": row[response_key]}``;
     ``"response"`` is None when `response_key` is None (prompt-only data, e.g. RL
     prompts). Built-in task examples have the keys ``prompt`` and ``response`` and go
@@ -74,7 +75,8 @@ def load_records(
     """
     del cache_dir  # kept so older callers still work; there is no cache any more
     if source.startswith(BUILTIN_PREFIX):
-        examples = get_builtin_task(source).make_examples(num_builtin, seed)
+        task = get_builtin_task(source)
+        examples = (task.heldout_examples if heldout else task.make_examples)(num_builtin, seed)
         columns = list(examples[0]) if examples else ["prompt", "response"]
         found = _Rows(examples, [f"row {i}" for i in range(len(examples))], columns)
     else:

@@ -2,12 +2,22 @@
 
 A task is named ``builtin:NAME`` in ``data.source`` and ``rl.reward.function``. Each
 example is ``{"prompt": str, "response": str}``; the response doubles as the ground
-truth the task's scorer compares a generated response with.
+truth the task's scorer compares a generated response with. A task's held-out prompts
+(`BuiltinTask.heldout_examples`) always carry the true answer; its training rows may not
+(``reverse_mixed``: demonstrations from two writers, one of whom ignores the instruction).
+
+- ``arithmetic``: ``"12+34="`` -> ``"46"`` (two-operand + and - in [0, 99]);
+- ``reverse``: ``"abcd="`` -> ``"dcba"`` (a word of 3 to 6 lowercase letters, reversed);
+- ``reverse_mixed``: SFT rows for ``reverse`` from a mix of writers: 40% reverse the
+  word, 60% copy it unchanged. A model trained on them can reverse (sampling finds the
+  reversal) but greedily copies: the gap between pass@k and pass@1 that RL with the
+  ``reverse`` reward closes (the demo, examples/sft_reverse.yaml and grpo_reverse.yaml).
 """
 
 from __future__ import annotations
 
 import random
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +65,36 @@ def arithmetic_examples(
     return examples
 
 
+REVERSE_COPY_SHARE = 0.6
+"""Share of ``reverse_mixed`` demonstrations that copy the word instead of reversing it."""
+
+
+def _words(n: int, seed: int, min_len: int, max_len: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len)))
+            for _ in range(n)]
+
+
+def reverse_examples(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
+    """`n` problems ``{"prompt": "abcd=", "response": "dcba"}``, the same for the same seed:
+    words of `min_len` to `max_len` letters (length and letters uniform) drawn with
+    ``random.Random(seed)``."""
+    if n < 0:
+        raise DataError(f"reverse_examples: n must be >= 0, got {n}")
+    return [{"prompt": f"{w}=", "response": w[::-1]} for w in _words(n, seed, min_len, max_len)]
+
+
+def reverse_mixed_demonstrations(n: int, seed: int, copy_share: float = REVERSE_COPY_SHARE) -> list[dict[str, str]]:
+    """The prompts of `reverse_examples(n, seed)`, each answered by one of two writers:
+    with probability `copy_share` one who copies the word, else one who reverses it (the
+    writer drawn per row from its own ``random.Random(seed)`` stream)."""
+    if not 0.0 <= copy_share <= 1.0:
+        raise DataError(f"reverse_mixed_demonstrations: copy_share must be in [0, 1], got {copy_share}")
+    writer = random.Random(f"writer-{seed}")
+    return [{"prompt": r["prompt"], "response": r["prompt"][:-1] if writer.random() < copy_share else r["response"]}
+            for r in reverse_examples(n, seed)]
+
+
 def first_answer(response: str) -> str:
     """The answer part of a generated response: the text before the first ``<eos>``,
     with leading whitespace removed, up to the first whitespace (newline included)."""
@@ -63,13 +103,16 @@ def first_answer(response: str) -> str:
     return parts[0] if parts else ""
 
 
-def score_arithmetic(prompt: str, response: str, ground_truth: str) -> float:
+def score_exact(prompt: str, response: str, ground_truth: str) -> float:
     """1.0 when `first_answer(response)` equals the stripped ground truth, else 0.0.
 
     `prompt` is unused; it is part of the signature every task scorer shares.
     """
     del prompt
     return 1.0 if first_answer(response) == ground_truth.strip() else 0.0
+
+
+score_arithmetic = score_exact
 
 
 @dataclass(frozen=True)
@@ -85,14 +128,37 @@ class BuiltinTask:
     description: str
     max_new_tokens: int = 6
     """Tokens the held-out evaluation lets a model generate (an answer and its eos fit)."""
+    make_heldout: Callable[[int, int], list[dict[str, str]]] | None = None
+    """Held-out examples with true answers, when the training rows are not (None: the
+    training rows' maker)."""
+
+    def heldout_examples(self, n: int, seed: int) -> list[dict[str, str]]:
+        """`n` examples to evaluate on, generated from `seed`, each with its true answer."""
+        return (self.make_heldout or self.make_examples)(n, seed)
 
 
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "arithmetic": BuiltinTask(
         name="arithmetic",
         make_examples=lambda n, seed: arithmetic_examples(n, seed),
-        score=score_arithmetic,
+        score=score_exact,
         description="two-operand + and - of integers in [0, 99]; exact-answer reward",
+    ),
+    "reverse": BuiltinTask(
+        name="reverse",
+        make_examples=reverse_examples,
+        score=score_exact,
+        description="reverse a word of 3 to 6 lowercase letters; exact-answer reward",
+        max_new_tokens=8,
+    ),
+    "reverse_mixed": BuiltinTask(
+        name="reverse_mixed",
+        make_examples=reverse_mixed_demonstrations,
+        score=score_exact,
+        description=f"builtin:reverse demonstrated by two writers ({REVERSE_COPY_SHARE:.0%} copy the word); "
+                    "held-out prompts and the reward are builtin:reverse's",
+        max_new_tokens=8,
+        make_heldout=reverse_examples,
     ),
 }
 

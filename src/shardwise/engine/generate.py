@@ -404,7 +404,26 @@ def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str,
     if not source.startswith(BUILTIN_PREFIX):
         return None
     task = get_builtin_task(source)
-    records = task.make_examples(n, seed + HELDOUT_SEED_OFFSET)
+    records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
     batch = prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)])
     batch.meta.update(seed=0, greedy=True, max_new_tokens=task.max_new_tokens)
     return score_accuracy(generate(batch), tokenizer, task.score)
+
+
+def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
+                      k: int, n: int = HELDOUT_PROMPTS) -> dict[str, float] | None:
+    """Sampled accuracy on the held-out prompts of `heldout_accuracy` (None for a file
+    source): `k` samples per prompt at the engine's temperature (seeded with `seed`), and
+    ``{"pass@1": share of samples right, "pass@k": share of prompts with at least one
+    right sample}``. pass@k well above the greedy accuracy is what RL can turn into
+    greedy accuracy."""
+    if not source.startswith(BUILTIN_PREFIX):
+        return None
+    task = get_builtin_task(source)
+    records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
+    batch = prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)]).repeat(k, interleave=True)
+    batch.meta.update(seed=seed, greedy=False, max_new_tokens=task.max_new_tokens)
+    out = generate(batch)
+    scores = score_sequences(out, tokenizer, task.score).tensors["token_level_scores"].sum(-1)
+    right = (scores >= 1.0).view(n, k)
+    return {"pass@1": float(right.float().mean()), f"pass@{k}": float(right.any(-1).float().mean())}

@@ -92,7 +92,8 @@ def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
     n = cfg.infer.num_prompts
     response_key = cfg.data.response_key if scored else None
     if cfg.data.source.startswith(BUILTIN_PREFIX):
-        return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS)
+        return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS,
+                          heldout=True)
     records = check_data(cfg, response_key)
     return records[:n] if n else records
 

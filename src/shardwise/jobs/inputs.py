@@ -50,10 +50,10 @@ def check_resume(cfg: Config) -> None:
 
 
 def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
-               num_builtin: int | None = None) -> list[dict[str, Any]]:
+               num_builtin: int | None = None, heldout: bool = False) -> list[dict[str, Any]]:
     """The records of ``data.source`` (every read, parse and key problem raised here).
-    A built-in task makes `num_builtin` examples (default: its training set) from `seed`
-    (default ``run.seed``)."""
+    A built-in task makes `num_builtin` examples (default: ``data.num_examples``) from `seed`
+    (default ``run.seed``); `heldout`: its held-out examples (true answers)."""
     d = cfg.data
-    extra = {} if num_builtin is None else {"num_builtin": num_builtin}
-    return load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed, **extra)
+    return load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
+                        num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout)

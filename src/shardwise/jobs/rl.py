@@ -83,11 +83,13 @@ def run(prepared: Prepared) -> dict[str, Any]:
         resumed = ctl.resume()
         summary["resumed_from_step"] = ctl.step if resumed else None
         summary["accuracy_before"] = ctl.evaluate()
+        summary["sampled_before"] = ctl.evaluate_sampled()
         history = ctl.fit()
         summary["steps"] = ctl.step
         summary["history"] = history
         summary["timing"] = mean_timing(history)
         summary["accuracy_after"] = ctl.evaluate()
+        summary["sampled_after"] = ctl.evaluate_sampled()
         if cfg.checkpoint.export_hf:
             summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
         summary["checkpoint"] = str(ctl.run_dir / "checkpoints")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,8 +113,12 @@ class _RankHost:
         runtime = init_distributed()
         self.worker = worker_cls(*args, runtime=runtime, **kwargs)
 
-    def execute(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def execute(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        """The method's result and the seconds it ran here (the rest of the caller's wait is
+        moving data and scheduling)."""
+        t0 = time.perf_counter()
+        result = getattr(self.worker, method)(*args, **kwargs)
+        return result, time.perf_counter() - t0
 
     def teardown(self) -> None:
         close = getattr(self.worker, "close", None)
@@ -154,6 +159,9 @@ class RayWorkerGroup:
             for i in range(world_size)
         ]
         self._alive = True
+        self.dispatch_s = 0.0
+        """Seconds of this group's calls spent outside the workers' methods (splitting and
+        joining batches, moving them to and from the workers, Ray scheduling), summed."""
         try:
             addr, port = ray.get(self._actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
             self._wait([a.setup.remote(i, world_size, addr, port, worker_cls, args, kwargs)
@@ -186,13 +194,16 @@ class RayWorkerGroup:
             raise AttributeError(f"{self.worker_cls.__name__}.{name} has no dispatch rule")
         if not self._alive:
             raise WorkerError(f"worker group {self.name!r} was shut down")
+        t0 = time.perf_counter()
         calls, pad = split_arguments(rule, self.layout, name, args, kwargs)
         futures = {i: self._actors[i].execute.remote(name, *c) for i, c in enumerate(calls) if c is not None}
         done = self._wait(list(futures.values()), name)
         results: list[Any] = [None] * self.world_size
-        for i, r in zip(futures, done):
+        for i, (r, _) in zip(futures, done):
             results[i] = r
-        return collect_results(rule, self.layout, name, results, pad)
+        out = collect_results(rule, self.layout, name, results, pad)
+        self.dispatch_s += time.perf_counter() - t0 - max((s for _, s in done), default=0.0)
+        return out
 
     def _wait(self, futures: list, what: str, timeout: float | None = None) -> list[Any]:
         """All results in order; on the first failure shut the group down and raise."""

@@ -1,7 +1,9 @@
 """The single controller of RL post-training: one process driving Ray worker groups.
 
 Each step: prompts -> generate (n samples per prompt) -> reward -> old log-probs ->
-(reference log-probs) -> (values) -> advantages -> (update critic) -> update actor. GRPO:
+(reference log-probs) -> (values) -> advantages -> (update critic) -> update actor. The
+old log-probs are skipped when the update is on-policy (one epoch, one mini-batch, no KL
+in the reward; ``rl.actor.on_policy_shortcut``): the actor's update forward gives them. GRPO:
 group outcome advantages, no critic. PPO: GAE with a critic. The estimator is looked up
 by name in `shardwise.registry.ADVANTAGE_ESTIMATORS`.
 
@@ -17,7 +19,10 @@ of samples whose rule-based score is >= 1, i.e. fully right), ``response_length/
 and ``/clip_frac`` (share that hit max_new_tokens), ``entropy``, ``kl`` (k1 between the
 policy and the reference, nats/token), the ``actor/*`` and ``critic/*`` update metrics
 (loss, clip fractions, grad norm, lr) and ``time/<phase>`` seconds for generate, reward,
-old_log_prob, ref, values, advantage, update_critic, update_actor, checkpoint and step;
+old_log_prob, ref, values, advantage, update_critic, update_actor, checkpoint and step,
+and ``time/dispatch``: the part of those phases spent moving batches between the
+controller and the workers (splitting, serializing, Ray scheduling) rather than in the
+workers' methods;
 ``rollout/*``: the rollout engine's log-probs of the sampled tokens against the actor's
 (absolute difference, importance ratio; `shardwise.rl.algorithms.rollout_mismatch`);
 with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
@@ -39,7 +44,7 @@ from shardwise.data.batch import Batch
 from shardwise.data.rewards import RewardFn, score_sequences
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.data.tokenizer import pad_token_id
-from shardwise.engine.generate import heldout_accuracy, prompt_batch
+from shardwise.engine.generate import heldout_accuracy, heldout_pass_at_k, prompt_batch
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
 from shardwise.rl.cluster import RayWorkerGroup, init_ray
@@ -91,6 +96,10 @@ class Controller:
         k = cfg.rl.kl_in_reward
         self.kl_ctl = alg.kl_controller(k.controller, k.coef, k.target, k.horizon)
         self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
+        a = cfg.rl.actor
+        self.on_policy_shortcut = (a.on_policy_shortcut and a.ppo_epochs == 1 and a.ppo_mini_batches == 1
+                                   and not cfg.rl.kl_in_reward.enabled)
+        """No old-log-prob forward: the update is on-policy (`ActorWorker.update_actor`)."""
         self.step = 0
         self.groups: dict[str, RayWorkerGroup] = {}
 
@@ -208,6 +217,7 @@ class Controller:
         timer = PhaseTimer(synchronize=False)
         metrics: dict[str, float] = {}
         t0 = time.perf_counter()
+        dispatch_before = sum(gr.dispatch_s for gr in self.groups.values())
         with timer("generate"):
             batch = g.generate_sequences(self.next_prompts())
         # The engine's own figures (the weight push before generating): the slowest rank's.
@@ -216,17 +226,19 @@ class Controller:
         with timer("reward"):
             batch, m = self.score(batch)
             metrics.update(m)
-        with timer("old_log_prob"):
-            batch = batch.union(g.compute_log_prob(batch))
         mask = batch.tensors["response_mask"].bool()
-        metrics["entropy"] = float(alg.masked_mean(batch.tensors["entropy"], mask))
-        metrics.update(alg.rollout_mismatch(batch.tensors["old_log_probs"], batch.tensors["rollout_log_probs"],
-                                            mask))
+        if not self.on_policy_shortcut:
+            with timer("old_log_prob"):
+                batch = batch.union(g.compute_log_prob(batch))
+            metrics["entropy"] = float(alg.masked_mean(batch.tensors["entropy"], mask))
+            metrics.update(alg.rollout_mismatch(batch.tensors["old_log_probs"], batch.tensors["rollout_log_probs"],
+                                                mask))
         if rl.reference.enabled:
             with timer("ref"):
                 batch = batch.union(g.compute_ref_log_prob(batch))
-            metrics["kl"] = float(alg.masked_mean(
-                alg.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], "k1"), mask))
+            if not self.on_policy_shortcut:
+                metrics["kl"] = float(alg.masked_mean(
+                    alg.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], "k1"), mask))
         if rl.critic.enabled:
             with timer("values"):
                 batch = batch.union(self.group_of("critic").compute_values(batch))
@@ -238,6 +250,10 @@ class Controller:
                 metrics.update(self.group_of("critic").update_critic(batch))
         with timer("update_actor"):
             metrics.update(g.update_actor(batch))
+        if self.step < rl.record_batches:
+            folder = self.run_dir / "batches"
+            folder.mkdir(exist_ok=True)
+            (folder / f"step_{self.step + 1:08d}.batch").write_bytes(batch.to_bytes())
         lengths = mask.sum(-1).float()
         metrics["response_length/mean"] = float(lengths.mean())
         metrics["response_length/clip_frac"] = float((lengths >= rl.rollout.max_new_tokens).float().mean())
@@ -247,6 +263,8 @@ class Controller:
             with timer("checkpoint"):
                 self.save(final=self.step == max_steps)
         metrics.update(timer.as_dict())
+        # inside the phases above: the step's controller <-> worker data movement
+        metrics["time/dispatch"] = sum(gr.dispatch_s for gr in self.groups.values()) - dispatch_before
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
 
@@ -276,6 +294,12 @@ class Controller:
         data), by the same function every job reports it with."""
         return heldout_accuracy(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
                                 self.cfg.run.seed, self.cfg.data.max_length)
+
+    def evaluate_sampled(self) -> dict[str, float] | None:
+        """pass@1 and pass@n (n = ``rl.rollout.n``) of the current policy, sampled at the
+        rollout temperature on the held-out prompts of a built-in task (None for file data)."""
+        return heldout_pass_at_k(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
+                                 self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n)
 
 
 def mean_timing(history: list[dict[str, float]]) -> dict[str, float]:

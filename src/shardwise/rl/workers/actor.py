@@ -95,13 +95,20 @@ class ActorWorker:
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO on this rank's rows: ``ppo_epochs`` passes, each over ``ppo_mini_batches``
         equal mini-batches (one optimizer step each). Needs the layout tensors plus
-        ``old_log_probs``, ``advantages`` and, with the KL loss, ``ref_log_probs``.
-        Ranks may hold different numbers of rows (0 included). Returns metrics averaged
-        over steps and ranks."""
+        ``advantages`` and ``old_log_probs`` (without them the update must be on-policy, one
+        epoch of one mini-batch: the old log-probs are then the update's own, detached, and
+        the ``entropy``, ``kl`` and ``rollout/*`` metrics come from its forward) and, with
+        the KL loss, ``ref_log_probs``. Ranks may hold different numbers of rows (0
+        included). Returns metrics averaged over steps and ranks."""
         a = self.cfg.rl.actor
         n_mini = a.ppo_mini_batches
         check_mini_batches(len(batch), n_mini, self.runtime.device)
-        needed = [*_SEQ_KEYS, "old_log_probs", "advantages"] + (["ref_log_probs"] if a.kl_loss.enabled else [])
+        on_policy = "old_log_probs" not in batch.tensors
+        if on_policy and (a.ppo_epochs != 1 or n_mini != 1):
+            raise ValueError("update_actor: the batch lacks old_log_probs, which only an on-policy update "
+                             f"(1 epoch of 1 mini-batch) can do without; this one has {a.ppo_epochs} x {n_mini}")
+        needed = [*_SEQ_KEYS, "advantages"] + ([] if on_policy else ["old_log_probs"])
+        needed += ["ref_log_probs"] if a.kl_loss.enabled else []
         needed += ["rollout_log_probs"] if self.cfg.rl.rollout.tis_cap is not None else []
         missing = [k for k in needed if k not in batch.tensors]
         if missing:
@@ -112,6 +119,9 @@ class ActorWorker:
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/loss",
                  "actor/grad_norm", "actor/lr", "actor/skipped_steps"]
         names += ["actor/entropy_loss"] * (a.entropy_coef != 0) + ["actor/kl_loss"] * a.kl_loss.enabled
+        if on_policy:
+            names += ["entropy"] + ["kl"] * ("ref_log_probs" in batch.tensors)
+            names += [*_MISMATCH_SHARES, *_MISMATCH_MAXES] * ("rollout_log_probs" in batch.tensors)
         metrics: dict[str, list[float]] = {k: [] for k in names}
         self.model.train()
         mini_size = len(batch) // n_mini
@@ -122,7 +132,7 @@ class ActorWorker:
                 tokens, seqs = global_counts(mini.tensors["response_mask"], device)
                 # FSDP averages gradients over dp ranks; the loss is already over the
                 # global mini-batch, so undo that average.
-                local = self.engine.accumulate(mini.split(size), self._ppo_loss(tokens, seqs, metrics),
+                local = self.engine.accumulate(mini.split(size), self._ppo_loss(tokens, seqs, metrics, on_policy),
                                                self.engine.dp_size, dummy_seq_len=seq)
                 res = self.engine.finish_step(local, 1)
                 metrics["actor/loss"].append(res.loss)
@@ -130,21 +140,29 @@ class ActorWorker:
                 metrics["actor/lr"].append(res.lr)
                 metrics["actor/skipped_steps"].append(float(res.skipped))
         # Per-micro-batch values are summed shares of the mini-batch total: report totals
-        # per mini-batch, i.e. sum over a rank's micro-batches, then over ranks.
-        out = mean_over_ranks({k: v for k, v in metrics.items() if not _is_share(k)}, device)
+        # per mini-batch, i.e. sum over a rank's micro-batches, then over ranks; maxima
+        # are the largest over micro-batches and ranks.
+        out = mean_over_ranks({k: v for k, v in metrics.items() if not _is_share(k) and k not in _MISMATCH_MAXES},
+                              device)
         shares = {k: v for k, v in metrics.items() if _is_share(k)}
         steps = a.ppo_epochs * n_mini
         for k, v in sorted(shares.items()):
             total = torch.tensor(sum(v) / steps, dtype=torch.float64, device=device)
             dist.all_reduce(total)
             out[k] = float(total)
+        for k in sorted(set(metrics) & set(_MISMATCH_MAXES)):
+            top = torch.tensor(max(metrics[k], default=0.0), dtype=torch.float64, device=device)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            out[k] = float(top)
         return out
 
-    def _ppo_loss(self, tokens: float, seqs: float,
-                  metrics: dict[str, list[float]]) -> Callable[[nn.Module, Batch], torch.Tensor]:
+    def _ppo_loss(self, tokens: float, seqs: float, metrics: dict[str, list[float]],
+                  on_policy: bool = False) -> Callable[[nn.Module, Batch], torch.Tensor]:
         """The loss of one micro-batch of a global mini-batch with `tokens` response tokens
         in `seqs` sequences: the PPO policy loss, minus the entropy bonus, plus the KL loss;
-        each call appends the micro-batch's terms to `metrics`."""
+        each call appends the micro-batch's terms to `metrics`. `on_policy`: the old
+        log-probs are the forward's own, detached, and the step's policy metrics (entropy,
+        KL to the reference, rollout mismatch) are taken from the same forward."""
         a = self.cfg.rl.actor
         clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
@@ -158,12 +176,15 @@ class ActorWorker:
             t = {k: v.to(device) for k, v in mb.tensors.items()}
             mask = t["response_mask"].bool()
             out = compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"],
-                                    with_entropy=a.entropy_coef != 0, temperature=temperature,
+                                    with_entropy=a.entropy_coef != 0 or on_policy, temperature=temperature,
                                     chunk_tokens=chunk_tokens)
             logp = out["log_probs"]
+            old = logp.detach() if on_policy else t["old_log_probs"]
+            if on_policy:
+                _policy_metrics(metrics, old, out["entropy"].detach(), t, mask, tokens)
             weights = (None if tis_cap is None
-                       else alg.tis_weights(t["old_log_probs"], t["rollout_log_probs"], mask, tis_cap))
-            pg, m = alg.policy_loss(t["old_log_probs"], logp, t["advantages"], mask,
+                       else alg.tis_weights(old, t["rollout_log_probs"], mask, tis_cap))
+            pg, m = alg.policy_loss(old, logp, t["advantages"], mask,
                                     clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
                                     mode=mode, global_tokens=tokens, global_seqs=seqs, token_weights=weights)
             loss = pg
@@ -185,9 +206,34 @@ class ActorWorker:
         return loss_fn
 
 
+_MISMATCH_SHARES = ("rollout/log_prob_diff_abs_mean", "rollout/importance_ratio_mean")
+_MISMATCH_MAXES = ("rollout/log_prob_diff_abs_max", "rollout/importance_ratio_max")
+
+
+@torch.no_grad()
+def _policy_metrics(metrics: dict[str, list[float]], logp: torch.Tensor, entropy: torch.Tensor,
+                    t: dict[str, torch.Tensor], mask: torch.Tensor, tokens: float) -> None:
+    """The metrics the controller takes from the old-log-prob forward when there is one
+    (`shardwise.rl.trainer`), from an on-policy update's forward: token means over the
+    global mini-batch as shares (``entropy``, ``kl`` = k1 to the reference,
+    `rollout_mismatch`'s means) and per-micro-batch maxima."""
+    metrics["entropy"].append(float(alg.aggregate_loss(entropy, mask, "token-mean", tokens)))
+    if "kl" in metrics:
+        k1 = alg.kl_penalty(logp, t["ref_log_probs"], "k1")
+        metrics["kl"].append(float(alg.aggregate_loss(k1, mask, "token-mean", tokens)))
+    if _MISMATCH_SHARES[0] in metrics:
+        diff = torch.where(mask, (logp - t["rollout_log_probs"]).float(), 0.0)
+        ratio = torch.where(mask, torch.exp(diff.clamp(-20.0, 20.0)), 0.0)
+        metrics[_MISMATCH_SHARES[0]].append(float(alg.aggregate_loss(diff.abs(), mask, "token-mean", tokens)))
+        metrics[_MISMATCH_SHARES[1]].append(float(alg.aggregate_loss(ratio, mask, "token-mean", tokens)))
+        if bool(mask.any()):
+            metrics[_MISMATCH_MAXES[0]].append(float(diff.abs().max()))
+            metrics[_MISMATCH_MAXES[1]].append(float(ratio.max()))
+
+
 def _is_share(key: str) -> bool:
-    """Loss terms aggregated with global counts: each micro-batch holds a share."""
-    return key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss")
+    """Terms aggregated with global counts: each micro-batch holds a share."""
+    return key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "entropy", "kl", *_MISMATCH_SHARES)
 
 
 class ReferenceWorker:
