@@ -14,7 +14,7 @@ fresh run folder, once per engine, and reads its metrics.jsonl:
 
 Writes rollout_engines.{json,md,png} to --out (default results/rollout_engines) and prints
 the table. Needs ray and vllm (make test installs both); the demo's SFT model
-(runs/sft_arithmetic/hf, `make demo`) unless --model-overrides names another.
+(runs/sft_reverse/hf, `make demo`) unless --model-overrides names another.
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-CONFIG = REPO / "examples" / "grpo_arithmetic.yaml"
+CONFIG = REPO / "examples" / "grpo_reverse.yaml"
 
 SCENARIOS = {
-    # the demo's sizes: 64 prompts x 8 samples, 6 new tokens
+    # the demo's sizes: 32 prompts x 8 samples, 8 new tokens
     "demo": [],
-    # long responses: up to 256 new tokens. The SFT model answers in ~3 tokens and stops,
+    # long responses: up to 256 new tokens. The SFT model answers in ~6 tokens and stops,
     # so this row starts from a random model of the same shape, which rarely samples eos:
     # responses run to the limit (rewards stay ~0; only the time is read here)
-    "long": ["model.path=null", "model.config={model_type: qwen3, hidden_size: 128, intermediate_size: 256, "
-             "num_hidden_layers: 3, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 32, "
-             "vocab_size: 64, max_position_embeddings: 512, tie_word_embeddings: false}",
+    "long": ["model.path=null", ("model.config={model_type: qwen3, hidden_size: 128, intermediate_size: 256, "
+                                 "num_hidden_layers: 3, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 32, "
+                                 "vocab_size: 64, max_position_embeddings: 512, tie_word_embeddings: false}"),
              "rl.rollout.max_new_tokens=256", "train.global_batch_size=16", "rl.rollout.n=4",
              "train.micro_batch_size=16"],
 }
@@ -59,7 +59,7 @@ def run_one(name: str, engine: str, overrides: list[str], args: argparse.Namespa
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    res = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     (args.out / "logs" / f"{name}_{engine}.log").write_text(f"$ {' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
@@ -86,8 +86,8 @@ def run_one(name: str, engine: str, overrides: list[str], args: argparse.Namespa
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| job | engine | s / step | x (hf / this) | generate s | weight sync s | sync share of step | "
-             "sync MiB | response tokens | reward first 5 -> last 5 steps | log-prob diff mean / max | held-out |",
+    lines = [("| job | engine | s / step | x (hf / this) | generate s | weight sync s | sync share of step | "
+              "sync MiB | response tokens | reward first 5 -> last 5 steps | log-prob diff mean / max | held-out |"),
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
     by = {(r["name"], r["engine"]): r for r in rows}
     for r in rows:
@@ -146,7 +146,7 @@ def main() -> int:
             print(f"{name} {engine}: " + (f"unavailable: {r['error']}" if "error" in r else
                                           f"{r['step_s']:.2f} s/step, weight sync {r['weight_sync_s']:.3f} s"),
                   flush=True)
-    md = (f"`shardwise rl examples/grpo_arithmetic.yaml --nproc {args.nproc}`, {args.steps} steps per run, "
+    md = (f"`shardwise rl examples/grpo_reverse.yaml --nproc {args.nproc}`, {args.steps} steps per run, "
           f"{platform.machine()} {os.cpu_count()} CPUs; means over the steps after the first.\n\n" + table(rows))
     (args.out / "rollout_engines.md").write_text(md + "\n")
     (args.out / "rollout_engines.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

@@ -1,0 +1,133 @@
+"""One rank of TRL's `GRPOTrainer` for `rl_vs_trl.py`; runs in the benchmark's TRL venv.
+
+    accelerate launch --cpu --num_processes 2 benchmarks/_trl_grpo_worker.py SPEC.json
+
+SPEC.json (written by `rl_vs_trl.py`) holds everything this run must match in the shardwise
+run: the model folder, the prompt records in the order shardwise's sampler visits them
+(one global batch per step), the reward spec, ``data.max_length``, the GRPOConfig fields,
+the learning-rate multiplier of every optimizer step and where to write.
+
+What is shardwise's here, imported from its source tree (pure Python plus torch, no
+shardwise install): the prompt tokenization (`tokenize_prompt`: ``[bos] + prompt``, the
+last max_length tokens), the decoding a reward function sees (`decode_responses`: up to
+the first eos, no special tokens) and the reward function itself (`resolve_reward_fn`).
+Everything else (sampling, advantages, the loss, the optimizer) is TRL's.
+
+Rank 0 writes one JSON line per optimizer step to SPEC["steps_path"]: ``step``,
+``reward`` (TRL's logged mean reward of the step's completions), ``time`` (wall clock at
+the step's end, seconds since the epoch) and ``train_start`` (wall clock at the first
+step's start), plus TRL's other logged numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from shardwise.data.batch import Batch
+from shardwise.data.collate import tokenize_prompt
+from shardwise.data.rewards import decode_responses, resolve_reward_fn
+
+
+class StepLog(TrainerCallback):
+    """Wall clock of each optimizer step's end, joined with the step's logged metrics."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.train_start: float | None = None
+        self.ends: dict[int, float] = {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.train_start is None:
+            self.train_start = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends[state.global_step] = time.time()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "reward" not in logs:
+            return
+        step = state.global_step
+        line = {"step": step, "time": self.ends.get(step, time.time()), "train_start": self.train_start,
+                **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def task_reward(fn, tokenizer):
+    """A TRL reward function scoring each completion as shardwise does: the completion's
+    tokens decoded by `decode_responses`, then ``fn(prompt, text, ground_truth)``."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def reward(prompts, completions, completion_ids, ground_truth, **kwargs):
+        width = max((len(x) for x in completion_ids), default=1) or 1
+        ids = torch.full((len(completion_ids), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(completion_ids), width), dtype=torch.long)
+        for row, tokens in enumerate(completion_ids):
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, :len(tokens)] = 1
+        texts, _ = decode_responses(Batch.from_dict({"input_ids": ids, "response_mask": mask}), tokenizer)
+        return [float(fn(str(p), t, str(g))) for p, t, g in zip(prompts, texts, ground_truth, strict=True)]
+
+    reward.__name__ = "task_reward"
+    return reward
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    max_length = int(spec["max_length"])
+    factors = [float(x) for x in spec["lr_factors"]]
+
+    class Trainer(GRPOTrainer):
+        # shardwise's prompt tokens ([bos] + prompt, last max_length) instead of TRL's
+        # tokenizer(text) (which adds no bos with this tokenizer)
+        def _tokenize_prompts(self, prompts: list):
+            return [tokenize_prompt(self.processing_class, p, max_length) for p in prompts], None, {}
+
+        # shardwise's schedule, step for step (HF's warmup starts at 0, shardwise's at 1/warmup)
+        def create_scheduler(self, num_training_steps: int, optimizer=None):
+            if self.lr_scheduler is None:
+                opt = optimizer if optimizer is not None else self.optimizer
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    opt, lambda s: factors[min(s, len(factors) - 1)])
+                self._created_lr_scheduler = True
+            return self.lr_scheduler
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    records = [json.loads(x) for x in Path(spec["records_path"]).read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in records])
+    args = GRPOConfig(**spec["grpo_config"])
+    log = StepLog(Path(spec["steps_path"]))
+    trainer = Trainer(
+        model=spec["model"],
+        reward_funcs=task_reward(resolve_reward_fn(spec["reward"]), tokenizer),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[log],
+    )
+    trainer.train()
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    # Leave without the interpreter's shutdown: a gloo thread torn down at exit aborts a
+    # rank now and then ("terminate called without an active exception") after its work is
+    # done, and torchrun would report the run as failed (shardwise's ranks do the same).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,477 @@
+"""TRL's `GRPOTrainer` against `shardwise rl`: the same GRPO job, reward per step and per second.
+
+Both runs start from the same SFT model, see the same prompts at every step (the order
+shardwise's sampler visits the config's ``data.source``), score with the same reward
+function on the same decoding, and use the same samples per prompt, prompts per step,
+response length, sampling, learning rate and schedule, AdamW settings, clip ratios, KL
+coefficient and loss aggregation, each with `--nproc` CPU processes:
+
+- shardwise: the real command, ``python -m shardwise.cli rl <config> --nproc N ...`` in a
+  fresh run folder (`rollout_engines.run_one`, engine hf), read from its metrics.jsonl;
+- TRL: `_trl_grpo_worker.py` under ``torch.distributed.run`` (gloo) in a venv of its own
+  (``--venv``, default results/venv-trl; TRL is no shardwise dependency), which this
+  script creates with pip on its first run: torch first (the version shardwise runs on),
+  then TRL (pinned below) with the transformers shardwise runs on.
+
+Every setting is read from the shardwise config (``--config``), so both sides follow it.
+
+    python benchmarks/rl_vs_trl.py                  # 60 steps each, 3-4 minutes on 2 CPU cores
+    python benchmarks/rl_vs_trl.py --steps 5        # a quick check that both sides run
+
+Writes rl_vs_trl.{json,md,png} to --out (default results/rl_vs_trl) and prints the table.
+Needs the config's SFT model (its model.path; the demo's: `make demo`) unless --model names
+another. --config defaults to the demo's RL config, `rollout_engines.CONFIG`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import rollout_engines
+
+from shardwise.config import Config, load_config
+from shardwise.data.sampler import GlobalBatchSampler
+from shardwise.engine.optim import lr_factor
+from shardwise.jobs.inputs import check_data
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "_trl_grpo_worker.py"
+TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0", "datasets==5.2.0")
+"""What the TRL venv gets after torch, with shardwise's own transformers version."""
+TARGET_TIME_RATIO = 0.5
+"""The issue's target: shardwise reaches TRL's final mean reward in at most this share of TRL's wall time."""
+
+
+# ---------------------------------------------------------------------- the settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting both runs share: the shardwise key and value, the TRL field and value."""
+
+    what: str
+    key: str
+    value: Any
+    field: str
+    trl_value: Any
+    note: str = ""
+
+
+def settings(cfg: Config, nproc: int, steps: int) -> list[Setting]:
+    """The shardwise config's settings and the GRPOConfig fields that say the same.
+
+    Raises SystemExit naming the key for a config TRL's GRPOTrainer cannot run the same way
+    (another advantage estimator, a critic, a KL penalty in the reward, a reward model,
+    several optimizer steps per RL step).
+    """
+    rl, tr = cfg.rl, cfg.train
+    unsupported = [
+        ("rl.advantage", rl.advantage != "grpo", "TRL's GRPOTrainer computes GRPO advantages only"),
+        ("rl.critic.enabled", rl.critic.enabled, "GRPOTrainer trains no critic"),
+        ("rl.kl_in_reward.enabled", rl.kl_in_reward.enabled, "GRPOTrainer puts the KL in the loss only"),
+        ("rl.reward.model", rl.reward.model is not None, "this benchmark scores with the rule-based function"),
+        ("rl.reward.function", rl.reward.function is None, "a rule-based reward function is needed"),
+        ("rl.actor.ppo_mini_batches", rl.actor.ppo_mini_batches != 1, "one optimizer step per RL step is compared"),
+        ("rl.actor.ppo_epochs", rl.actor.ppo_epochs != 1, "one optimizer step per RL step is compared"),
+    ]
+    for key, bad, why in unsupported:
+        if bad:
+            raise SystemExit(f"rl_vs_trl: {key} is not comparable: {why}")
+    rows = tr.global_batch_size * rl.rollout.n
+    if rows % nproc:
+        raise SystemExit(f"rl_vs_trl: {rows} samples per step do not split over {nproc} processes")
+    per_rank = rows // nproc
+    micro = min(tr.micro_batch_size, per_rank)
+    if per_rank % micro:
+        raise SystemExit(f"rl_vs_trl: train.micro_batch_size={micro} does not divide the {per_rank} rows per rank")
+    a, opt = rl.actor, tr.optimizer
+    low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+    high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+    agg = {"token-mean": ("dapo", "same: sum over all tokens of the step / their number"),
+           "seq-mean-token-mean": ("grpo", "same: equal-sized micro-batches, so the mean of micro-batch means"),
+           "seq-mean-token-sum": ("dr_grpo", "not the same: TRL also divides by max_completion_length")}
+    loss_type, agg_note = agg[a.loss_agg_mode]
+    bf16 = cfg.fsdp.mixed_precision.param_dtype == "bf16"
+    s = [
+        Setting("model", "model.path", cfg.model.path, "model", cfg.model.path),
+        Setting("processes", "--nproc", nproc, "torch.distributed.run --nproc_per_node", nproc,
+                "shardwise: FSDP2 over Ray workers + a controller; TRL: DDP (gloo)"),
+        Setting("RL / optimizer steps", "train.max_steps", steps, "max_steps", steps),
+        Setting("prompts per step", "train.global_batch_size", tr.global_batch_size,
+                "per_device_train_batch_size x world x gradient_accumulation_steps / num_generations",
+                f"{micro} x {nproc} x {per_rank // micro} / {rl.rollout.n}", "TRL's batch sizes count completions"),
+        Setting("rows per forward per rank", "train.micro_batch_size", tr.micro_batch_size,
+                "per_device_train_batch_size", micro),
+        Setting("samples per prompt", "rl.rollout.n", rl.rollout.n, "num_generations", rl.rollout.n),
+        Setting("response tokens", "rl.rollout.max_new_tokens", rl.rollout.max_new_tokens, "max_completion_length",
+                rl.rollout.max_new_tokens),
+        Setting("temperature", "rl.rollout.temperature", rl.rollout.temperature, "temperature", rl.rollout.temperature),
+        Setting("top-p", "rl.rollout.top_p", rl.rollout.top_p, "top_p", rl.rollout.top_p),
+        Setting("top-k", "(none: off)", "off", "top_k", 0),
+        Setting("generation", "rl.rollout.engine", "hf", "use_vllm", False, "HF generate on both sides"),
+        Setting("prompt tokens", "data.max_length", cfg.data.max_length, "(shardwise's tokenize_prompt)",
+                cfg.data.max_length, "[bos] + prompt, the last max_length tokens, on both sides"),
+        Setting("prompt order", "run.seed (sampler)", cfg.run.seed, "shuffle_dataset", False,
+                "TRL reads the prompts in the order shardwise's sampler visits them"),
+        Setting("seed", "run.seed", cfg.run.seed, "seed", cfg.run.seed, "sampling streams differ"),
+        Setting("learning rate", "train.optimizer.lr", opt.lr, "learning_rate", opt.lr),
+        Setting("schedule", "train.scheduler", f"{cfg.train.scheduler.name}, warmup {cfg.train.scheduler.warmup_steps}",
+                "lr_scheduler (LambdaLR)", "shardwise's lr_factor per step",
+                "HF's own warmup starts at 0, shardwise's at 1/warmup: the worker uses shardwise's factors"),
+        Setting("AdamW betas", "train.optimizer.betas", tuple(opt.betas), "adam_beta1, adam_beta2", tuple(opt.betas)),
+        Setting("AdamW eps", "train.optimizer.eps", opt.eps, "adam_epsilon", opt.eps),
+        Setting("weight decay", "train.optimizer.weight_decay", opt.weight_decay, "weight_decay", opt.weight_decay),
+        Setting("AdamW kernel", "train.optimizer.fused", opt.fused, "optim", "adamw_torch",
+                "foreach (shardwise on CPU) vs for-loop (torch's CPU default): same update"),
+        Setting("grad clip", "train.grad_clip", tr.grad_clip, "max_grad_norm", tr.grad_clip or 0.0),
+        Setting("clip ratio low / high", "rl.actor.clip_ratio(_low/_high)", (low, high), "epsilon, epsilon_high",
+                (low, high)),
+        Setting("dual clip", "rl.actor.clip_ratio_c", a.clip_ratio_c, "delta", a.clip_ratio_c,
+                "TRL's two-sided clip at delta bounds a negative advantage's loss as the dual clip does"),
+        Setting("KL coefficient", "rl.actor.kl_loss.coef (enabled)",
+                a.kl_loss.coef if a.kl_loss.enabled else 0.0, "beta", a.kl_loss.coef if a.kl_loss.enabled else 0.0,
+                f"shardwise's estimator: {a.kl_loss.type}; TRL's: k3 (low_var_kl), unclamped"),
+        Setting("entropy coefficient", "rl.actor.entropy_coef", a.entropy_coef, "entropy_coef", a.entropy_coef),
+        Setting("loss aggregation", "rl.actor.loss_agg_mode", a.loss_agg_mode, "loss_type", loss_type, agg_note),
+        Setting("advantages", "rl.advantage", rl.advantage, "scale_rewards", "group",
+                "(r - group mean) / (group std + eps): eps 1e-6 in shardwise, 1e-4 in TRL"),
+        Setting("policy epochs", "rl.actor.ppo_epochs", a.ppo_epochs, "num_iterations", a.ppo_epochs),
+        Setting("reward", "rl.reward.function", rl.reward.function, "reward_funcs",
+                rl.reward.function, "shardwise's function on shardwise's decoding (up to eos, no special tokens)"),
+        Setting("precision", "fsdp.mixed_precision.param_dtype", cfg.fsdp.mixed_precision.param_dtype, "bf16", bf16),
+        Setting("activation checkpointing", "fsdp.recompute.modules", list(cfg.fsdp.recompute.modules),
+                "gradient_checkpointing", bool(cfg.fsdp.recompute.modules)),
+    ]
+    return s
+
+
+def grpo_config(cfg: Config, nproc: int, steps: int, out: Path) -> dict[str, Any]:
+    """The GRPOConfig keyword arguments of the TRL run (see `settings` for the mapping)."""
+    rl, tr, a, opt = cfg.rl, cfg.train, cfg.rl.actor, cfg.train.optimizer
+    per_rank = tr.global_batch_size * rl.rollout.n // nproc
+    micro = min(tr.micro_batch_size, per_rank)
+    loss_type = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum": "dr_grpo"}
+    return {
+        "output_dir": str(out / "trl_run"), "max_steps": steps, "seed": cfg.run.seed,
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": per_rank // micro,
+        "num_generations": rl.rollout.n, "max_completion_length": rl.rollout.max_new_tokens,
+        "temperature": rl.rollout.temperature, "top_p": rl.rollout.top_p, "top_k": 0,
+        "learning_rate": opt.lr, "adam_beta1": opt.betas[0], "adam_beta2": opt.betas[1],
+        "adam_epsilon": opt.eps, "weight_decay": opt.weight_decay, "optim": "adamw_torch",
+        "lr_scheduler_type": "constant", "warmup_steps": 0,  # replaced by shardwise's factors in the worker
+        "max_grad_norm": tr.grad_clip or 0.0,
+        "beta": a.kl_loss.coef if a.kl_loss.enabled else 0.0,
+        "epsilon": a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low,
+        "epsilon_high": a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high,
+        "delta": a.clip_ratio_c, "entropy_coef": a.entropy_coef, "loss_type": loss_type[a.loss_agg_mode],
+        "scale_rewards": "group", "num_iterations": a.ppo_epochs, "mask_truncated_completions": False,
+        "shuffle_dataset": False, "remove_unused_columns": False, "use_vllm": False,
+        "bf16": cfg.fsdp.mixed_precision.param_dtype == "bf16", "fp16": False,
+        "gradient_checkpointing": bool(cfg.fsdp.recompute.modules),
+        "model_init_kwargs": {"dtype": "bfloat16" if cfg.model.dtype == "bf16" else "float32"},
+        "use_cpu": True, "ddp_backend": "gloo", "ddp_find_unused_parameters": False, "dataloader_num_workers": 0,
+        "logging_steps": 1, "save_strategy": "no", "eval_strategy": "no", "report_to": "none",
+        "log_completions": False, "disable_tqdm": True,
+    }
+
+
+def step_records(cfg: Config, steps: int) -> list[dict[str, str]]:
+    """The prompts of every step, in the order `shardwise rl` draws them: the records of
+    ``data.source`` (as its `prepare` reads them) through its `GlobalBatchSampler`."""
+    records = check_data(cfg, cfg.data.response_key)
+    batches = iter(GlobalBatchSampler(len(records), cfg.train.global_batch_size, cfg.run.seed))
+    out = []
+    for _ in range(steps):
+        for i in next(batches):
+            r = records[i]
+            out.append({"prompt": r["prompt"], "ground_truth": "" if r.get("response") is None else str(r["response"])})
+    return out
+
+
+# ---------------------------------------------------------------------- the TRL venv
+
+
+def trl_requirements() -> list[str]:
+    """torch (installed first, alone: the version shardwise runs on, so a CPU build stays
+    one), then TRL's pins and shardwise's transformers."""
+    return [f"torch=={version('torch').split('+')[0]}", *TRL_PINS, f"transformers=={version('transformers')}"]
+
+
+def ensure_venv(venv: Path, skip_install: bool) -> Path:
+    """The TRL venv's python, created and filled with pip unless its stamp says it holds
+    `trl_requirements()` already."""
+    py = venv / "bin" / "python"
+    reqs = trl_requirements()
+    stamp = venv / f".installed-{hashlib.sha256(' '.join(reqs).encode()).hexdigest()[:12]}"
+    if skip_install or stamp.is_file():
+        if not py.is_file():
+            raise SystemExit(f"rl_vs_trl: no TRL venv at {venv}; run without --skip-trl-install")
+        return py
+    print(f"rl_vs_trl: installing {' '.join(reqs)} into {venv}", flush=True)
+    if not py.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, reqs[0]], check=True)
+    subprocess.run([*pip, *reqs[1:]], check=True)
+    for old in venv.glob(".installed-*"):
+        old.unlink()
+    stamp.touch()
+    return py
+
+
+def venv_versions(py: Path) -> dict[str, str]:
+    code = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
+            "('trl', 'torch', 'transformers', 'accelerate', 'datasets')}))")
+    return json.loads(subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True).stdout)
+
+
+# ---------------------------------------------------------------------- the two runs
+
+
+def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's run; its steps as ``{"step", "reward", "t"}`` (seconds since its first step
+    began) and the startup seconds (launch to the first step)."""
+    work = args.out / "trl"
+    if work.exists():
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
+    (work / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in step_records(cfg, args.steps)))
+    s = cfg.train.scheduler
+    spec = {"model": cfg.model.path, "records_path": str(work / "records.jsonl"), "steps_path": str(work / "steps.jsonl"),
+            "reward": cfg.rl.reward.function, "max_length": cfg.data.max_length,
+            "lr_factors": [lr_factor(i, s, args.steps) for i in range(args.steps)],
+            "grpo_config": grpo_config(cfg, args.nproc, args.steps, work)}
+    (work / "spec.json").write_text(json.dumps(spec, indent=2))
+    cmd = [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           str(WORKER), str(work / "spec.json")]
+    # the thread count shardwise's run gets (rollout_engines.run_one); nothing of shardwise's venv
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ACCELERATE_USE_CPU": "true",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    launched = time.time()
+    res = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=args.timeout)
+    wall = time.time() - launched
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    (args.out / "logs" / "trl.log").write_text(f"$ {' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
+    steps_path = work / "steps.jsonl"
+    if res.returncode != 0 or not steps_path.is_file():
+        last = (res.stderr.strip().splitlines() or ["?"])[-1]
+        return {"name": "trl", "error": last, "wall_s": wall}
+    lines = [json.loads(x) for x in steps_path.read_text().splitlines()]
+    start = lines[0]["train_start"]
+    return {"name": "trl", "wall_s": wall, "startup_s": start - launched,
+            "steps": [{"step": m["step"], "reward": m["reward"], "t": m["time"] - start} for m in lines]}
+
+
+def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """`shardwise rl`'s run through `rollout_engines.run_one` (engine hf); its steps and startup
+    as `run_trl`'s. Its clock starts at the first step's start (``time`` of step 1's metrics
+    line minus its ``time/step``), after Ray, the workers and the held-out evaluation."""
+    rollout_engines.CONFIG = cfg_path  # run_one runs the module's config: ours
+    ns = SimpleNamespace(nproc=args.nproc, steps=args.steps, out=args.out, timeout=args.timeout,
+                         model_overrides=overrides)
+    launched = time.time()
+    r = rollout_engines.run_one("shardwise", "hf", [], ns)
+    if "error" in r:
+        return {"name": "shardwise", "error": r["error"], "wall_s": r["wall_s"]}
+    lines = [json.loads(x) for x in (args.out / "runs" / "shardwise_hf" / "metrics.jsonl").read_text().splitlines()]
+    start = lines[0]["time"] - lines[0]["time/step"]
+    return {"name": "shardwise", "wall_s": r["wall_s"], "startup_s": start - launched,
+            "accuracy_line": r["accuracy_line"],
+            "steps": [{"step": m["step"], "reward": m["reward/mean"], "t": m["time"] - start} for m in lines]}
+
+
+# ---------------------------------------------------------------------- the numbers
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the `window` - 1 before it (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+
+
+def reward_at(run: dict[str, Any], t: float, window: int) -> float | None:
+    """The mean reward of the last `window` steps `run` had finished by `t` seconds (None: none yet)."""
+    done = [s["reward"] for s in run["steps"] if s["t"] <= t]
+    return statistics.fmean(done[-window:]) if done else None
+
+
+def time_to_reach(run: dict[str, Any], reward: float, window: int) -> float | None:
+    """Seconds until the mean reward of `run`'s last `window` steps first reaches `reward`
+    (None: never). Only full windows count (the whole run if it is shorter), so one lucky
+    early step does not."""
+    means = trailing_mean([s["reward"] for s in run["steps"]], window)
+    first = min(window, len(means)) - 1
+    return next((s["t"] for s, m in list(zip(run["steps"], means))[first:] if m >= reward), None)
+
+
+def summarise(r: dict[str, Any], window: int) -> None:
+    """Add s/step (mean step after the first, which warms up), steps/s, the mean reward of the
+    first and of the last `window` steps (the final mean reward), the mean reward over all
+    steps and the total time."""
+    t = [0.0] + [s["t"] for s in r["steps"]]
+    durations = [b - a for a, b in itertools.pairwise(t)]
+    timed = durations[1:] if len(durations) > 1 else durations
+    rewards = [s["reward"] for s in r["steps"]]
+    r.update(step_s=statistics.fmean(timed), steps_per_s=1.0 / statistics.fmean(timed), train_s=t[-1],
+             first_reward=statistics.fmean(rewards[:window]), final_reward=statistics.fmean(rewards[-window:]),
+             mean_reward=statistics.fmean(rewards))
+
+
+def compare(runs: dict[str, dict[str, Any]], window: int) -> dict[str, Any]:
+    """The issue's comparison: each side's reward at TRL's total and half wall time, and
+    shardwise's time to TRL's final mean reward as a share of TRL's wall time."""
+    trl, sw = runs.get("trl"), runs.get("shardwise")
+    if not trl or not sw or "error" in trl or "error" in sw:
+        return {}
+    total = trl["train_s"]
+    out: dict[str, Any] = {"trl_train_s": total}
+    for name, r in runs.items():
+        out[f"{name}_reward_at_trl_time"] = reward_at(r, total, window)
+        out[f"{name}_reward_at_half_trl_time"] = reward_at(r, total / 2, window)
+    reach = time_to_reach(sw, trl["final_reward"], window)
+    out["shardwise_s_to_trl_final_reward"] = reach
+    out["time_ratio"] = None if reach is None else reach / total
+    out["time_target_met"] = reach is not None and reach / total <= TARGET_TIME_RATIO
+    out["curve_target_met"] = sw["mean_reward"] >= trl["mean_reward"]
+    return out
+
+
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: list[Setting],
+           versions: dict[str, dict[str, str]], window: int) -> str:
+    lines = [("| system | versions | s / step | steps / s | startup s | train s | reward first "
+              f"{window} steps -> final (last {window}) | mean reward, all steps | reward at TRL's time | "
+              "at half TRL's time |"),
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for name, r in runs.items():
+        v = ", ".join(f"{k} {x}" for k, x in versions[name].items())
+        if "error" in r:
+            lines.append(f"| {name} | {v} | unavailable: {r['error']} |" + " |" * 7)
+            continue
+        lines.append(f"| {name} | {v} | {r['step_s']:.3f} | {r['steps_per_s']:.2f} | {r['startup_s']:.1f} | "
+                     f"{r['train_s']:.1f} | {r['first_reward']:.3f} -> {r['final_reward']:.3f} | {r['mean_reward']:.3f} | "
+                     f"{fmt(cmp.get(f'{name}_reward_at_trl_time'))} | {fmt(cmp.get(f'{name}_reward_at_half_trl_time'))} |")
+    if cmp:
+        ratio = cmp["time_ratio"]
+        sw = runs["shardwise"]
+        reached = (f"{cmp['shardwise_s_to_trl_final_reward']:.1f} s / {cmp['trl_train_s']:.1f} s = {ratio:.2f}"
+                   if ratio is not None else
+                   f"not reached in {sw['train_s']:.1f} s (> {sw['train_s'] / cmp['trl_train_s']:.2f})")
+        gain = runs["trl"]["final_reward"] - runs["trl"]["first_reward"]
+        verdict = (f"shardwise's wall time to TRL's final mean reward ({runs['trl']['final_reward']:.3f}, "
+                   f"its trailing {window}-step mean, {gain:+.3f} over its first {window} steps: a ratio worth "
+                   f"reading only when that is well above the noise) / TRL's wall time: {reached}; "
+                   f"target <= {TARGET_TIME_RATIO}: "
+                   f"**{'met' if cmp['time_target_met'] else 'not met'}**. Per-step curve at least as good "
+                   f"(mean reward over all steps {sw['mean_reward']:.3f} vs {runs['trl']['mean_reward']:.3f}): "
+                   f"**{'met' if cmp['curve_target_met'] else 'not met'}**.")
+        lines += ["", verdict]
+    lines += ["", "| setting | shardwise key | value | TRL GRPOConfig | value | note |", "|---|---|---|---|---|---|"]
+    for s in setting_rows:
+        lines.append(f"| {s.what} | `{s.key}` | {s.value} | `{s.field}` | {s.trl_value} | {s.note} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for (name, r), color in zip(runs.items(), ("tab:orange", "tab:blue")):
+        if "error" in r:
+            continue
+        rewards = [s["reward"] for s in r["steps"]]
+        xs = {"step": [s["step"] for s in r["steps"]], "t": [s["t"] for s in r["steps"]]}
+        for ax, key in zip(axes, ("step", "t")):
+            ax.plot(xs[key], rewards, color=color, alpha=0.25, linewidth=1)
+            ax.plot(xs[key], trailing_mean(rewards, smooth), color=color,
+                    label=f"{name} ({r['step_s']:.2f} s/step)")
+    for ax, title, xlabel in zip(axes, ("reward per step", "reward per wall-clock second"),
+                                 ("step", "seconds since the first step began")):
+        ax.set_title(f"{title} (faint: raw; line: mean of {smooth} steps)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean reward")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--config", type=Path, default=rollout_engines.CONFIG, help="the shardwise RL config")
+    p.add_argument("--model", default=None, help="the SFT model folder (default: the config's model.path)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--out", type=Path, default=REPO / "results" / "rl_vs_trl")
+    p.add_argument("--venv", type=Path, default=REPO / "results" / "venv-trl", help="TRL's venv")
+    p.add_argument("--skip-trl-install", action="store_true", help="use --venv as it is")
+    p.add_argument("--window", type=int, default=10, help="steps in the final mean reward")
+    p.add_argument("--smooth", type=int, default=5, help="steps in the plot's moving average")
+    p.add_argument("--timeout", type=float, default=3600)
+    args = p.parse_args()
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = args.config.resolve()
+    # The model folder as an absolute path (the config's is relative to the repository,
+    # where the shardwise run starts; --model to the working directory), one metrics line
+    # per step, and the length; the rest is the config's, for both runs.
+    model = Path(args.model).resolve() if args.model else REPO / (load_config(config).model.path or "")
+    if not (model / "config.json").is_file():
+        raise SystemExit(f"rl_vs_trl: no model folder at {model}: run `make demo` or pass --model")
+    overrides = [f"model.path={model}", "train.log_every=1"]
+    cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}", "rl.rollout.engine=hf"])
+    setting_rows = settings(cfg, args.nproc, args.steps)
+
+    py = ensure_venv(args.venv, args.skip_trl_install)
+    versions = {"trl": venv_versions(py),
+                "shardwise": {p: version(p) for p in ("shardwise", "torch", "transformers", "ray")}}
+    runs: dict[str, dict[str, Any]] = {}
+    for name in ("trl", "shardwise"):
+        r = run_trl(py, cfg, args) if name == "trl" else run_shardwise(config, overrides, args)
+        if "error" not in r:
+            summarise(r, args.window)
+        runs[name] = r
+        print(f"{name}: " + (f"unavailable: {r['error']}" if "error" in r else
+                             f"{r['step_s']:.3f} s/step, startup {r['startup_s']:.1f} s, "
+                             f"final mean reward {r['final_reward']:.3f}"), flush=True)
+    cmp = compare(runs, args.window)
+    head = (f"TRL `GRPOTrainer` vs `shardwise rl {config.relative_to(REPO) if config.is_relative_to(REPO) else config}`, "
+            f"{args.steps} steps each, {args.nproc} CPU processes each (OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', '1')}), {platform.machine()} {os.cpu_count()} CPUs. s / step: mean "
+            "of the steps after the first; clocks start when the first step begins (startup apart).\n\n")
+    md = head + tables(runs, cmp, setting_rows, versions, args.window)
+    (args.out / "rl_vs_trl.md").write_text(md + "\n")
+    (args.out / "rl_vs_trl.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions,
+         "settings": [s.__dict__ for s in setting_rows], "comparison": cmp, "runs": runs}, indent=2, default=str) + "\n")
+    plot(runs, args.out / "rl_vs_trl.png", args.smooth)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
