@@ -27,9 +27,10 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from _rl_job import run_rl
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -63,25 +64,17 @@ def ensure_model(args: argparse.Namespace) -> None:
 
 
 def run_one(name: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    run_dir = args.out / "runs" / name
-    if run_dir.exists():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     model = [f"model.path={args.model}"] if args.model else []
-    cmd = [sys.executable, "-m", "shardwise.cli", "rl", str(args.config), "--nproc", str(args.nproc),
-           f"run.dir={run_dir}", f"train.max_steps={args.steps}", "checkpoint.every_steps=0",
-           "checkpoint.export_hf=false", "train.log_every=1", f"run.seed={args.seed}", *model, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    t0 = time.perf_counter()
-    res = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - t0
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    (args.out / "logs" / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
-    if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or ["?"])[-1]
-        return {"name": name, "overrides": overrides, "error": last, "wall_s": wall}
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    greedy = re.search(r"held-out accuracy \(greedy\): before RL ([0-9.]+)%, after RL ([0-9.]+)%", res.stdout)
-    sampled = re.findall(r"(pass@\d+) ([0-9.]+)% -> ([0-9.]+)%", res.stdout)
+    job = run_rl(args.config, args.out / "runs" / name,
+                 [f"train.max_steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
+                  "train.log_every=1", f"run.seed={args.seed}", *model, *overrides],
+                 nproc=args.nproc, log=args.out / "logs" / f"{name}.log", timeout=args.timeout)
+    wall = job["wall_s"]
+    if "error" in job:
+        return {"name": name, "overrides": overrides, "error": job["error"], "wall_s": wall}
+    steps = job["steps"]
+    greedy = re.search(r"held-out accuracy \(greedy\): before RL ([0-9.]+)%, after RL ([0-9.]+)%", job["stdout"])
+    sampled = re.findall(r"(pass@\d+) ([0-9.]+)% -> ([0-9.]+)%", job["stdout"])
     reward = [m["reward/mean"] for m in steps]
     return {
         "name": name, "overrides": overrides, "wall_s": wall, "steps": len(steps),

@@ -24,11 +24,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from _rl_job import run_rl
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -50,25 +50,17 @@ ENGINES = ("hf", "vllm")
 
 
 def run_one(name: str, engine: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    run_dir = args.out / "runs" / f"{name}_{engine}"
-    if run_dir.exists():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    cmd = [sys.executable, "-m", "shardwise.cli", "rl", str(CONFIG), "--nproc", str(args.nproc),
-           f"run.dir={run_dir}", f"train.max_steps={args.steps}", "checkpoint.every_steps=0",
-           "checkpoint.export_hf=false", f"rl.rollout.engine={engine}", *args.model_overrides, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    t0 = time.perf_counter()
-    res = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - t0
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    (args.out / "logs" / f"{name}_{engine}.log").write_text(f"$ {' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
-    if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or ["?"])[-1]
-        return {"name": name, "engine": engine, "error": last, "wall_s": wall}
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    job = run_rl(CONFIG, args.out / "runs" / f"{name}_{engine}",
+                 [f"train.max_steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
+                  f"rl.rollout.engine={engine}", *args.model_overrides, *overrides],
+                 nproc=args.nproc, log=args.out / "logs" / f"{name}_{engine}.log", timeout=args.timeout,
+                 env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+    wall = job["wall_s"]
+    if "error" in job:
+        return {"name": name, "engine": engine, "error": job["error"], "wall_s": wall}
+    steps = job["steps"]
     timed = steps[1:] if len(steps) > 1 else steps
-    accuracy = [ln for ln in res.stdout.splitlines() if "held-out accuracy" in ln]
+    accuracy = [ln for ln in job["stdout"].splitlines() if "held-out accuracy" in ln]
 
     def mean(key: str) -> float:
         return statistics.fmean(m.get(key, 0.0) for m in timed)
