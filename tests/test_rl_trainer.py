@@ -60,7 +60,8 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     common = [*TINY, "checkpoint.every_steps=2", "checkpoint.export_hf=false",
               "rl.reward.function=toy_reward:ones", f"rl.reward.model={tmp_path / 'rm'}",
               "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true", "rl.critic.lr=1e-3",
-              "rl.actor.on_policy_shortcut=false"]  # the old-log-prob forward path (the demo test: the other)
+              "rl.actor.on_policy_shortcut=false",  # the old-log-prob forward path (the demo test: the other)
+              "rl.heldout_eval=false"]
     whole = tmp_path / "whole"
     rl(whole, *common, "train.max_steps=4", cwd=tmp_path)
     parts = tmp_path / "parts"
@@ -192,7 +193,7 @@ def test_ppo_with_critic_lowers_value_loss(sft_demo_model, tmp_path):
     run_dir = tmp_path / "ppo"
     rl(run_dir, f"model.path={sft_demo_model}", "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true",
        "rl.critic.lr=1e-3", "rl.critic.colocated=false", "train.max_steps=8", "train.global_batch_size=16", "checkpoint.every_steps=4",
-       "checkpoint.export_hf=false", config=DEMO)
+       "checkpoint.export_hf=false", "rl.heldout_eval=false", config=DEMO)
     m = metrics(run_dir)
     vf = [x["critic/vf_loss"] for x in m]
     # The targets move with the policy, so the loss is not monotone; measured on this

@@ -434,6 +434,9 @@ class RLConfig(Section):
     """Discount per token (gae, reinforce_plus_plus)."""
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
     """GAE lambda."""
+    heldout_eval: bool = True
+    """Built-in tasks: score the policy on the task's 200 held-out prompts before and after
+    RL (greedy accuracy; pass@1 and pass@n sampled at the rollout temperature)."""
     record_batches: NonNeg = 0
     """Write the whole batch of each of the first this many steps (prompts, responses,
     masks, rollout / old / reference log-probs, scores, advantages) to

@@ -291,13 +291,18 @@ class Controller:
     # -- evaluation
     def evaluate(self) -> float | None:
         """Greedy held-out accuracy of the current policy on a built-in task (None for file
-        data), by the same function every job reports it with."""
+        data or ``rl.heldout_eval: false``), by the same function every job reports it with."""
+        if not self.cfg.rl.heldout_eval:
+            return None
         return heldout_accuracy(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
                                 self.cfg.run.seed, self.cfg.data.max_length)
 
     def evaluate_sampled(self) -> dict[str, float] | None:
         """pass@1 and pass@n (n = ``rl.rollout.n``) of the current policy, sampled at the
-        rollout temperature on the held-out prompts of a built-in task (None for file data)."""
+        rollout temperature on the held-out prompts of a built-in task (None for file data or
+        ``rl.heldout_eval: false``)."""
+        if not self.cfg.rl.heldout_eval:
+            return None
         return heldout_pass_at_k(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
                                  self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n)
 
