@@ -7,7 +7,7 @@ response length, sampling, learning rate and schedule, AdamW settings, clip rati
 coefficient and loss aggregation, each with `--nproc` CPU processes:
 
 - shardwise: the real command, ``python -m shardwise.cli rl <config> --nproc N ...`` in a
-  fresh run folder (`rollout_engines.run_one`, engine hf), read from its metrics.jsonl;
+  fresh run folder (`_rl_job.run_rl`, engine hf), read from its metrics.jsonl;
 - TRL: `_trl_grpo_worker.py` under ``torch.distributed.run`` (gloo) in a venv of its own
   (``--venv``, default results/venv-trl; TRL is no shardwise dependency), which this
   script creates with pip on its first run: torch first (the version shardwise runs on),
@@ -20,7 +20,7 @@ Every setting is read from the shardwise config (``--config``), so both sides fo
 
 Writes rl_vs_trl.{json,md,png} to --out (default results/rl_vs_trl) and prints the table.
 Needs the config's SFT model (its model.path; the demo's: `make demo`) unless --model names
-another. --config defaults to the demo's RL config, `rollout_engines.CONFIG`.
+another. --config defaults to the demo's RL config, examples/grpo_reverse.yaml.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import rollout_engines
+from _rl_job import run_rl
 
 from shardwise.config import Config, load_config
 from shardwise.data.sampler import GlobalBatchSampler
@@ -260,7 +259,7 @@ def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     (work / "spec.json").write_text(json.dumps(spec, indent=2))
     cmd = [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            str(WORKER), str(work / "spec.json")]
-    # the thread count shardwise's run gets (rollout_engines.run_one); nothing of shardwise's venv
+    # the thread count shardwise's run gets (_rl_job.run_rl); nothing of shardwise's venv
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ACCELERATE_USE_CPU": "true",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -281,20 +280,21 @@ def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """`shardwise rl`'s run through `rollout_engines.run_one` (engine hf); its steps and startup
-    as `run_trl`'s. Its clock starts at the first step's start (``time`` of step 1's metrics
+    """`shardwise rl`'s run (`_rl_job.run_rl`, engine hf); its steps and startup as
+    `run_trl`'s. Its clock starts at the first step's start (``time`` of step 1's metrics
     line minus its ``time/step``), after Ray, the workers and the held-out evaluation."""
-    rollout_engines.CONFIG = cfg_path  # run_one runs the module's config: ours
-    ns = SimpleNamespace(nproc=args.nproc, steps=args.steps, out=args.out, timeout=args.timeout,
-                         model_overrides=overrides)
     launched = time.time()
-    r = rollout_engines.run_one("shardwise", "hf", [], ns)
-    if "error" in r:
-        return {"name": "shardwise", "error": r["error"], "wall_s": r["wall_s"]}
-    lines = [json.loads(x) for x in (args.out / "runs" / "shardwise_hf" / "metrics.jsonl").read_text().splitlines()]
+    job = run_rl(cfg_path, args.out / "runs" / "shardwise_hf",
+                 [f"train.max_steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
+                  "rl.rollout.engine=hf", *overrides],
+                 nproc=args.nproc, log=args.out / "logs" / "shardwise_hf.log", timeout=args.timeout)
+    if "error" in job:
+        return {"name": "shardwise", "error": job["error"], "wall_s": job["wall_s"]}
+    lines = job["steps"]
     start = lines[0]["time"] - lines[0]["time/step"]
-    return {"name": "shardwise", "wall_s": r["wall_s"], "startup_s": start - launched,
-            "accuracy_line": r["accuracy_line"],
+    accuracy = [ln.strip() for ln in job["stdout"].splitlines() if "held-out accuracy" in ln]
+    return {"name": "shardwise", "wall_s": job["wall_s"], "startup_s": start - launched,
+            "accuracy_line": accuracy[0] if accuracy else "",
             "steps": [{"step": m["step"], "reward": m["reward/mean"], "t": m["time"] - start} for m in lines]}
 
 
@@ -423,7 +423,7 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--config", type=Path, default=rollout_engines.CONFIG, help="the shardwise RL config")
+    p.add_argument("--config", type=Path, default=REPO / "examples" / "grpo_reverse.yaml", help="the shardwise RL config")
     p.add_argument("--model", default=None, help="the SFT model folder (default: the config's model.path)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", type=Path, default=REPO / "results" / "rl_vs_trl")

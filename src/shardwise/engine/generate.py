@@ -403,11 +403,16 @@ def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str,
     """
     if not source.startswith(BUILTIN_PREFIX):
         return None
-    task = get_builtin_task(source)
-    records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
-    batch = prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)])
+    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n)
     batch.meta.update(seed=0, greedy=True, max_new_tokens=task.max_new_tokens)
     return score_accuracy(generate(batch), tokenizer, task.score)
+
+
+def _heldout_batch(tokenizer, source: str, seed: int, max_length: int, n: int) -> tuple[Any, Batch]:
+    """The built-in task of `source` and the prompt batch of its `n` held-out examples."""
+    task = get_builtin_task(source)
+    records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
+    return task, prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)])
 
 
 def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
@@ -419,9 +424,8 @@ def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str
     greedy accuracy."""
     if not source.startswith(BUILTIN_PREFIX):
         return None
-    task = get_builtin_task(source)
-    records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
-    batch = prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)]).repeat(k, interleave=True)
+    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n)
+    batch = batch.repeat(k, interleave=True)
     batch.meta.update(seed=seed, greedy=False, max_new_tokens=task.max_new_tokens)
     out = generate(batch)
     scores = score_sequences(out, tokenizer, task.score).tensors["token_level_scores"].sum(-1)

@@ -581,12 +581,21 @@ def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
     m = _bool_mask(mask, old_logp)
     if not bool(m.any()):
         return {}
-    diff = (old_logp - rollout_logp).float()[m]
-    ratio = torch.exp(torch.clamp(diff, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    return {"rollout/log_prob_diff_abs_mean": float(diff.abs().mean()),
-            "rollout/log_prob_diff_abs_max": float(diff.abs().max()),
+    diff, ratio = (x[m] for x in mismatch_terms(old_logp, rollout_logp, m))
+    return {"rollout/log_prob_diff_abs_mean": float(diff.mean()),
+            "rollout/log_prob_diff_abs_max": float(diff.max()),
             "rollout/importance_ratio_mean": float(ratio.mean()),
             "rollout/importance_ratio_max": float(ratio.max())}
+
+
+def mismatch_terms(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, fp32 and 0 outside `mask`: ``|old_logp - rollout_logp|`` and the importance
+    ratio ``exp(old_logp - rollout_logp)`` (`rollout_mismatch` reduces them)."""
+    m = _bool_mask(mask, old_logp)
+    diff = torch.where(m, (old_logp - rollout_logp).float(), 0.0)
+    ratio = torch.where(m, torch.exp(torch.clamp(diff, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)), 0.0)
+    return diff.abs(), ratio
 
 
 def value_loss(

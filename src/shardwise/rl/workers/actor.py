@@ -222,13 +222,11 @@ def _policy_metrics(metrics: dict[str, list[float]], logp: torch.Tensor, entropy
         k1 = alg.kl_penalty(logp, t["ref_log_probs"], "k1")
         metrics["kl"].append(float(alg.aggregate_loss(k1, mask, "token-mean", tokens)))
     if _MISMATCH_SHARES[0] in metrics:
-        diff = torch.where(mask, (logp - t["rollout_log_probs"]).float(), 0.0)
-        ratio = torch.where(mask, torch.exp(diff.clamp(-20.0, 20.0)), 0.0)
-        metrics[_MISMATCH_SHARES[0]].append(float(alg.aggregate_loss(diff.abs(), mask, "token-mean", tokens)))
-        metrics[_MISMATCH_SHARES[1]].append(float(alg.aggregate_loss(ratio, mask, "token-mean", tokens)))
-        if bool(mask.any()):
-            metrics[_MISMATCH_MAXES[0]].append(float(diff.abs().max()))
-            metrics[_MISMATCH_MAXES[1]].append(float(ratio.max()))
+        terms = alg.mismatch_terms(logp, t["rollout_log_probs"], mask)
+        for share, top, x in zip(_MISMATCH_SHARES, _MISMATCH_MAXES, terms):
+            metrics[share].append(float(alg.aggregate_loss(x, mask, "token-mean", tokens)))
+            if bool(mask.any()):
+                metrics[top].append(float(x.max()))
 
 
 def _is_share(key: str) -> bool:
