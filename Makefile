@@ -58,6 +58,7 @@ demo: $(STAMP)
 # TRL's GRPOTrainer, side by side (about 15 minutes): results/
 bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/train_configs.py
+	$(PY) benchmarks/encoder_memory.py    # seed 002's DDP vs FSDP memory table, measured on a BERT (~1.5 min)
 	$(PY) benchmarks/gpu_throughput.py
 	test -d runs/sft_reverse/hf || $(MAKE) demo
 	$(PY) benchmarks/rollout_engines.py

@@ -365,7 +365,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     ...}`` (weights are the DCP keys ``model.<hf name>``) and ``meta.json`` with the run's
     Config under ``"config"``. The HF config comes from that Config's `model` section; the
     tokenizer from `tokenizer_dir` or `find_tokenizer_dir`. `task` defaults to
-    ``meta["task"]`` or causal_lm. Tensors are read a batch (~`READ_BATCH_BYTES`) at a time,
+    ``meta["task"]`` or the run's ``model.task``. Tensors are read a batch (~`READ_BATCH_BYTES`) at a time,
     through the checkpoint module's `SafeFileSystemReader` (no arbitrary unpickling).
     A folder with COMMITTED is verified first (`verify_checkpoint`: sizes and SHA-256
     digests); a damaged one is an ExportError naming the folder and the first problem.
@@ -392,7 +392,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     cfg = config_from_dict(meta["config"])
     hf_config = load_hf_config(cfg.model)
     # names only, no memory; patched like the run's model so the names match its checkpoint
-    model = patch_model(build_meta_model(cfg.model, task or meta.get("task", "causal_lm")), cfg)
+    model = patch_model(build_meta_model(cfg.model, task or meta.get("task", cfg.model.task)), cfg)
     dtype = _resolve_dtype(dtype)
 
     md = SafeFileSystemReader(str(ckpt)).read_metadata()

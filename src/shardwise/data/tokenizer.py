@@ -7,7 +7,11 @@ is one token and decoding joins tokens with nothing in between, so
 outside the vocabulary become ``<unk>``.
 
 Encoding adds no special tokens (there is no post-processor); callers that want ``<bos>``
-or ``<eos>`` add them (see `shardwise.data.collate.tokenize_pair`).
+or ``<eos>`` add them (see `shardwise.data.collate.tokenize_pair`). The encoder variant
+(``encoder=True``, for ``model.task`` masked_lm / sequence_classification) is the same
+vocabulary plus ``<mask>``, with ``<bos>`` as the cls token and ``<eos>`` as the sep token,
+and it frames every text as ``<bos> text <eos>`` (as a BERT tokenizer frames
+``[CLS] text [SEP]``), so plain transformers (a fill-mask pipeline) uses it as it was trained.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import string
 from pathlib import Path
 
 import torch.distributed as dist
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from shardwise.errors import ConfigError
@@ -37,20 +41,33 @@ CHAR_VOCAB: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CH
 CHAR_VOCAB_SIZE: int = len(CHAR_VOCAB)
 """Total vocabulary size (special tokens included): a tiny model's `vocab_size`."""
 
+MASK_TOKEN = "<mask>"
+"""The encoder variant's mask token, id CHAR_VOCAB_SIZE (after every other token)."""
 
-def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
+
+def build_char_tokenizer(out_dir: str | Path, encoder: bool = False) -> PreTrainedTokenizerFast:
     """Build the character tokenizer, save it to `out_dir` and return it.
+
+    `encoder`: the encoder variant (module docstring): CHAR_VOCAB_SIZE + 1 tokens, mask
+    ``<mask>`` = CHAR_VOCAB_SIZE, cls ``<bos>``, sep ``<eos>``, and encoding adds them.
 
     `out_dir` receives ``tokenizer.json`` and ``tokenizer_config.json`` (created if
     missing). The returned tokenizer has pad ``<pad>`` = 0, bos ``<bos>`` = 1,
     eos ``<eos>`` = 2 and unk ``<unk>`` = 3, pads on the right, and does not clean up
     spaces when decoding (that would break the exact round trip).
     """
-    backend = Tokenizer(models.WordLevel(vocab=dict(CHAR_VOCAB), unk_token=UNK_TOKEN))
+    vocab = dict(CHAR_VOCAB) | ({MASK_TOKEN: CHAR_VOCAB_SIZE} if encoder else {})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # `[\s\S]` rather than `.` so that a newline is a character like any other.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins the token strings with nothing in between (WordLevel's default is a space).
     backend.decoder = decoders.Fuse()
+    extra = {}
+    if encoder:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A {EOS_TOKEN}", pair=f"{BOS_TOKEN} $A {EOS_TOKEN} $B {EOS_TOKEN}",
+            special_tokens=[(BOS_TOKEN, CHAR_VOCAB[BOS_TOKEN]), (EOS_TOKEN, CHAR_VOCAB[EOS_TOKEN])])
+        extra = {"cls_token": BOS_TOKEN, "sep_token": EOS_TOKEN, "mask_token": MASK_TOKEN}
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -60,8 +77,9 @@ def build_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         padding_side="right",
         clean_up_tokenization_spaces=False,
+        **extra,
     )
-    assert len(tokenizer) == CHAR_VOCAB_SIZE, (len(tokenizer), CHAR_VOCAB_SIZE)
+    assert len(tokenizer) == len(vocab), (len(tokenizer), len(vocab))
     assert tokenizer.pad_token_id == 0 and tokenizer.unk_token_id == 3
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,11 +97,13 @@ def has_tokenizer_files(folder: str | Path) -> bool:
     return folder.is_dir() and any(any(folder.glob(p)) for p in TOKENIZER_PATTERNS)
 
 
-def tokenizer_dir(tokenizer: str | None, model_path: str | None, run_dir: str | Path, build: bool) -> Path:
+def tokenizer_dir(tokenizer: str | None, model_path: str | None, run_dir: str | Path, build: bool,
+                  encoder: bool = False) -> Path:
     """The folder of a run's tokenizer: ``model.tokenizer`` (which must hold tokenizer
     files); else ``model.path`` if it holds them; else ``<run.dir>/tokenizer``, where the
-    built-in character tokenizer is built when none is there yet and `build` is set (only
-    one process of a job may build it). Raises ConfigError on ``model.tokenizer``."""
+    built-in character tokenizer (its `encoder` variant) is built when none is there yet
+    and `build` is set (only one process of a job may build it). Raises ConfigError on
+    ``model.tokenizer``."""
     if tokenizer is not None and not has_tokenizer_files(tokenizer):
         raise ConfigError("model.tokenizer", f"{tokenizer!r} holds no tokenizer files",
                           "point it at a folder with tokenizer.json (or vocab files), or leave it unset")
@@ -91,32 +111,34 @@ def tokenizer_dir(tokenizer: str | None, model_path: str | None, run_dir: str | 
     if found is None:
         found = Path(run_dir) / "tokenizer"
         if build:
-            build_char_tokenizer(found)
+            build_char_tokenizer(found, encoder=encoder)
     return found
 
 
-def load_tokenizer(folder: str | Path):
-    """The tokenizer saved in `folder`; it must define an eos token (SFT appends it to
-    every response and generation stops at it). Raises ConfigError otherwise."""
+def load_tokenizer(folder: str | Path, require_eos: bool = True):
+    """The tokenizer saved in `folder`; with `require_eos` it must define an eos token (SFT
+    appends it to every response and generation stops at it; encoders need none). Raises
+    ConfigError otherwise."""
     tok = AutoTokenizer.from_pretrained(str(folder))
-    if tok.eos_token_id is None:
+    if require_eos and tok.eos_token_id is None:
         raise ConfigError("model.tokenizer", f"the tokenizer in {str(folder)!r} has no eos token",
                           "responses end with eos and generation stops at it; use a tokenizer that defines one")
     return tok
 
 
-def shared_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path):
+def shared_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path, encoder: bool = False):
     """(tokenizer, its folder) for every rank of a job: rank 0 finds or builds the folder
     and broadcasts where it is, the others load it from there. Collective when a process
-    group exists (a rank that looked for itself could miss a folder rank 0 is writing)."""
+    group exists (a rank that looked for itself could miss a folder rank 0 is writing).
+    `encoder`: build the encoder variant when building, and need no eos token."""
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     where: list[str | None] = [None]
     if rank == 0:
-        where[0] = str(tokenizer_dir(tokenizer, model_path, run_dir, build=True))
+        where[0] = str(tokenizer_dir(tokenizer, model_path, run_dir, build=True, encoder=encoder))
     if distributed:
         dist.broadcast_object_list(where, src=0)  # a path string, from our own rank 0
-    return load_tokenizer(where[0]), where[0]
+    return load_tokenizer(where[0], require_eos=not encoder), where[0]
 
 
 def locate_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path) -> Path | None:
