@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +22,11 @@ import pytest
 import yaml
 from dist.common import (
     TINY_QWEN3,
+    TINY_QWEN25_VL,
     TINY_QWEN3_MOE,
     loss_tokens,
     make_global_batch,
+    make_vl_batch,
     micro_batches_of,
 )
 from dist.launcher import run_cli, run_ranks
@@ -101,9 +104,15 @@ EXAMPLES = [
                                                                   "parallel.fsdp_size": 4}),
     Example("roll_text.yaml", "roll", world=16, plan_overrides=BATCH_16, converted={
         "fsdp.wrap.classes": ["Qwen3DecoderLayer"], "fsdp.recompute.modules": ["Qwen3DecoderLayer"]}),
-    Example("roll_vl.yaml", "roll", world=8, converted={"model.freeze": ["vision_model"], "parallel.ulysses_size": 2},
-            plan_edits=(("vision_model", "model.embed_tokens"),),  # the tiny stand-in has no vision tower
-            train_edits=(("vision_model", "model.embed_tokens"),)),
+    Example("roll_vl.yaml", "roll", model=TINY_QWEN25_VL, world=8,
+            converted={"model.freeze": ["vision_model"], "parallel.ulysses_size": 2},
+            # ROLL's gradient checkpointing converts to model.layers.{*} (decoder-only LMs); a VL
+            # model's decoder layers sit under model.language_model
+            overrides=("fsdp.recompute.modules=[model.language_model.layers.{*}]",),
+            plan_edits=(("vision_model", "model.visual"),),  # ROLL's prefix -> HF Qwen2.5-VL's tower
+            # Ulysses does not split image tokens: `shardwise train` refuses it for a VL model
+            # (tests/test_vl.py), so the training run takes the seed's other keys on 2 ranks.
+            train_edits=(("vision_model", "model.visual"), ("ulysses_size: 2", "ulysses_size: 1"))),
     Example("roll_moe.yaml", "roll", model=TINY_QWEN3_MOE, world=16, plan_overrides=BATCH_16, converted={
         "fsdp.moe_expert_patch": True, "fsdp.wrap.moe_experts": ["Qwen3MoeMLP"]}),
     Example("rlinf_layered.yaml", "rlinf", world=2, converted={
@@ -248,7 +257,7 @@ def test_plan_of_every_seed_example(example: Example, tmp_path, capsys) -> None:
         "mindspeed_defaults": [2, 1]}[name]
     assert mesh["shape"] == expected_mesh
     assert mesh["ulysses"] == (2 if name in ("roll_ulysses", "roll_mesh_ulysses", "roll_vl") else 1)
-    layers = [p for p in units if p.startswith("model.layers.") and p.count(".") == 2]
+    layers = [p for p in units if re.fullmatch(r"model\.(language_model\.)?layers\.\d+", p)]
     if example.dialect == "roll":
         gc = name != "roll_infer"
         assert layers and all(units[p]["recompute"] is gc for p in layers)
@@ -257,8 +266,10 @@ def test_plan_of_every_seed_example(example: Example, tmp_path, capsys) -> None:
         assert plan["model_dtype"] == "bf16" and plan["world_size"] == 16  # from device_mapping
     if name == "roll_text":
         assert all(units[p]["sources"] == ["class:Qwen3DecoderLayer"] for p in layers)
-    if name == "roll_vl":
-        assert plan["frozen"] == ["model.embed_tokens.weight"]
+    if name == "roll_vl":  # the tower frozen, its blocks units that do not cast their inputs
+        assert plan["frozen"] and all(p.startswith("model.visual.") for p in plan["frozen"])
+        vision = [u for p, u in units.items() if p.startswith("model.visual.blocks.")]
+        assert len(vision) == 2 and not any(u["cast_forward_inputs"] for u in vision)
     if name == "roll_moe":
         experts = [p for p, u in units.items() if u["sources"] == ["moe_experts:Qwen3MoeMLP"]]
         assert len(experts) == 2 * 8  # 2 layers x 8 experts, each its own unit
@@ -286,6 +297,7 @@ def _train_examples(rank: int, world: int, cases: list[tuple[str, str, str, list
     """Each rank: two optimizer steps of every converted example, one engine after the other."""
     from shardwise.distributed.runtime import init_distributed, teardown
     from shardwise.engine.train import TrainEngine
+    from shardwise.models import vision
 
     runtime = init_distributed(timeout_s=60)
     out = {}
@@ -295,7 +307,10 @@ def _train_examples(rank: int, world: int, cases: list[tuple[str, str, str, list
         engine = TrainEngine(cfg, runtime)
         steps = []
         for step in range(2):
-            rows = make_global_batch(step, cfg.train.global_batch_size)
+            if vision.is_vision_language(engine.model.config):  # every forward of a VL model has its images
+                rows = make_vl_batch(step, cfg.train.global_batch_size, engine.model.config)
+            else:
+                rows = make_global_batch(step, cfg.train.global_batch_size)
             res = engine.train_step(micro_batches_of(rows, engine.dp_rank, engine.dp_size, cfg.train.micro_batch_size),
                                     loss_tokens(rows))
             steps.append([res.loss, res.grad_norm, res.lr, res.skipped])

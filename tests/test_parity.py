@@ -31,8 +31,10 @@ import pytest
 import torch
 from dist.common import (
     FP32,
+    TINY_BERT,
     TINY_LLAMA,
     TINY_QWEN3,
+    TINY_QWEN25_VL,
     assert_trained_params_close,
     reference_run,
     sharded_run,
@@ -72,11 +74,19 @@ CASES = {
     "ulysses_sp4_kv_repeat_hsdp": (4, 2, TINY_QWEN3, ["parallel.ulysses_size=4", "parallel.fsdp_size=2"], "fp32"),
     "bf16_params": (2, 2, TINY_QWEN3, [], "bf16"),
     "layered_fp32_in_bf16": (2, 2, TINY_QWEN3, ["fsdp.module_precision={model.norm: fp32, lm_head: fp32}"], "bf16"),
+    # encoders (seed 002): BERT with its masked-LM head (tied decoder) and with a classifier
+    "encoder_mlm_fsdp2": (2, 2, TINY_BERT, ["model.task=masked_lm"], "fp32"),
+    "encoder_mlm_bertlayer_shard_grad_op": (2, 2, TINY_BERT, ["model.task=masked_lm", "fsdp.wrap.classes=[BertLayer]",
+                                                              "parallel.sharding_strategy=SHARD_GRAD_OP"], "fp32"),
+    "encoder_cls_hsdp_2x2": (4, 1, TINY_BERT, ["model.task=sequence_classification", "parallel.fsdp_size=2"], "fp32"),
+    # vision-language (seed 001): Qwen2.5-VL, rows with images, the vision tower frozen, its
+    # blocks units that do not cast their inputs
+    "vl_frozen_tower": (2, 2, TINY_QWEN25_VL, ["model.freeze=[model.visual]"], "fp32"),
 }
 
 
 # Overrides that change the math (not only the sharding) apply to the reference as well.
-MATH_KEYS = ("model.freeze",)
+MATH_KEYS = ("model.freeze", "model.task")
 
 
 @lru_cache(maxsize=None)

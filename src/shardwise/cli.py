@@ -64,13 +64,13 @@ def format_plan(plan) -> str:
         f"strategy {m.strategy}  data-parallel {m.dp_size}  master dtype {plan.model_dtype}",
         "",
     ]
-    head = ["#", "unit", "from", "param", "reduce", "output", "store", "reshard", "offload", "recompute",
+    head = ["#", "unit", "from", "param", "reduce", "output", "cast in", "store", "reshard", "offload", "recompute",
             "prefetch fwd/bwd", "params"]
     rows = []
     for i, u in enumerate(plan.units):
         rows.append([
             str(i), u.path or "<root>", ",".join(u.sources), u.param_dtype, u.reduce_dtype,
-            u.output_dtype or "-", u.storage_dtype, str(u.reshard_after_forward).lower(),
+            u.output_dtype or "-", "yes" if u.cast_forward_inputs else "no", u.storage_dtype, str(u.reshard_after_forward).lower(),
             "cpu" if u.offload else "-", "yes" if u.recompute else "-",
             f"{len(u.prefetch_forward)}/{len(u.prefetch_backward)}", f"{u.num_params:,}",
         ])
@@ -92,7 +92,8 @@ def format_plan(plan) -> str:
     if plan.buffer_casts:
         extra.append("layered precision: " + ", ".join(f"{p}={d}" for p, d in plan.buffer_casts.items()))
     if plan.frozen:
-        extra.append(f"frozen parameters: {len(plan.frozen)}")
+        extra.append(f"frozen parameters: {len(plan.frozen)}"
+                     + (f" ({', '.join(plan.frozen[:3])}{', ...' if len(plan.frozen) > 3 else ''})"))
     if extra:
         lines += [""] + extra
     peak = {k: max(r[k] for r in plan.memory_per_rank_bytes) for k in plan.memory_per_rank_bytes[0]}
@@ -120,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     world = args.world_size if args.world_size is not None else ranks or env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     check_sft_batch(cfg.train, spec.dp_size)
-    _, plan = plan_for(cfg, spec)
+    _, plan = plan_for(cfg, spec, cfg.model.task)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,10 +20,28 @@ TINY_LLAMA = ("model.config={model_type: llama, hidden_size: 32, intermediate_si
               "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
               "vocab_size: 64, max_position_embeddings: 64, tie_word_embeddings: true}")
 
+TINY_QWEN25_VL = ("model.config={model_type: qwen2_5_vl, vision_start_token_id: 60, image_token_id: 61, "
+                  "video_token_id: 62, vision_end_token_id: 63, bos_token_id: 1, eos_token_id: 2, "
+                  "text_config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+                  "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 64, max_position_embeddings: 64, "
+                  "rope_scaling: {type: mrope, mrope_section: [1, 1, 2]}, tie_word_embeddings: false, "
+                  "bos_token_id: 1, eos_token_id: 2}, "
+                  "vision_config: {depth: 2, hidden_size: 32, intermediate_size: 64, num_heads: 2, "
+                  "out_hidden_size: 32, patch_size: 14, spatial_merge_size: 2, temporal_patch_size: 2, "
+                  "window_size: 56, fullatt_block_indexes: [1]}}")
+"""A tiny Qwen2.5-VL (examples/sft_colours.yaml's shape, smaller): its vision tokens sit past
+the built-in tokenizer's 57 characters."""
+
 TINY_QWEN3_MOE = ("model.config={model_type: qwen3_moe, hidden_size: 32, intermediate_size: 64, "
                   "moe_intermediate_size: 16, num_experts: 8, num_experts_per_tok: 2, num_hidden_layers: 2, "
                   "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, vocab_size: 64, "
                   "max_position_embeddings: 64, tie_word_embeddings: false}")
+
+TINY_BERT = ("model.config={model_type: bert, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+             "num_attention_heads: 4, vocab_size: 64, max_position_embeddings: 64, num_labels: 3, "
+             "hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}")
+"""A tiny BERT without dropout (a parity run needs the same forward on every rank); with
+model.task=masked_lm (tied decoder) or sequence_classification (3 classes)."""
 
 FP32 = ["fsdp.mixed_precision.param_dtype=fp32"]
 
@@ -39,14 +59,111 @@ def make_global_batch(step: int, size: int, seq: int = 12, vocab: int = 64, seed
     return rows
 
 
+def make_vl_batch(step: int, size: int, hf_config, seq: int = 14, image_size: int = 56, seed: int = 2468) -> list[dict]:
+    """`make_global_batch` for a VL model: each row ``bos <vision_start> <image> x n
+    <vision_end> text`` with random patches ``(N, D)`` for its image (grid 1 x s x s), and
+    random text tokens that are no vision token (ids 4 .. 56)."""
+    v = hf_config.vision_config
+    side = image_size // v.patch_size
+    n = side * side // v.spatial_merge_size ** 2
+    dim = 3 * v.temporal_patch_size * v.patch_size ** 2
+    g = torch.Generator().manual_seed(seed + step)
+    head = [1, hf_config.vision_start_token_id] + [hf_config.image_token_id] * n + [hf_config.vision_end_token_id]
+    rows = []
+    for _ in range(size):
+        ids = torch.cat([torch.tensor(head), torch.randint(4, 57, (seq - len(head),), generator=g)])
+        prompt = int(torch.randint(len(head), seq - 2, (1,), generator=g))
+        labels = ids.clone()
+        labels[:prompt] = -100
+        rows.append({"input_ids": ids, "labels": labels,
+                     "pixel_values": torch.randn((side * side, dim), generator=g),
+                     "image_grid_thw": torch.tensor([1, side, side])})
+    return rows
+
+
 def stack(rows: list[dict]) -> dict[str, torch.Tensor]:
     out = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    out.setdefault("attention_mask", torch.ones_like(out["input_ids"]))
     return out
 
 
 def loss_tokens(rows: list[dict]) -> int:
     return int(sum((r["labels"][1:] != -100).sum() for r in rows))
+
+
+ENCODER_SPECIAL = (0, 1, 2, 3)
+"""Token ids the encoder batches treat as pad, [CLS], [SEP] and [MASK]."""
+
+
+def _encoder_rows(step: int, size: int, seq: int = 12, vocab: int = 64, seed: int = 4321) -> list[dict]:
+    """`size` rows ``[CLS] tokens [SEP]`` of random lengths, padded with 0 to `seq`."""
+    g = torch.Generator().manual_seed(seed + step)
+    rows = []
+    for _ in range(size):
+        n = int(torch.randint(4, seq + 1, (1,), generator=g))
+        ids = torch.zeros(seq, dtype=torch.long)
+        ids[:n] = torch.randint(len(ENCODER_SPECIAL), vocab, (n,), generator=g)
+        ids[0], ids[n - 1] = 1, 2
+        mask = (torch.arange(seq) < n).long()
+        rows.append({"input_ids": ids, "attention_mask": mask})
+    return rows
+
+
+def make_mlm_batch(step: int, size: int, vocab: int = 64) -> list[dict]:
+    """Encoder rows masked by `shardwise.data.encoder.mask_tokens` (seed = step, index = row)."""
+    from shardwise.data.encoder import mask_tokens
+
+    rows = _encoder_rows(step, size, vocab=vocab)
+    ordinary = torch.arange(len(ENCODER_SPECIAL), vocab)
+    for i, r in enumerate(rows):
+        inputs, labels = mask_tokens(r["input_ids"].tolist(), set(ENCODER_SPECIAL), 3, ordinary, step, i)
+        r["input_ids"], r["labels"] = torch.tensor(inputs), torch.tensor(labels)
+    return rows
+
+
+def make_cls_batch(step: int, size: int, num_labels: int, vocab: int = 64) -> list[dict]:
+    """Encoder rows with a class label each: ``labels`` 0-d int64."""
+    g = torch.Generator().manual_seed(8765 + step)
+    rows = _encoder_rows(step, size, vocab=vocab)
+    for r in rows:
+        r["labels"] = torch.randint(num_labels, (), generator=g)
+    return rows
+
+
+@dataclass(frozen=True)
+class BatchKind:
+    """The synthetic global batches of one model.task, their loss and its denominator."""
+
+    rows: Callable[[int, int, dict], list[dict]]
+    """(step, size, the inline model config) -> rows"""
+    loss_fn: Callable | None
+    """`TrainEngine.train_step`'s loss_fn (None: the engine's causal-LM loss)."""
+    count: Callable[[list[dict]], int]
+    """Global loss tokens of a global batch."""
+
+
+def batch_kind(task: str) -> BatchKind:
+    """causal_lm: `make_global_batch`, next-token loss; masked_lm: `make_mlm_batch`, masked
+    positions; sequence_classification: `make_cls_batch`, one loss per row."""
+    from shardwise.data import encoder
+
+    if task == "masked_lm":
+        return BatchKind(lambda step, size, mc: make_mlm_batch(step, size, mc["vocab_size"]),
+                         encoder.masked_lm_loss_sum, lambda rows: int(sum((r["labels"] != -100).sum() for r in rows)))
+    if task == "sequence_classification":
+        return BatchKind(lambda step, size, mc: make_cls_batch(step, size, mc.get("num_labels", 2), mc["vocab_size"]),
+                         encoder.classification_loss_sum, len)
+    return BatchKind(_causal_rows, None, loss_tokens)
+
+
+def _causal_rows(step: int, size: int, mc: dict) -> list[dict]:
+    """`make_global_batch`, or `make_vl_batch` for an inline vision-language config."""
+    if mc.get("model_type") in ("qwen2_5_vl", "qwen3_vl"):
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in mc.items() if k != "model_type"}
+        return make_vl_batch(step, size, AutoConfig.for_model(mc["model_type"], **fields))
+    return make_global_batch(step, size)
 
 
 def micro_batches_of(rows: list[dict], rank: int, world: int, micro: int) -> list[dict]:
@@ -56,24 +173,27 @@ def micro_batches_of(rows: list[dict], rank: int, world: int, micro: int) -> lis
 
 
 def reference_run(overrides: list[str], steps: int, global_batch: int, micro: int) -> dict:
-    """The unsharded reference: one process, a plain nn.Module, same init, data and optimizer."""
+    """The unsharded reference: one process, a plain nn.Module, same init, data and optimizer.
+    The batches and the loss follow model.task (`batch_kind`)."""
     from shardwise.config import load_config
     from shardwise.engine.optim import build_optimizer, build_scheduler
     from shardwise.engine.train import lm_loss_sum
     from shardwise.models.loading import build_full_model, freeze
 
     cfg = load_config(None, overrides)
-    model = build_full_model(cfg.model, cfg.run.seed)
+    kind = batch_kind(cfg.model.task)
+    loss_fn = kind.loss_fn or lm_loss_sum
+    model = build_full_model(cfg.model, cfg.run.seed, cfg.model.task)
     freeze(model, cfg.model.freeze)
     opt = build_optimizer(model, cfg.train.optimizer)
     sched = build_scheduler(opt, cfg.train.scheduler, cfg.train.max_steps)
     losses = []
     for step in range(steps):
-        rows = make_global_batch(step, global_batch)
-        total = loss_tokens(rows)
+        rows = kind.rows(step, global_batch, cfg.model.config or {})
+        total = kind.count(rows)
         acc = 0.0
         for mb in micro_batches_of(rows, 0, 1, micro):
-            loss_sum = lm_loss_sum(model, mb)
+            loss_sum = loss_fn(model, mb)
             (loss_sum / total).backward()
             acc += float(loss_sum.detach())
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
@@ -109,19 +229,22 @@ def eval_loss(engine, micro_batches: list[dict[str, torch.Tensor]], global_loss_
 
 
 def sharded_run(rank: int, world: int, overrides: list[str], steps: int, global_batch: int, micro: int) -> dict:
-    """Body of each rank: the TrainEngine over this rank's share of the same global batches."""
+    """Body of each rank: the TrainEngine over this rank's share of the same global batches
+    (and the loss of model.task, `batch_kind`)."""
     from shardwise.config import load_config
     from shardwise.distributed.runtime import init_distributed, teardown
     from shardwise.engine.train import TrainEngine
 
     runtime = init_distributed(timeout_s=60)
     cfg = load_config(None, overrides)
-    engine = TrainEngine(cfg, runtime)
+    kind = batch_kind(cfg.model.task)
+    engine = TrainEngine(cfg, runtime, task=cfg.model.task)
     losses = []
     for step in range(steps):
-        rows = make_global_batch(step, global_batch)
+        rows = kind.rows(step, global_batch, cfg.model.config or {})
         # sequence-parallel peers share rows: the data split is by data-parallel rank
-        res = engine.train_step(micro_batches_of(rows, engine.dp_rank, engine.dp_size, micro), loss_tokens(rows))
+        res = engine.train_step(micro_batches_of(rows, engine.dp_rank, engine.dp_size, micro), kind.count(rows),
+                                loss_fn=kind.loss_fn)
         losses.append(res.loss)
     params = full_params(engine.model)
     teardown()

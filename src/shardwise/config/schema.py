@@ -60,6 +60,11 @@ class ModelConfig(Section):
     """transformers' attention kernel."""
     trust_remote_code: bool = False
     """Let transformers run the model folder's own Python code (off: only built-in classes)."""
+    task: Literal["causal_lm", "masked_lm", "sequence_classification"] = "causal_lm"
+    """What `shardwise train` trains: causal_lm (next-token SFT on prompt/response pairs),
+    masked_lm (BERT-style masked tokens of data.text_key) or sequence_classification (one
+    integer label, data.label_key, per data.text_key). The last two need an encoder-style
+    config (bert, roberta, ...); `shardwise rl` and `shardwise infer` take causal_lm only."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -70,15 +75,33 @@ class ModelConfig(Section):
         return self
 
 
+SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+"""`parallel.sharding_strategy`'s values, canonical (lower-case) spelling."""
+
+
+def canonical_strategy(value: Any) -> Any:
+    """A sharding strategy name in the canonical lower-case spelling: FSDP1's enum names
+    (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD``, any case, also as
+    ``ShardingStrategy.FULL_SHARD``) become ``full_shard`` ...; anything else is returned
+    as it is, for the Literal check to reject with the nearest valid name."""
+    if not isinstance(value, str):
+        return value
+    name = value.strip().lower().removeprefix("shardingstrategy.")
+    return name if name in SHARDING_STRATEGIES else value
+
+
 class ParallelConfig(Section):
     fsdp_size: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     """Shard group size. auto, or >= world size: one FSDP group over all ranks.
     1 < n < world: HSDP, world/n replicas of n shards."""
     ulysses_size: Pos = 1
     """Sequence-parallel degree: ranks that share each row, each holding 1/n of its sequence."""
-    sharding_strategy: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = "full_shard"
+    sharding_strategy: Annotated[Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"],
+                                 BeforeValidator(canonical_strategy)] = "full_shard"
     """full_shard (reshard after forward), shard_grad_op (keep parameters after forward),
-    no_shard (replicate: DDP semantics), hybrid_shard (HSDP; needs fsdp_size)."""
+    no_shard (replicate: DDP semantics), hybrid_shard (HSDP; needs fsdp_size). FSDP1's
+    names (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, any case) are accepted and
+    stored as these."""
 
 
 class WrapConfig(Section):
@@ -103,6 +126,10 @@ class MixedPrecisionConfig(Section):
     """dtype the root's outputs are cast to; null: left as computed."""
     cast_forward_inputs: bool = True
     """Cast each unit's floating inputs to param_dtype."""
+    cast_vision_inputs: bool = False
+    """VL models: whether the vision tower's units cast their floating inputs too (off, as in
+    ROLL: the tower's rotary cos / sin stay fp32); a module_precision entry still decides
+    for the modules it names."""
 
 
 class PrecisionOverride(Section):
@@ -245,6 +272,17 @@ class DataConfig(Section):
     """Tokens per example (SFT) or prompt (RL, infer); longer ones are truncated, and said."""
     packing: bool = False
     """Pack several examples per row (block-diagonal attention) instead of padding."""
+    image_key: str = "image"
+    """VL models: the column holding each example's image, a file path relative to the data
+    file (PNG, JPEG, ...)."""
+    image_size: Pos = 56
+    """VL models: every image is resized to this many pixels square (a multiple of the
+    vision tower's patch_size x spatial_merge_size); data.max_length counts its tokens."""
+    text_key: str = "text"
+    """model.task masked_lm / sequence_classification: the column holding each text."""
+    label_key: str = "label"
+    """model.task sequence_classification: the column holding each integer class label
+    (0 .. num_labels - 1 of the model config)."""
 
 
 class CheckpointConfig(Section):

@@ -32,7 +32,8 @@ Example = dict[str, list[int]]
 """``{"input_ids": [...], "loss_mask": [...]}``, equal lengths."""
 
 
-def tokenize_pair(tokenizer: Any, prompt: str, response: str, max_length: int) -> Example:
+def tokenize_pair(tokenizer: Any, prompt: str, response: str, max_length: int,
+                  image_tokens: Sequence[int] = ()) -> Example:
     """Tokenize one SFT example: ``[bos] + prompt + response + [eos]``, cut to `max_length`.
 
     Returns ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length
@@ -40,13 +41,15 @@ def tokenize_pair(tokenizer: Any, prompt: str, response: str, max_length: int) -
     response are tokenized separately (no special tokens added by the tokenizer), so the
     boundary between them is exact. Truncation keeps the beginning: a long example loses
     its eos and then its response tail first; an example whose prompt alone fills
-    `max_length` has no loss tokens.
+    `max_length` has no loss tokens. `image_tokens` (a VL example's image, see
+    `shardwise.models.vision`) go right after bos, part of the prompt; they must fit.
     """
     if max_length < 1:
         raise DataError(f"max_length must be >= 1, got {max_length}")
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token; set one so responses can end")
-    prompt_ids = _prefix(tokenizer) + _encode(tokenizer, prompt)
+    prompt_ids = _prefix(tokenizer) + list(image_tokens) + _encode(tokenizer, prompt)
+    _check_image_fits(tokenizer, image_tokens, max_length)
     response_ids = _encode(tokenizer, response) + [tokenizer.eos_token_id]
     input_ids = (prompt_ids + response_ids)[:max_length]
     loss_mask = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_length]
@@ -73,12 +76,25 @@ def truncation_note(tokenizer: Any, records: Sequence[dict[str, Any]], max_lengt
             f"(longest {max(long)}) and are truncated ({kept}); raise data.max_length to keep them whole")
 
 
-def tokenize_prompt(tokenizer: Any, prompt: str, max_length: int) -> list[int]:
+def tokenize_prompt(tokenizer: Any, prompt: str, max_length: int, image_tokens: Sequence[int] = ()) -> list[int]:
     """Prompt token ids for generation: ``[bos] + prompt`` (no eos), the last
-    `max_length` tokens kept so the text just before the answer survives."""
+    `max_length` tokens kept so the text just before the answer survives. `image_tokens`
+    (a VL prompt's image) follow bos and are always kept; the text is cut instead."""
     if max_length < 1:
         raise DataError(f"max_length must be >= 1, got {max_length}")
+    if image_tokens:
+        _check_image_fits(tokenizer, image_tokens, max_length)
+        head = _prefix(tokenizer) + list(image_tokens)
+        text = _encode(tokenizer, prompt)
+        return head + text[max(0, len(text) - (max_length - len(head))):]
     return (_prefix(tokenizer) + _encode(tokenizer, prompt))[-max_length:]
+
+
+def _check_image_fits(tokenizer: Any, image_tokens: Sequence[int], max_length: int) -> None:
+    need = len(_prefix(tokenizer)) + len(image_tokens) + 1
+    if image_tokens and max_length < need:
+        raise DataError(f"data.max_length: {max_length} tokens leave no room for text after the image's "
+                        f"{len(image_tokens)} tokens; raise it to at least {need} (or lower data.image_size)")
 
 
 def _prefix(tokenizer: Any) -> list[int]:

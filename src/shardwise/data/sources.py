@@ -58,6 +58,8 @@ def load_records(
     num_builtin: int = 2048,
     cache_dir: str | None = None,
     heldout: bool = False,
+    key_names: tuple[str, str] = ("data.prompt_key", "data.response_key"),
+    image_key: str | None = None,
 ) -> list[dict[str, str | None]]:
     """The records of `source`, in file order (or the task's order), as plain dicts.
 
@@ -72,7 +74,13 @@ def load_records(
 
     Raises `DataError` (a ValueError), with a one-line message, for every problem listed
     in the module docstring; all rows are read and checked before anything is returned.
+    Messages name the config keys `key_names` (those that set `prompt_key` and
+    `response_key`; the encoder tasks read ``data.text_key`` / ``data.label_key``).
+    `image_key` (VL models): each record also keeps ``"image"``, the row's value of that
+    column as it is (a path, or a built-in task's in-memory image; `shardwise.models.vision`
+    checks it).
     """
+    pkey, rkey = key_names
     del cache_dir  # kept so older callers still work; there is no cache any more
     if source.startswith(BUILTIN_PREFIX):
         task = get_builtin_task(source)
@@ -81,29 +89,33 @@ def load_records(
         found = _Rows(examples, [f"row {i}" for i in range(len(examples))], columns)
     else:
         found = _read_file(source)
-    _check_key(prompt_key, found.columns, source, "data.prompt_key")
+    _check_key(prompt_key, found.columns, source, pkey)
     if response_key is not None:
-        _check_key(response_key, found.columns, source, "data.response_key")
+        _check_key(response_key, found.columns, source, rkey)
+    if image_key is not None:
+        _check_key(image_key, found.columns, source, "data.image_key")
 
     records = []
     for row, where in zip(found.rows, found.where):
-        prompt = _value(row, prompt_key, source, where, "data.prompt_key")
+        prompt = _value(row, prompt_key, source, where, pkey)
         if not isinstance(prompt, str):
             raise _error(
-                f"data.prompt_key: '{source}' {where}: {_quote(prompt_key)} must be text, got "
+                f"{pkey}: '{source}' {where}: {_quote(prompt_key)} must be text, got "
                 f"{_describe(prompt)}; make every {_quote(prompt_key)} a string"
             )
         response = None
         if response_key is not None:
-            response = _value(row, response_key, source, where, "data.response_key")
+            response = _value(row, response_key, source, where, rkey)
             if isinstance(response, (int, float)) and not isinstance(response, bool):
                 response = str(response)
             if not isinstance(response, str):
                 raise _error(
-                    f"data.response_key: '{source}' {where}: {_quote(response_key)} must be text, got "
+                    f"{rkey}: '{source}' {where}: {_quote(response_key)} must be text, got "
                     f"{_describe(response)}; make every {_quote(response_key)} a string or number"
                 )
         records.append({"prompt": prompt, "response": response})
+        if image_key is not None:
+            records[-1]["image"] = row.get(image_key) if isinstance(row, dict) else None
     return records
 
 

@@ -12,6 +12,8 @@ truth the task's scorer compares a generated response with. A task's held-out pr
   word, 60% copy it unchanged. A model trained on them can reverse (sampling finds the
   reversal) but greedily copies: the gap between pass@k and pass@1 that RL with the
   ``reverse`` reward closes (the demo, examples/sft_reverse.yaml and grpo_reverse.yaml).
+- ``colours`` / ``colours_mixed``: for vision-language models, an image of a coloured
+  shape -> its colour (`shardwise.data.visual`); records carry an ``image``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardwise.data import visual
 from shardwise.errors import DataError, did_you_mean
 
 BUILTIN_PREFIX = "builtin:"
@@ -160,6 +163,22 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
         max_new_tokens=8,
         make_heldout=reverse_examples,
     ),
+    "colours": BuiltinTask(
+        name="colours",
+        make_examples=visual.colour_examples,
+        score=score_exact,
+        description="vision-language: name the colour of the shape in the image; exact-answer reward",
+        max_new_tokens=8,
+    ),
+    "colours_mixed": BuiltinTask(
+        name="colours_mixed",
+        make_examples=visual.colour_mixed_demonstrations,
+        score=score_exact,
+        description="builtin:colours demonstrated by two writers (60% answer red without looking); "
+                    "held-out prompts and the reward are builtin:colours'",
+        max_new_tokens=8,
+        make_heldout=visual.colour_examples,
+    ),
 }
 
 
@@ -168,7 +187,7 @@ def get_builtin_task(name: str) -> BuiltinTask:
 
     Raises `DataError` (a ValueError) naming the nearest valid task for an unknown name.
     """
-    key = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
+    key = name.removeprefix(BUILTIN_PREFIX)
     if key not in BUILTIN_TASKS:
         hint = did_you_mean(key, BUILTIN_TASKS, prefix=BUILTIN_PREFIX)
         raise DataError(

@@ -56,6 +56,8 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids
 from shardwise.errors import ConfigError, did_you_mean
 from shardwise.fsdp.gather import gathered_for_generation
+from shardwise.models import vision
+from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
 __all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "SamplingCall", "assemble_sequences", "build_generator",
            "generate_on_ranks", "heldout_accuracy", "prompt_batch", "sampling_call", "sampling_seed",
@@ -91,17 +93,21 @@ class GenerationEngine(abc.ABC):
         trained model's parameters (`HFGenerator`) has nothing to do.
         """
 
-    def shutdown(self) -> None:  # noqa: B027 - a default, not an abstract method
+    def shutdown(self) -> None:
         """Release what the engine holds beside the model (an engine of its own). Collective:
         every rank calls it, before the process group goes, on success paths only (a failed
         rank leaves at once, and a collective would wait for it). Nothing by default."""
 
 
-def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str]) -> Batch:
+def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str],
+                 vision: VisionInputs | None = None) -> Batch:
     """The input of `GenerationEngine.generate_sequences`: left-padded ``prompt_ids`` /
     ``prompt_mask`` and the arrays ``prompt``, ``ground_truth`` ("" where a record has no
-    response) and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`)."""
-    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length) for r in records]
+    response) and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`).
+    With `vision` (a VL model) each record's ``image`` becomes the prompt's image tokens
+    and the row tensors ``pixel_values`` / ``image_grid_thw`` (`shardwise.models.vision`)."""
+    prefix = vision.prompt_prefix if vision is not None else ()
+    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length, prefix) for r in records]
     width = max((len(x) for x in ids), default=1)  # no records: a (0, 1) batch
     pad = pad_token_id(tokenizer)
     prompt_ids = torch.full((len(ids), width), pad, dtype=torch.long)
@@ -109,7 +115,10 @@ def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids
     for i, x in enumerate(ids):
         prompt_ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
         prompt_mask[i, width - len(x):] = 1
-    return Batch.from_dict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask},
+    tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+    if vision is not None:
+        tensors.update(vision.encode_rows([r["image"] for r in records]))
+    return Batch.from_dict(tensors,
                            {"prompt": [r["prompt"] for r in records],
                             "ground_truth": ["" if r.get("response") is None else str(r["response"])
                                              for r in records],
@@ -244,16 +253,19 @@ class HFGenerator(GenerationEngine):
 
         with gathered_for_generation(self.model):
             if len(ids):
-                seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r)
+                images = forward_kwargs(prompts.tensors)
+                seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images)
             else:  # nothing to generate; the gather above still matched the other ranks'
                 seqs = torch.empty((0, r), dtype=torch.long)
                 log_probs = torch.empty((0, r), dtype=torch.float32)
         return self._assemble(prompts, ids, mask, seqs, log_probs, r)
 
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, greedy: bool, temperature: float,
-                  seed: int, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int, max_new_tokens: int,
+                  images: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated tokens ``(B, L)`` (L <= R: HF stops when every row has hit EOS) and
-        their log-probs ``(B, L)`` fp32 under logits / temperature, both on CPU."""
+        their log-probs ``(B, L)`` fp32 under logits / temperature, both on CPU. `images`:
+        a VL prompt batch's ``pixel_values`` / ``image_grid_thw`` (`forward_kwargs`)."""
         cfg = self.cfg
         device = self.runtime.device
         # HF's default top_k=50 would truncate what the rollout claims to sample: 0 turns it off.
@@ -268,6 +280,8 @@ class HFGenerator(GenerationEngine):
             use_cache=True,
             output_logits=True,
             return_dict_in_generate=True,
+            # A VL model never writes its vision tokens (each would call for an image).
+            suppress_tokens=vision_token_ids(getattr(self.model, "config", None)) or None,
         )
         rng_devices = [torch.cuda.current_device()] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=rng_devices), _eval_mode(self.model), \
@@ -282,6 +296,7 @@ class HFGenerator(GenerationEngine):
             out = self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device),
                 generation_config=gen_cfg, synced_gpus=False,
+                **vision.with_token_types(self.model, ids.to(device), {k: v.to(device) for k, v in (images or {}).items()}),
             )
         p = ids.shape[1]
         gen = out.sequences[:, p:]
@@ -391,7 +406,7 @@ def score_accuracy(sequences: Batch, tokenizer, scorer: RewardFn) -> float:
 
 
 def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
-                     n: int = HELDOUT_PROMPTS) -> float | None:
+                     n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None) -> float | None:
     """Greedy accuracy on the held-out prompts of a built-in task: the figure `shardwise
     train`, `shardwise rl` and `shardwise infer` all print (None for a file source).
 
@@ -403,20 +418,21 @@ def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str,
     """
     if not source.startswith(BUILTIN_PREFIX):
         return None
-    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n)
+    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision)
     batch.meta.update(seed=0, greedy=True, max_new_tokens=task.max_new_tokens)
     return score_accuracy(generate(batch), tokenizer, task.score)
 
 
-def _heldout_batch(tokenizer, source: str, seed: int, max_length: int, n: int) -> tuple[Any, Batch]:
+def _heldout_batch(tokenizer, source: str, seed: int, max_length: int, n: int,
+                   vision: VisionInputs | None = None) -> tuple[Any, Batch]:
     """The built-in task of `source` and the prompt batch of its `n` held-out examples."""
     task = get_builtin_task(source)
     records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
-    return task, prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)])
+    return task, prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)], vision)
 
 
 def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
-                      k: int, n: int = HELDOUT_PROMPTS) -> dict[str, float] | None:
+                      k: int, n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None) -> dict[str, float] | None:
     """Sampled accuracy on the held-out prompts of `heldout_accuracy` (None for a file
     source): `k` samples per prompt at the engine's temperature (seeded with `seed`), and
     ``{"pass@1": share of samples right, "pass@k": share of prompts with at least one
@@ -424,7 +440,7 @@ def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str
     greedy accuracy."""
     if not source.startswith(BUILTIN_PREFIX):
         return None
-    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n)
+    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision)
     batch = batch.repeat(k, interleave=True)
     batch.meta.update(seed=seed, greedy=False, max_new_tokens=task.max_new_tokens)
     out = generate(batch)

@@ -45,7 +45,7 @@ from shardwise.distributed.ulysses import train_only
 from shardwise.engine.losses import loss_chunk_tokens
 from shardwise.fsdp.build import build_sharded_model
 from shardwise.fsdp.plan import ShardingPlan
-from shardwise.models import chunked_head
+from shardwise.models import chunked_head, vision
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def log_probs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
 def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor | None = None,
                       with_entropy: bool = False, temperature: float = 1.0,
-                      chunk_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                      chunk_tokens: int | None = None, **images: torch.Tensor) -> dict[str, torch.Tensor]:
     """One forward of `model` and its per-token log-probs, in the module's convention.
 
     input_ids, attention_mask ``(batch, seq)`` on the model's compute device; position_ids
@@ -105,18 +105,26 @@ def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     the entropy over chunks of that many tokens (all rows together), recomputed in
     backward, so no ``(batch, seq, vocab)`` tensor is formed. Same contract, same values
     up to the order of fp32 sums.
+
+    `images`: a VL batch's ``pixel_values`` / ``image_grid_thw``
+    (`shardwise.models.vision.forward_kwargs`); the model then derives its own (3-D)
+    positions and `position_ids` is not used.
     """
-    if position_ids is None:
+    if images:
+        position_ids = None
+        if "mm_token_type_ids" not in images:
+            images = vision.with_token_types(model, input_ids, images)
+    elif position_ids is None:
         position_ids = default_position_ids(attention_mask)
+    pos = {} if position_ids is None else {"position_ids": position_ids}
     if chunk_tokens is not None:
         # position t predicts input_ids[t + 1]; the last position predicts nothing
         targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
         res = chunked_head.per_token_log_probs(model, targets, chunk_tokens, temperature=temperature,
                                                with_entropy=with_entropy, input_ids=input_ids,
-                                               attention_mask=attention_mask, position_ids=position_ids)
+                                               attention_mask=attention_mask, **pos, **images)
         return {k: F.pad(v[:, :-1], (1, 0)) for k, v in res.items()}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **pos, **images)
     logits = out.logits if temperature == 1.0 else out.logits / temperature
     return log_probs_from_logits(logits, input_ids, with_entropy)
 
@@ -202,13 +210,20 @@ class InferEngine:
 
 def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids: torch.Tensor,
                            attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
-                           micro_batch_size: int | None, device: torch.device) -> dict[str, torch.Tensor]:
+                           micro_batch_size: int | None, device: torch.device,
+                           images: dict[str, torch.Tensor] | None = None,
+                           vl_config=None) -> dict[str, torch.Tensor]:
     """Run `fn(ids, mask, pos)` (one forward of a sharded model, returning ``(rows, ...)``
     tensors) over row chunks of `micro_batch_size` and concatenate. Collective: every rank
     runs the same number of forwards (each forward all-gathers parameters), padding with a
     throw-away one-row forward where it has fewer chunks than the busiest rank, so ranks
     may hold different numbers of rows, zero included. Results come back on the device of
-    `input_ids`."""
+    `input_ids`.
+
+    VL models: `images` holds the rows' ``pixel_values`` ``(B, N, D)`` and
+    ``image_grid_thw`` ``(B, 3)``; each chunk's go to `fn` as keyword arguments, flattened
+    (`shardwise.models.vision.forward_kwargs`), and with `vl_config` (the model's HF
+    config) a throw-away forward carries a one-token image (`vision.dummy_image`)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
@@ -238,7 +253,11 @@ def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids
             ids = input_ids[sl].to(device)
             mask = attention_mask[sl].to(device)
             pos = position_ids[sl].to(device) if position_ids is not None else None
-            chunks.append(fn(ids, mask, pos))
+            extra = vision.forward_kwargs({k: v[sl].to(device) for k, v in (images or {}).items()})
+            chunks.append(fn(ids, mask, pos, **extra))
+        elif vl_config is not None:
+            d = vision.dummy_image(vl_config, seq, device)
+            template = fn(d.pop("input_ids"), d.pop("attention_mask"), None, **d)
         else:
             dummy = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
             template = fn(dummy, torch.ones_like(dummy), None)

@@ -51,7 +51,7 @@ from shardwise.engine.losses import (
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.fsdp.build import build_sharded_model
 from shardwise.fsdp.plan import ShardingPlan
-from shardwise.models import chunked_head
+from shardwise.models import chunked_head, vision
 from shardwise.models.chunked_head import per_token_log_probs
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ def lm_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None)
     ``(batch, seq, vocab)`` logits. `TrainEngine.lm_loss` is this with the config's choice.
     """
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+    # a VL batch's image (no position_ids: the model's own)
+    kwargs.update(vision.with_token_types(model, batch["input_ids"], vision.forward_kwargs(batch)))
     if chunk_tokens is not None:
         return chunked_causal_lm_loss_sum(model, batch["labels"], chunk_tokens, input_ids=batch["input_ids"],
                                           **kwargs)
@@ -133,6 +135,8 @@ class TrainEngine:
         self.step = 0
         self.skipped_steps = 0
         self._ignored = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
+        config = getattr(self.model, "config", None)
+        self._vl_config = config if config is not None and vision.is_vision_language(config) else None
 
     @property
     def dp_size(self) -> int:
@@ -190,8 +194,11 @@ class TrainEngine:
 
     def _throw_away_pass(self, seq: int) -> None:
         """A forward and backward with zero gradients: its all-gathers and reduce-scatter
-        pair with those of the ranks that still have micro-batches."""
+        pair with those of the ranks that still have micro-batches (a VL model's row
+        carries an image, so its vision units gather too)."""
         inputs = dummy_inputs(seq, self.runtime.device)
+        if self._vl_config is not None:
+            inputs = vision.dummy_image(self._vl_config, seq, self.runtime.device)
         if self.chunk_tokens is not None:
             # Chunked like the real passes: a long dummy row must not form (seq x vocab) logits.
             out = per_token_log_probs(self.model, torch.zeros_like(inputs["input_ids"]), self.chunk_tokens,
@@ -222,6 +229,11 @@ class TrainEngine:
             loss_fn = self._ulysses_loss_fn(loss_fn)
         elif loss_fn is None:
             loss_fn = self.lm_loss
+
+        if self._vl_config is not None and any("pixel_values" not in mb for mb in micro_batches):
+            raise ValueError("train_step: a vision-language model trains on rows with images (pixel_values, "
+                             "image_grid_thw): a forward without them skips the vision units, which FSDP then "
+                             "cannot finish in backward")
 
         def on_device(model: nn.Module, mb: Batch) -> torch.Tensor:
             return loss_fn(model, self._to_device(mb))

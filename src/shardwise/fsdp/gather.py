@@ -8,7 +8,8 @@ setting exactly as it was, and torch has no public way to read that setting or t
 int one (``set_reshard_after_forward`` takes a bool). Checked against torch 2.13.0 (CPU,
 run by the test suite) and 2.14.1 (its source): both keep the list
 ``FSDPState._fsdp_param_groups``; torch 2.11 has one ``_fsdp_param_group`` instead (seen
-on a GPU machine), which `_PrivateState.param_groups` reads too.
+on a GPU machine), which `_PrivateState.param_groups` reads too. `FSDPState._lazy_init`
+(the root's set-up before a generation that starts in an inner unit) is in both.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ class _PrivateState:
     def is_root(self) -> bool | None:
         return self.state._is_root
 
+    def lazy_init_root(self) -> None:
+        """torch's lazy root set-up (``FSDPState._lazy_init``), which the root's first
+        forward runs; needed before any inner unit runs a forward of its own (HF's VL
+        ``generate`` encodes the image with the vision tower before the root's forward)."""
+        if self.state._is_root is None:
+            self.state._lazy_init()
+
     def post_forward(self) -> list[Any]:
         return [g.post_forward_mesh_info for g in self.param_groups]
 
@@ -149,6 +157,8 @@ def gathered_for_generation(model: nn.Module) -> Iterator[None]:
     of the FSDP tree (e.g. ``TrainEngine.model``).
     """
     states = fsdp_states(model)
+    if states and states[0].module is model:
+        states[0].lazy_init_root()
     saved = [_Saved(s, s.auto, s.post_forward(), s.is_root) for s in states]
     try:
         # Unshard before turning resharding off: a unit left "sharded post forward" (an int

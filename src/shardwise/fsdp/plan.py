@@ -38,6 +38,7 @@ from shardwise.config.validate import MeshSpec
 from shardwise.errors import ConfigError, did_you_mean
 from shardwise.models.patches.moe import SUPPORTED
 from shardwise.models.patterns import looks_like_class_name, match_pattern
+from shardwise.models.vision import vision_tower_path
 
 _ORDER = {"fp32": 2, "bf16": 1, "fp16": 1}
 
@@ -130,7 +131,7 @@ class _Index:
     classes: dict[str, str]  # module path -> class name
 
     @classmethod
-    def of(cls, model: nn.Module) -> "_Index":
+    def of(cls, model: nn.Module) -> _Index:
         return cls(
             modules=[n for n, _ in model.named_modules()],
             params=[n for n, _ in model.named_parameters()],
@@ -258,6 +259,14 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
 
     # -- a tied weight must live in one unit that holds both of its users
     if tied:
+        owner = _owner(f"{emb_path}.weight", list(sources))
+        from_default = not wrap.classes and all(s.startswith("class:") for s in sources.get(owner, []))
+        if owner and not is_under(head_path, owner) and from_default:
+            # The model's own _no_split_modules (BERT's: BertEmbeddings) would split the weight
+            # its masked-LM head shares: that unit is dropped, the weight stays in the root.
+            notes.append(f"unit {owner!r} (the model's _no_split_modules) is not wrapped: it would split the "
+                         f"weight it shares with {head_path!r} (tie_word_embeddings)")
+            del sources[owner]
         paths_now = list(sources)
         owner = _owner(f"{emb_path}.weight", paths_now)
         splits = (owner and not is_under(head_path, owner)) or _owner(f"{head_path}.weight", paths_now) != owner
@@ -281,11 +290,14 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     offload = fcfg.offload.enabled
     post = _post_order(model)
     unit_paths = sorted(sources, key=lambda p: post[p]) + [""]
+    tower = vision_tower_path(model)
     units: list[Unit] = []
     for path in unit_paths:
         over_at = _nearest_override(path, overrides)
         if over_at is None:
             pd, rd, od, cast = mp.param_dtype, mp.reduce_dtype, mp.output_dtype, mp.cast_forward_inputs
+            if tower is not None and path and is_under(path, tower):
+                cast = mp.cast_vision_inputs  # seed 001: the vision encoder's inputs are not cast
             storage = model_dtype
         else:
             e = overrides[over_at]

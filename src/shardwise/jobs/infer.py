@@ -52,7 +52,13 @@ from shardwise.engine.generate import build_generator, prompt_batch
 from shardwise.engine.infer import InferEngine
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
-from shardwise.jobs.inputs import check_data, check_model, check_tokenizer
+from shardwise.jobs.inputs import (
+    check_causal_task,
+    check_data,
+    check_model,
+    check_tokenizer,
+    vision_inputs,
+)
 from shardwise.models.loading import load_hf_config
 from shardwise.rl.weight_sync import WeightSync
 from shardwise.telemetry import Progress, peak_memory_bytes
@@ -104,6 +110,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     world = world_size if world_size is not None else env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
     train_only(spec.ulysses, "`shardwise infer`")
+    check_causal_task(cfg, "`shardwise infer`")
     check_generation_engine(cfg.infer, world, "infer")
     check_model(cfg)
     check_tokenizer(cfg)
@@ -129,7 +136,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
-    check_vocab(tokenizer, load_hf_config(cfg.model).vocab_size)
+    check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     if runtime.is_main:
         note = truncation_note(tokenizer, records, cfg.data.max_length, with_response=False)
         if note:
@@ -152,6 +159,7 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     fn = prepared.reward_fn
     records = prepared.records
     run_dir = Path(cfg.run.dir)
+    vision = vision_inputs(cfg)  # a VL model: each prompt's image (prepare checked the files)
     WeightSync(engine.model, generator).sync()  # an engine with its own weights (vllm) gets the model's
 
     dp_size = engine.spec.dp_size
@@ -164,7 +172,8 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     try:
         for call in range(calls):
             idx = list(mine[call * icfg.batch_size:(call + 1) * icfg.batch_size])
-            batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length, [str(i) for i in idx])
+            batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length, [str(i) for i in idx],
+                                 vision)
             batch = batch.repeat(icfg.n, interleave=True)
             batch.meta["seed"] = cfg.run.seed * 1_000_003 + call
             out = generator.generate_sequences(batch)

@@ -15,15 +15,30 @@ from typing import Any
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
 from shardwise.config.schema import Config
 from shardwise.data.sources import load_records
-from shardwise.data.tokenizer import has_tokenizer_files
+from shardwise.data.tokenizer import (
+    has_tokenizer_files,
+    load_tokenizer,
+    locate_tokenizer,
+)
 from shardwise.errors import ConfigError
-from shardwise.models.loading import check_weights_folder
+from shardwise.models.loading import check_task, check_weights_folder, load_hf_config
+from shardwise.models.vision import VisionInputs, is_vision_language, resolve_images
 
 
 def check_model(cfg: Config) -> None:
-    """``model.path`` (when set) holds config.json and readable safetensors weights."""
+    """``model.path`` (when set) holds config.json and readable safetensors weights, and
+    the model's config fits ``model.task`` (`shardwise.models.loading.check_task`)."""
     if cfg.model.path is not None:
         check_weights_folder(cfg.model.path, "model.path")
+    check_task(load_hf_config(cfg.model), cfg.model.task)
+
+
+def check_causal_task(cfg: Config, what: str) -> None:
+    """`what` (a command: generation, RL) runs causal LMs only: ConfigError on ``model.task``
+    for the encoder tasks, which only `shardwise train` trains."""
+    if cfg.model.task != "causal_lm":
+        raise ConfigError("model.task", f"{what} generates text and needs a causal LM, not {cfg.model.task}",
+                          "set model.task=causal_lm (encoders are trained by `shardwise train`)")
 
 
 def check_tokenizer(cfg: Config) -> None:
@@ -53,7 +68,44 @@ def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
                num_builtin: int | None = None, heldout: bool = False) -> list[dict[str, Any]]:
     """The records of ``data.source`` (every read, parse and key problem raised here).
     A built-in task makes `num_builtin` examples (default: ``data.num_examples``) from `seed`
-    (default ``run.seed``); `heldout`: its held-out examples (true answers)."""
+    (default ``run.seed``); `heldout`: its held-out examples (true answers). For a VL model
+    every record also carries its image (``data.image_key``), checked readable."""
     d = cfg.data
-    return load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
-                        num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout)
+    vl = vision_inputs(cfg) is not None
+    records = load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
+                           num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
+                           image_key=("image" if d.source.startswith("builtin:") else d.image_key) if vl else None)
+    if vl:
+        resolve_images(records, "image", d.source)
+    return records
+
+
+def vision_inputs(cfg: Config) -> VisionInputs | None:
+    """The image encoder of a VL model (None for a text model), after the checks only a VL
+    job needs: one image per example does not pack, Ulysses splits no image, and the roles
+    and engines that take images are the actor, the reference and the HF rollout."""
+    hf = load_hf_config(cfg.model)
+    if not is_vision_language(hf):
+        return None
+    if cfg.data.packing:
+        raise ConfigError("data.packing", "vision-language examples are not packed (one image per row)",
+                          "set data.packing=false")
+    if cfg.parallel.ulysses_size > 1:
+        raise ConfigError("parallel.ulysses_size", "Ulysses sequence parallel does not split a vision-language "
+                          "model's image tokens and 3-D rotary positions", "set parallel.ulysses_size=1")
+    for key, engine in (("rl.rollout.engine", cfg.rl.rollout.engine), ("infer.engine", cfg.infer.engine)):
+        if engine != "hf":
+            raise ConfigError(key, f"the {engine} engine takes no images from shardwise yet", "use hf")
+    if cfg.rl.critic.enabled or cfg.rl.reward.model is not None:
+        key = "rl.critic.enabled" if cfg.rl.critic.enabled else "rl.reward.model"
+        raise ConfigError(key, "critic and reward models of a vision-language policy are not supported",
+                          "use GRPO (rl.advantage: grpo) with a rule-based reward")
+    vision = VisionInputs(hf, cfg.data.image_size)
+    need = len(vision.prompt_prefix) + 3  # bos, the image, a prompt token, an answer token
+    if cfg.data.max_length < need:
+        raise ConfigError("data.max_length", f"{cfg.data.max_length} tokens leave no room for text after an "
+                          f"image's {len(vision.prompt_prefix)} tokens (data.image_size={cfg.data.image_size})",
+                          f"raise it to at least {need}, or lower data.image_size")
+    found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+    vision.check_tokenizer(load_tokenizer(found) if found is not None else None)
+    return vision

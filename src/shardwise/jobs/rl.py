@@ -26,7 +26,14 @@ from shardwise.data.rewards import RewardFn, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed.ulysses import train_only
 from shardwise.fsdp.build import plan_for
-from shardwise.jobs.inputs import check_data, check_model, check_resume, check_tokenizer
+from shardwise.jobs.inputs import (
+    check_causal_task,
+    check_data,
+    check_model,
+    check_resume,
+    check_tokenizer,
+    vision_inputs,
+)
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.rl.trainer import Controller, mean_timing
 from shardwise.telemetry import plot_metrics
@@ -54,6 +61,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     built here only check the plan."""
     spec = mesh_spec(cfg.parallel, world_size)
     train_only(spec.ulysses, "`shardwise rl`")
+    check_causal_task(cfg, "`shardwise rl`")
     rows = check_rl_rows(cfg, spec.dp_size)
     check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
     check_model(cfg)
@@ -72,11 +80,15 @@ def run(prepared: Prepared) -> dict[str, Any]:
     cfg = prepared.cfg
     folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True)
     tokenizer = load_tokenizer(folder)
-    check_vocab(tokenizer, load_hf_config(cfg.model).vocab_size)
+    check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
+    vision = vision_inputs(cfg)
+    if vision is not None:
+        vision.check_tokenizer(tokenizer)  # prepare checked the tokenizer it found; this is the one in use
     note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False)
     if note:
         log.warning("data: %s", note)
-    ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn)
+    ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
+                     vision)
     summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
     try:
         ctl.start()
@@ -92,6 +104,8 @@ def run(prepared: Prepared) -> dict[str, Any]:
         summary["sampled_after"] = ctl.evaluate_sampled()
         if cfg.checkpoint.export_hf:
             summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
+            if vision is not None:
+                vision.save(summary["hf"])
         summary["checkpoint"] = str(ctl.run_dir / "checkpoints")
     except BaseException:
         ctl.close(graceful=False)

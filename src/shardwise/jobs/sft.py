@@ -6,6 +6,8 @@ meta device) and keeps what it built; `run` is the loop, on every rank. Rank 0 s
 progress bar and writes ``run.dir/metrics.jsonl`` (and TensorBoard events when installed)
 and a PNG plot at the end. For a built-in task the held-out greedy accuracy of the trained
 model is measured on all ranks (`shardwise.engine.generate.heldout_accuracy`).
+``model.task`` masked_lm / sequence_classification (encoders) run the same loop on the
+data and losses of `shardwise.data.encoder`, without generation.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shardwise.checkpoint.dcp import CheckpointManager
 from shardwise.checkpoint.hf_export import export_model
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_sft_batch, mesh_spec
+from shardwise.data import encoder
 from shardwise.data.collate import (
     example_loss_tokens,
     pack_collate,
@@ -45,8 +48,9 @@ from shardwise.engine.train import TrainEngine
 from shardwise.errors import ConfigError, DataError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
-from shardwise.jobs.inputs import check_data, check_model, check_resume, check_tokenizer
+from shardwise.jobs.inputs import check_data, check_model, check_resume, check_tokenizer, vision_inputs
 from shardwise.models.loading import load_hf_config
+from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import MetricsWriter, Progress, peak_memory_bytes, plot_metrics
 
 log = logging.getLogger(__name__)
@@ -77,22 +81,37 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     check_model(cfg)
     check_tokenizer(cfg)
     check_resume(cfg)
-    records = check_data(cfg, cfg.data.response_key)
+    if encoder.is_encoder_task(cfg.model.task):
+        records = encoder.prepare_inputs(cfg, spec, load_hf_config(cfg.model))
+    else:
+        records = check_data(cfg, cfg.data.response_key)
     if spec.ulysses > 1:
         if cfg.data.packing:
             raise ConfigError("data.packing", "packed rows cannot be split by Ulysses sequence parallel",
                               "set data.packing=false, or parallel.ulysses_size=1")
         ulysses.check_model(load_hf_config(cfg.model), spec.ulysses)
-    planned = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
+    planned = plan_for(cfg, spec, cfg.model.task)  # pattern errors surface here, on the meta device
     return Prepared(cfg, spec, accum, records, planned)
 
 
 class SFTData:
     """Tokenised examples and the per-step batches of this rank."""
 
-    def __init__(self, cfg: Config, records: list[dict[str, Any]], tokenizer, dp_rank: int, dp_size: int):
+    loss_fn = None
+    """The engine's default loss (the causal-LM loss); `shardwise.data.encoder.EncoderData` has its own."""
+
+    def __init__(self, cfg: Config, records: list[dict[str, Any]], tokenizer, dp_rank: int, dp_size: int,
+                 vision: VisionInputs | None = None):
         d = cfg.data
-        self.examples = [tokenize_pair(tokenizer, r["prompt"], r["response"], d.max_length) for r in records]
+        self.vision = vision
+        if vision is None:
+            self.examples = [tokenize_pair(tokenizer, r["prompt"], r["response"], d.max_length) for r in records]
+        else:  # one image per example, its tokens after bos (shardwise.models.vision)
+            self.examples = []
+            for r in records:
+                ex = tokenize_pair(tokenizer, r["prompt"], r["response"], d.max_length, vision.prompt_prefix)
+                ex["pixel_values"], ex["image_grid_thw"] = vision.encode(r["image"])
+                self.examples.append(ex)
         note = truncation_note(tokenizer, records, d.max_length, with_response=True) if dist.get_rank() == 0 else None
         if note:
             log.warning("data: %s", note)
@@ -105,7 +124,12 @@ class SFTData:
     def collate(self, examples: list) -> dict[str, torch.Tensor]:
         if self.cfg.data.packing:
             return pack_collate(examples, self.cfg.data.max_length, self.pad_id)
-        return pad_collate(examples, self.pad_id)
+        batch = pad_collate(examples, self.pad_id)
+        if self.vision is not None:
+            del batch["position_ids"]  # the model derives its 3-D rotary positions from the image grid
+            batch["pixel_values"] = torch.stack([ex["pixel_values"] for ex in examples])
+            batch["image_grid_thw"] = torch.stack([ex["image_grid_thw"] for ex in examples])
+        return batch
 
     def next_step(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """(this rank's micro-batches, loss tokens in the whole global batch, tokens in it)."""
@@ -136,12 +160,19 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True, mode="json"), indent=2))
-    tokenizer, tok_dir = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+    encoder_task = encoder.is_encoder_task(cfg.model.task)
+    tokenizer, tok_dir = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, encoder=encoder_task)
     hf_config = load_hf_config(cfg.model)
-    check_vocab(tokenizer, hf_config.vocab_size)
-    engine = TrainEngine(cfg, runtime, planned=prepared.planned)
+    vision = vision_inputs(cfg)
+    check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
+    if vision is not None:
+        vision.check_tokenizer(tokenizer)  # prepare checked the tokenizer it found; this is the one in use
+    engine = TrainEngine(cfg, runtime, task=cfg.model.task, planned=prepared.planned)
     prepared.planned = None  # fully_shard changed that model in place: it is the engine's now
-    data = SFTData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size)
+    if encoder_task:
+        data = encoder.EncoderData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size)
+    else:
+        data = SFTData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size, vision)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, runtime)
     start = ckpt.resolve_resume()
     if start is not None:
@@ -157,7 +188,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         while engine.step < max_steps:
             t0 = time.perf_counter()
             mbs, loss_tokens, tokens = data.next_step()
-            res = engine.train_step(mbs, loss_tokens)
+            res = engine.train_step(mbs, loss_tokens, loss_fn=data.loss_fn)
             dt = time.perf_counter() - t0
             step = engine.step
             last = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
@@ -177,12 +208,14 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     if cfg.checkpoint.export_hf:
         out = run_dir / "hf"
         export_model(engine.model, out, hf_config, tokenizer_dir=tok_dir)
+        if vision is not None and runtime.is_main:
+            vision.save(out)
         summary["hf"] = str(out)
-    if ulysses_free(engine):
+    if ulysses_free(engine) and not encoder_task:
         generator = build_generator("hf", engine.model, cfg.infer, runtime, pad_token_id(tokenizer),
                                     tokenizer.eos_token_id)
         accuracy = heldout_accuracy(lambda batch: generate_on_ranks(generator, batch), tokenizer,
-                                    cfg.data.source, cfg.run.seed, cfg.data.max_length)
+                                    cfg.data.source, cfg.run.seed, cfg.data.max_length, vision=vision)
         if accuracy is not None:
             summary["accuracy"] = accuracy
     if runtime.is_main and (run_dir / "metrics.jsonl").is_file():

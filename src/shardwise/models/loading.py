@@ -22,14 +22,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from transformers import AutoConfig
+from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from shardwise.config.dtypes import to_torch_dtype
 from shardwise.config.schema import ModelConfig
 from shardwise.errors import ConfigError, did_you_mean
 from shardwise.models.patterns import match_pattern
+from shardwise.models.vision import is_vision_language
 
-_TASKS = ("causal_lm", "sequence_classification", "token_classification")
+_TASKS = ("causal_lm", "masked_lm", "sequence_classification", "token_classification")
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin")
@@ -100,12 +102,57 @@ def _check_safetensors_header(file: Path, key: str) -> None:
                           f"{size}", "copy or write the folder again")
 
 
-def _auto_class(task: str):
+def _auto_class(task: str, cfg=None):
+    """The transformers Auto class of `task`; a vision-language config's causal LM is its
+    image-text-to-text class (Qwen2.5-VL's ForConditionalGeneration)."""
+    if task == "causal_lm" and cfg is not None and is_vision_language(cfg):
+        return transformers.AutoModelForImageTextToText
     return {
         "causal_lm": transformers.AutoModelForCausalLM,
+        "masked_lm": transformers.AutoModelForMaskedLM,
         "sequence_classification": transformers.AutoModelForSequenceClassification,
         "token_classification": transformers.AutoModelForTokenClassification,
     }[task]
+
+
+def is_encoder_config(cfg) -> bool:
+    """Whether the HF config `cfg` is an encoder: a model type with a masked-LM head that is
+    neither a decoder (``is_decoder``) nor an encoder-decoder (bert, roberta, distilbert ...)."""
+    return (getattr(cfg, "model_type", None) in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(cfg, "is_decoder", False) and not getattr(cfg, "is_encoder_decoder", False))
+
+
+def check_task(cfg, task: str) -> None:
+    """The HF config `cfg` has a model class for `task` (``model.task``); ConfigError naming
+    ``model.task`` and the nearest task it has otherwise.
+
+    An encoder (`is_encoder_config`) is not a causal LM, even where
+    transformers has a ``*LMHeadModel`` for it (that needs ``is_decoder: true``). A type
+    transformers knows no causal-LM class for is left to the loader (it may have its own).
+    A decoder's sequence classifier scores each row's last token, found through the
+    config's ``pad_token_id``: it must be set (to the tokenizer's pad id).
+    """
+    model_type = getattr(cfg, "model_type", None)
+    names = {
+        "masked_lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "sequence_classification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    }
+    encoder = is_encoder_config(cfg)
+    if task == "sequence_classification" and not encoder and getattr(cfg, "pad_token_id", None) is None:
+        raise ConfigError("model.config.pad_token_id", f"is not set: a {model_type} sequence classifier finds each "
+                          "row's last token by it", "set it to the tokenizer's pad id (the built-in tokenizer's is 0)")
+    if task == "causal_lm":
+        if not encoder:
+            return
+    elif task not in names or model_type in names[task]:
+        return
+    valid = [t for t, m in names.items() if model_type in m]
+    if not encoder and model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        valid.insert(0, "causal_lm")
+    what = ("an encoder (no causal-LM head; is_decoder is false)" if task == "causal_lm"
+            else f"a model type without a {task} head")
+    raise ConfigError("model.task", f"{task!r} does not fit this {model_type} config, {what}",
+                      (did_you_mean(task, valid) or "") if valid else "use another model.config / model.path")
 
 
 def load_hf_config(model: ModelConfig, **extra):
@@ -139,9 +186,10 @@ def load_hf_config(model: ModelConfig, **extra):
 def build_meta_model(model: ModelConfig, task: str = "causal_lm", **config_extra) -> nn.Module:
     """The model's structure on the meta device (no memory), in the master dtype."""
     cfg = load_hf_config(model, **config_extra)
+    check_task(cfg, task)
     try:
         with torch.device("meta"):
-            m = _auto_class(task).from_config(cfg, dtype=to_torch_dtype(model.dtype),
+            m = _auto_class(task, cfg).from_config(cfg, dtype=to_torch_dtype(model.dtype),
                                               attn_implementation=model.attn_implementation,
                                               trust_remote_code=model.trust_remote_code)
     except ImportError as e:
@@ -163,8 +211,8 @@ def build_full_model(model: ModelConfig, seed: int, task: str = "causal_lm", **c
     Used by rank 0 only during sharded loading, and by unsharded reference runs.
     """
     dtype = to_torch_dtype(model.dtype)
-    cls = _auto_class(task)
     cfg = load_hf_config(model, **config_extra)
+    cls = _auto_class(task, cfg)
     # Seeded either way: from a folder, weights the folder lacks (a new value or reward
     # head) are initialised too, and must not depend on the process's RNG history.
     fork_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -184,7 +232,7 @@ def non_persistent_buffers(model: nn.Module) -> list[str]:
     """Names of buffers that are not in the state dict (e.g. rotary inv_freq)."""
     names = []
     for mod_name, mod in model.named_modules():
-        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+        for b in sorted(getattr(mod, "_non_persistent_buffers_set", ())):  # one order on every rank
             names.append(f"{mod_name}.{b}" if mod_name else b)
     return names
 

@@ -45,6 +45,7 @@ from shardwise.data.rewards import RewardFn, score_sequences
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.data.tokenizer import pad_token_id
 from shardwise.engine.generate import heldout_accuracy, heldout_pass_at_k, prompt_batch
+from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
 from shardwise.rl.cluster import RayWorkerGroup, init_ray
@@ -80,7 +81,7 @@ class Controller:
     """
 
     def __init__(self, cfg: Config, world_size: int, records: list[dict[str, Any]], tokenizer,
-                 tokenizer_dir: str, reward_fn: RewardFn | None):
+                 tokenizer_dir: str, reward_fn: RewardFn | None, vision: VisionInputs | None = None):
         self.cfg = cfg
         self.world_size = world_size
         self.run_dir = Path(cfg.run.dir)
@@ -93,6 +94,8 @@ class Controller:
         self.sampler = GlobalBatchSampler(len(self.records), cfg.train.global_batch_size, cfg.run.seed)
         self._batches = iter(self.sampler)
         self.reward_fn = reward_fn
+        self.vision = vision
+        """A VL policy's image encoder: prompts carry their images (`shardwise.models.vision`)."""
         k = cfg.rl.kl_in_reward
         self.kl_ctl = alg.kl_controller(k.controller, k.coef, k.target, k.horizon)
         self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
@@ -164,7 +167,8 @@ class Controller:
     def next_prompts(self) -> Batch:
         indices = next(self._batches)
         uids = [f"{self.step}-{i}" for i in range(len(indices))]
-        batch = prompt_batch(self.tokenizer, [self.records[i] for i in indices], self.cfg.data.max_length, uids)
+        batch = prompt_batch(self.tokenizer, [self.records[i] for i in indices], self.cfg.data.max_length, uids,
+                             self.vision)
         batch = batch.repeat(self.cfg.rl.rollout.n, interleave=True)
         batch.meta["seed"] = self.cfg.run.seed * 1_000_003 + self.step
         return batch
@@ -295,7 +299,7 @@ class Controller:
         if not self.cfg.rl.heldout_eval:
             return None
         return heldout_accuracy(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
-                                self.cfg.run.seed, self.cfg.data.max_length)
+                                self.cfg.run.seed, self.cfg.data.max_length, vision=self.vision)
 
     def evaluate_sampled(self) -> dict[str, float] | None:
         """pass@1 and pass@n (n = ``rl.rollout.n``) of the current policy, sampled at the
@@ -304,7 +308,8 @@ class Controller:
         if not self.cfg.rl.heldout_eval:
             return None
         return heldout_pass_at_k(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
-                                 self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n)
+                                 self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n,
+                                 vision=self.vision)
 
 
 def mean_timing(history: list[dict[str, float]]) -> dict[str, float]:

@@ -31,6 +31,7 @@ from shardwise.engine.infer import (
     forward_by_micro_batch,
 )
 from shardwise.engine.train import TrainEngine
+from shardwise.models import vision
 from shardwise.rl import algorithms as alg
 from shardwise.rl.workers.common import (
     check_mini_batches,
@@ -61,12 +62,16 @@ def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.devic
     `chunk_tokens`: the LM head over chunks of tokens (`compute_log_probs`)."""
     t = batch.tensors
 
-    def run(ids, mask, pos):
-        return compute_log_probs(model, ids, mask, pos, with_entropy, temperature, chunk_tokens=chunk_tokens)
+    def run(ids, mask, pos, **images):
+        return compute_log_probs(model, ids, mask, pos, with_entropy, temperature, chunk_tokens=chunk_tokens,
+                                 **images)
 
+    config = getattr(model, "config", None)
+    vl_config = config if config is not None and vision.is_vision_language(config) else None
     with torch.no_grad():
         out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
-                                     micro_batch_size, device)
+                                     micro_batch_size, device,
+                                     images={k: t[k] for k in vision.IMAGE_KEYS if k in t}, vl_config=vl_config)
     keep = t["response_mask"].bool().to(out["log_probs"].device)
     return {k: v.masked_fill(~keep, 0.0).cpu() for k, v in out.items()}
 
@@ -177,7 +182,7 @@ class ActorWorker:
             mask = t["response_mask"].bool()
             out = compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"],
                                     with_entropy=a.entropy_coef != 0 or on_policy, temperature=temperature,
-                                    chunk_tokens=chunk_tokens)
+                                    chunk_tokens=chunk_tokens, **vision.forward_kwargs(t))
             logp = out["log_probs"]
             old = logp.detach() if on_policy else t["old_log_probs"]
             if on_policy:
