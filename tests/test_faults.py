@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, _process_tree, run_cli
+from dist.launcher import (
+    REPO_ROOT,
+    SRC_DIR,
+    _kill_tree,
+    _process_tree,
+    at_once,
+    run_cli,
+)
 
 pytest.importorskip("ray")
 
@@ -74,18 +81,29 @@ def _truncated_weights(folder: Path) -> None:
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
-@pytest.mark.parametrize("make,words", [
-    (_pickle_only, ["model.path", "pickled weights", "pytorch_model.bin", "save_pretrained"]),
-    (_config_only, ["model.path", "no weights"]),
-    (_truncated_weights, ["model.path", "truncated"]),
+@pytest.mark.parametrize("make,words,real", [
+    (_pickle_only, ["model.path", "pickled weights", "pytorch_model.bin", "save_pretrained"], False),
+    (_config_only, ["model.path", "no weights"], False),
+    (_truncated_weights, ["model.path", "truncated"], True),
 ], ids=["pickle_only", "config_only", "truncated_safetensors"])
-def test_bad_model_folder_exits_2_before_launch(make, words, tmp_path):
+def test_bad_model_folder_exits_2_before_launch(make, words, real, tmp_path, capsys, monkeypatch):
     # These hung for 10 minutes: rank 0 failed alone while rank 1 waited for its weights.
+    # One row runs as a real subprocess, the others in-process through the CLI's own entry
+    # point (the same checks, without a new interpreter's start-up).
     make(tmp_path / "model")
     run_dir = tmp_path / "run"
+    argv = ["train", SFT, "--nproc", "2", f"run.dir={run_dir}", "model.config=null", f"model.path={tmp_path / 'model'}"]
     t0 = time.monotonic()
-    res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={run_dir}", "model.config=null",
-                   f"model.path={tmp_path / 'model'}"], timeout=120)
+    if real:
+        res = run_cli(argv, timeout=120)
+    else:
+        from shardwise.cli import main
+
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            monkeypatch.setenv(var, "1")
+        code = main(argv)
+        out, err = capsys.readouterr()
+        res = subprocess.CompletedProcess(argv, code, out, err)
     line = one_line(res)
     for w in words:
         assert w in line, (w, line)
@@ -149,14 +167,26 @@ def test_bad_data_exits_2_with_one_line_and_writes_nothing(command, name, tmp_pa
     assert not run_dir.exists()
 
 
+@pytest.fixture(scope="module")
+def real_commands_on_empty_data(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The three commands on an empty data file, side by side (independent processes)."""
+    tmp = tmp_path_factory.mktemp("bad_data")
+    source = _write(tmp / "d.jsonl", b"")
+    configs = {"train": SFT, "infer": INFER, "rl": GRPO}
+
+    def run(command: str) -> tuple[Path, subprocess.CompletedProcess]:
+        run_dir = tmp / f"run_{command}"
+        return run_dir, run_cli([command, configs[command], "--nproc", "2", f"run.dir={run_dir}",
+                                 f"data.source={source}", "model.path=null", TINY_QWEN3], timeout=120)
+
+    return dict(zip(configs, at_once(*(lambda c=c: run(c) for c in configs))))
+
+
 @pytest.mark.parametrize("command", ["train", "infer", "rl"])
-def test_bad_data_through_the_real_command(command, tmp_path):
-    source = _write(tmp_path / "d.jsonl", b"")
-    config = {"train": SFT, "infer": INFER, "rl": GRPO}[command]
-    res = run_cli([command, config, "--nproc", "2", f"run.dir={tmp_path / 'run'}", f"data.source={source}",
-                   "model.path=null", TINY_QWEN3], timeout=120)
+def test_bad_data_through_the_real_command(command, real_commands_on_empty_data):
+    run_dir, res = real_commands_on_empty_data[command]
     assert "no records" in one_line(res)
-    assert not (tmp_path / "run").exists()
+    assert not run_dir.exists()
     assert "Ray" not in res.stderr and "ray" not in res.stdout  # Ray never started
 
 
@@ -330,25 +360,6 @@ def test_kill_9_of_a_launcher_leaves_no_rank_running(victim, tmp_path):
 
 
 # ------------------------------------------------------------ resume and reports
-
-
-def test_resumed_run_logs_each_step_once_and_reports_truncation_once(tmp_path):
-    run_dir = tmp_path / "run"
-    base = ["train", SFT, "--nproc", "2", f"run.dir={run_dir}", *TINY, "train.max_steps=6",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=3", "checkpoint.export_hf=false",
-            "train.log_every=1", "data.max_length=8"]  # "12+34=" is 7 tokens with <bos>, + answer + <eos>: truncated
-    res = run_cli(base, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    notes = [x for x in res.stderr.splitlines() if "longer than data.max_length=8" in x]
-    assert len(notes) == 1 and " of 2048 examples" in notes[0], res.stderr[-3000:]
-    assert int(notes[0].split("data: ")[1].split()[0]) > 500  # most two-digit sums are cut
-    # As if the job had been killed after step 6 was logged but before steps 4 and 6 were
-    # committed: the rerun resumes from step 2 and logs 3..6 again.
-    import shutil
-
-    for step in (4, 6):
-        shutil.rmtree(run_dir / "checkpoints" / f"step_{step:08d}")
-    res = run_cli(base, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
+# A resumed run logs each step once and the truncation note is reported once: the same
+# CLI run as the SFT job's own resume test, tests/test_sft_job.py
+# (test_train_cli_writes_metrics_checkpoint_export_plot_and_resumes).

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, run_cli
+from dist.launcher import REPO_ROOT, at_once, run_cli
 
 from shardwise.cli import main
 
@@ -117,9 +117,8 @@ def test_sampling_is_seeded_with_n_samples_per_prompt_over_uneven_ranks(tmp_path
     # with one prompt
     common = [*INLINE, "infer.temperature=1.0", "infer.n=3", "infer.num_prompts=7", "infer.batch_size=2",
               "infer.max_new_tokens=5"]
-    infer(tmp_path / "a", *common)
-    infer(tmp_path / "b", *common)
-    infer(tmp_path / "c", *common, "run.seed=1")
+    at_once(lambda: infer(tmp_path / "a", *common), lambda: infer(tmp_path / "b", *common),
+            lambda: infer(tmp_path / "c", *common, "run.seed=1"))  # side by side, independent
     a, b = (tmp_path / "a" / "generations.jsonl").read_text(), (tmp_path / "b" / "generations.jsonl").read_text()
     assert a == b
     ra, rc = rows(tmp_path / "a" / "generations.jsonl"), rows(tmp_path / "c" / "generations.jsonl")
@@ -138,10 +137,14 @@ def test_file_prompts_user_scorer_and_prompt_only_file(tmp_path):
     data.write_text("".join(json.dumps({"question": f"{i}+{i}=", "answer": "x" * i}) + "\n" for i in range(6)))
     (tmp_path / "my_scores.py").write_text(SCORER)
     out = tmp_path / "out" / "gen.jsonl"
-    # one process (no --nproc): the plain path
-    res = infer(tmp_path / "run", *INLINE, f"data.source={data}", "data.prompt_key=question",
-                "data.response_key=answer", "infer.reward=my_scores:length", "infer.num_prompts=4",
-                f"infer.output={out}", nproc=None, cwd=tmp_path)
+    # one process each (no --nproc): the plain path. A file with a user scorer and, side by
+    # side, a prompts-only file: no reward, the response column is not read.
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({"q": p}) + "\n" for p in ("1+1=", "2+2=", "3+3=")))
+    res, _ = at_once(lambda: infer(tmp_path / "run", *INLINE, f"data.source={data}", "data.prompt_key=question",
+                                   "data.response_key=answer", "infer.reward=my_scores:length",
+                                   "infer.num_prompts=4", f"infer.output={out}", nproc=None, cwd=tmp_path),
+                     lambda: infer(tmp_path / "bare", *INLINE, f"data.source={bare}", "data.prompt_key=q", nproc=None))
     got = rows(out)
     assert [r["prompt"] for r in got] == [f"{i}+{i}=" for i in range(4)]
     assert [r["ground_truth"] for r in got] == ["x" * i for i in range(4)]
@@ -150,10 +153,7 @@ def test_file_prompts_user_scorer_and_prompt_only_file(tmp_path):
     assert summary["score_mean"] == sum(r["score"] for r in got) / 4 and "accuracy" not in summary
     assert "mean score (my_scores:length)" in res.stdout
 
-    # prompts only: no reward, the response column is not read
-    bare = tmp_path / "bare.jsonl"
-    bare.write_text("".join(json.dumps({"q": p}) + "\n" for p in ("1+1=", "2+2=", "3+3=")))
-    infer(tmp_path / "bare", *INLINE, f"data.source={bare}", "data.prompt_key=q", nproc=None)
+    # the prompts-only file
     got = rows(tmp_path / "bare" / "generations.jsonl")
     assert [r["prompt"] for r in got] == ["1+1=", "2+2=", "3+3="]
     assert all("score" not in r and "ground_truth" not in r for r in got)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, run_cli
+from dist.launcher import REPO_ROOT, at_once, run_cli
 
 pytest.importorskip("ray")
 
@@ -62,13 +62,27 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
               "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true", "rl.critic.lr=1e-3",
               "rl.actor.on_policy_shortcut=false",  # the old-log-prob forward path (the demo test: the other)
               "rl.heldout_eval=false"]
-    whole = tmp_path / "whole"
-    rl(whole, *common, "train.max_steps=4", cwd=tmp_path)
-    parts = tmp_path / "parts"
-    rl(parts, *common, "train.max_steps=2", cwd=tmp_path)
+    # Independent runs go two at a time (at_once: each is mostly start-up, Ray and the
+    # workers' imports), each with a local Ray cluster of its own.
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    at_once(lambda: rl(whole, *common, "train.max_steps=4", cwd=tmp_path),
+            lambda: rl(parts, *common, "train.max_steps=2", cwd=tmp_path))
     assert sorted(p.name for p in (parts / "checkpoints").iterdir()) == ["step_00000002"]
     assert sorted(p.name for p in (parts / "critic" / "checkpoints").iterdir()) == ["step_00000002"]
-    res = rl(parts, *common, "train.max_steps=4", cwd=tmp_path)
+
+    # Meanwhile: a damaged checkpoint named explicitly passes the launcher's look at the
+    # folder and is found by the Ray workers when they verify its checksums: the user still
+    # reads one line naming the key, exit status 2, as when the controller finds a mistake.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(whole / "checkpoints" / "step_00000004", damaged)
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    res, bad = at_once(lambda: rl(parts, *common, "train.max_steps=4", cwd=tmp_path),
+                       lambda: run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={tmp_path / 'again'}", *common,
+                                        "train.max_steps=6", f"checkpoint.resume={damaged}"], timeout=400,
+                                       cwd=tmp_path))
     assert "ppo" in res.stderr  # the progress bar
     a, b = metrics(whole), metrics(parts)
     assert [m["step"] for m in a] == [1, 2, 3, 4] and [m["step"] for m in b] == [1, 2, 3, 4]
@@ -81,30 +95,48 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
         assert all(isinstance(m[key], (int, float)) for m in a), key
     assert (whole / "rl.png").stat().st_size > 1000
 
-    # A damaged checkpoint named explicitly passes the launcher's look at the folder and is
-    # found by the Ray workers when they verify its checksums: the user still reads one
-    # line naming the key, exit status 2, as when the controller finds a mistake.
-    damaged = tmp_path / "damaged"
-    shutil.copytree(parts / "checkpoints" / "step_00000004", damaged)
-    shard = sorted(damaged.glob("*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={tmp_path / 'again'}", *common, "train.max_steps=6",
-                   f"checkpoint.resume={damaged}"], timeout=400, cwd=tmp_path)
+    res = bad
     lines = [x for x in res.stderr.splitlines() if x.startswith("shardwise: ")]
     assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
     assert "checkpoint.resume" in lines[0] and "failed verification" in lines[0] and shard.name in lines[0], lines
     assert "Traceback" not in res.stderr
 
 
-def test_the_rl_demo_raises_heldout_accuracy_by_ten_points(sft_demo_model, tmp_path):
+@pytest.fixture(scope="module")
+def demo_runs(sft_demo_model, tmp_path_factory):
+    """The two runs from the SFT demo's model, side by side (independent commands, each
+    with its own Ray cluster): the demo's GRPO stage and PPO with a critic group of its own.
+    Each test gets its own run's folder and result (a failed run fails its own test only)."""
+    tmp = tmp_path_factory.mktemp("demo_runs")
+    grpo, ppo = tmp / "grpo", tmp / "ppo"
+
+    def run(run_dir: Path, *overrides: str):
+        try:
+            return run_dir, rl(run_dir, f"model.path={sft_demo_model}", *overrides, config=DEMO)
+        except AssertionError as exc:
+            return run_dir, exc
+
+    res_grpo, res_ppo = at_once(
+        lambda: run(grpo, "checkpoint.every_steps=0", "rl.record_batches=1"),
+        lambda: run(ppo, "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true", "rl.critic.lr=1e-3",
+                    "rl.critic.colocated=false", "train.max_steps=8", "train.global_batch_size=16",
+                    "checkpoint.every_steps=4", "checkpoint.export_hf=false", "rl.heldout_eval=false"))
+    return {"grpo": res_grpo, "ppo": res_ppo}
+
+
+def demo_run(demo_runs, name: str):
+    run_dir, res = demo_runs[name]
+    if isinstance(res, AssertionError):
+        raise res
+    return run_dir, res
+
+
+def test_the_rl_demo_raises_heldout_accuracy_by_ten_points(sft_demo_model, demo_runs):
     # The demo's RL stage as `make demo` runs it (examples/grpo_reverse.yaml, its 30 steps,
     # from the SFT demo's model). Measured: greedy held-out accuracy 22.5% -> 98.0%, 23.5% ->
     # 89.0%, 19.0% -> 72.5% (seeds 0, 1, 2); the gap it closes is the SFT model's pass@8
     # (72-88%) over its pass@1 (22-35%), large on any CPU, so +10 points hold with a wide margin.
-    run_dir = tmp_path / "grpo"
-    res = rl(run_dir, f"model.path={sft_demo_model}", "checkpoint.every_steps=0", "rl.record_batches=1", config=DEMO)
+    run_dir, res = demo_run(demo_runs, "grpo")
     summary = {k: v for k, v in (line.split(": ", 1) for line in res.stdout.splitlines() if ": " in line)}
     line = summary["  held-out accuracy (greedy)"]  # "before RL 22.5%, after RL 98.0%"
     before, after = (float(x.rstrip("%")) for x in re.findall(r"[0-9.]+%", line))
@@ -189,11 +221,8 @@ def check_recorded_batch(path: Path, model_dir: Path, step_metrics: dict) -> Non
         assert float((t[key].masked_fill(~full_mask, 0.0) - lp).abs().max()) < 1e-4, key
 
 
-def test_ppo_with_critic_lowers_value_loss(sft_demo_model, tmp_path):
-    run_dir = tmp_path / "ppo"
-    rl(run_dir, f"model.path={sft_demo_model}", "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true",
-       "rl.critic.lr=1e-3", "rl.critic.colocated=false", "train.max_steps=8", "train.global_batch_size=16", "checkpoint.every_steps=4",
-       "checkpoint.export_hf=false", "rl.heldout_eval=false", config=DEMO)
+def test_ppo_with_critic_lowers_value_loss(demo_runs):
+    run_dir, _ = demo_run(demo_runs, "ppo")  # 8 steps, critic not colocated, checkpoints every 4
     m = metrics(run_dir)
     vf = [x["critic/vf_loss"] for x in m]
     # The targets move with the policy, so the loss is not monotone; measured on this

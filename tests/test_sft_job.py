@@ -21,30 +21,44 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_train_cli_writes_metrics_checkpoint_export_plot_and_resumes(tmp_path):
+    # Also the resume probe of tests/test_faults.py: a resumed run never repeats or loses a
+    # step, and the truncation note is reported once.
     run_dir = tmp_path / "run"
     args = ["train", str(REPO / "examples/sft_arithmetic.yaml"), "--nproc", "2", f"run.dir={run_dir}",
-            "train.max_steps=6", "checkpoint.every_steps=3", "train.log_every=1",
-            "train.global_batch_size=16", "train.micro_batch_size=4"]
-    res = run_cli(args, timeout=300)
+            "checkpoint.every_steps=2", "checkpoint.keep_last=3", "train.log_every=1",
+            "train.global_batch_size=16", "train.micro_batch_size=4",
+            "data.max_length=8"]  # "12+34=" is 7 tokens with <bos>, + answer + <eos>: truncated
+    res = run_cli([*args, "train.max_steps=6"], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics_lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines = [json.loads(x) for x in metrics_lines]
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
     for x in lines:
         for key in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_bytes"):
             assert isinstance(x[key], (int, float)) and math.isfinite(x[key]), (key, x)
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert ckpts == ["step_00000003", "step_00000006"]
+    assert ckpts == ["step_00000002", "step_00000004", "step_00000006"]
     assert (run_dir / "checkpoints/step_00000006/COMMITTED").is_file()
     assert (run_dir / "hf/config.json").is_file() and (run_dir / "sft.png").stat().st_size > 1000
     assert "held-out accuracy" in res.stdout and str(run_dir / "hf") in res.stdout
     assert "sft" in res.stderr  # the rank-0 progress bar
+    notes = [x for x in res.stderr.splitlines() if "longer than data.max_length=8" in x]
+    assert len(notes) == 1 and " of 2048 examples" in notes[0], res.stderr[-3000:]
+    assert int(notes[0].split("data: ")[1].split()[0]) > 500  # most two-digit sums are cut
 
-    # resume: auto picks step 6 and trains 7..8, appending to the same metrics file
-    res2 = run_cli([*args[:-5], "train.max_steps=8", "checkpoint.every_steps=3", "train.log_every=1",
-                    "train.global_batch_size=16", "train.micro_batch_size=4"], timeout=300)
+    # As if the job had been killed after step 6 was logged but before step 6 was committed:
+    # resume (auto) picks the newest committed checkpoint, step 4 (the progress bar starts
+    # there), keeps the metrics of steps 1..4 as they were written, logs 5..6 again (each
+    # once) and trains on to 8.
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
+    res2 = run_cli([*args, "train.max_steps=8"], timeout=300)
     assert res2.returncode == 0, res2.stderr[-3000:]
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
+    again = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in again] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert again[:4] == metrics_lines[:4]
+    assert "4/8 [" in res2.stderr, res2.stderr[-3000:]
 
 
 def test_train_cli_config_error_exits_2_before_starting_processes(tmp_path):

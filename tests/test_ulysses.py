@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, run_cli, run_ranks
+from dist.launcher import REPO_ROOT, at_once, run_cli, run_ranks
 
 from shardwise.cli import main
 from shardwise.distributed.ulysses import slice_batch
@@ -89,8 +89,9 @@ def test_attention_equals_whole_sequence_sdpa(world, kv_heads):
 def test_train_cli_with_ulysses_logs_the_losses_of_one_process(tmp_path):
     common = ["train", SFT, "train.max_steps=3", "train.micro_batch_size=8", "train.global_batch_size=16",
               "checkpoint.every_steps=0", "checkpoint.export_hf=false", "train.log_every=1"]
-    one = run_cli([*common, f"run.dir={tmp_path / 'one'}"], timeout=300)
-    sp = run_cli([*common, f"run.dir={tmp_path / 'sp'}", "parallel.ulysses_size=2", "--nproc", "2"], timeout=300)
+    one, sp = at_once(lambda: run_cli([*common, f"run.dir={tmp_path / 'one'}"], timeout=300),  # side by side
+                      lambda: run_cli([*common, f"run.dir={tmp_path / 'sp'}", "parallel.ulysses_size=2", "--nproc", "2"],
+                                      timeout=300))
     assert one.returncode == 0 and sp.returncode == 0, (one.stderr[-2000:], sp.stderr[-2000:])
 
     def losses(d):

@@ -11,6 +11,11 @@ Public interface::
     run_ranks(fn, world_size, *args, timeout=180.0, init_pg=False, env=None) -> list
     run_torchrun(argv, nproc, timeout=300.0, env=None, cwd=None) -> subprocess.CompletedProcess
     run_cli(argv, timeout=120.0, env=None, cwd=None) -> subprocess.CompletedProcess
+    at_once(*calls) -> list
+
+``at_once`` runs independent commands side by side (each call in a thread of its own,
+e.g. ``lambda: run_cli(...)``): a command is mostly the start-up of its processes, which
+two commands overlap on two cores.
 
 In ``env`` mappings a value of ``None`` removes the variable from the child's environment.
 Set ``SHARDWISE_KEEP_RANK_LOGS=1`` to keep ``run_ranks``'s per-rank log folder after a run.
@@ -42,7 +47,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-__all__ = ["free_port", "run_ranks", "run_torchrun", "run_cli"]
+__all__ = ["free_port", "run_ranks", "run_torchrun", "run_cli", "at_once"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SRC_DIR = REPO_ROOT / "src"
@@ -605,3 +610,14 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m shardwise.cli *argv``, killable and captured like ``run_torchrun``."""
     return _run_killable([sys.executable, "-m", "shardwise.cli", *map(str, argv)], timeout, env, cwd)
+
+
+def at_once(*calls: Callable[[], Any]) -> list[Any]:
+    """Call each of ``calls`` in a thread of its own, all at once; their results in order.
+    Every call runs to its end (each command has its own timeout) before the first
+    exception, if any, is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+    return [f.result() for f in futures]
