@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _train_worker import held_state_bytes
+from _train_worker import held_state_bytes, run_and_record
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForMaskedLM
@@ -42,7 +41,6 @@ from shardwise.data.collate import IGNORE_INDEX
 from shardwise.data.encoder import mask_tokens, masked_lm_loss_sum
 from shardwise.distributed.launch import leave
 from shardwise.distributed.runtime import (
-    env_world,
     init_distributed,
     seed_everything,
     teardown,
@@ -194,17 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> int:
-    args = parse_args()
-    try:
-        record = run(args)
-    except Exception as exc:  # noqa: BLE001 - any failure is reported to the caller, then exit 1
-        traceback.print_exc()
-        first = (str(exc).strip().splitlines() or [""])[0]
-        Path(f"{args.out}.rank{env_world()[0]}.error").write_text(f"{type(exc).__name__}: {first}\n")
-        return 1
-    if record is not None:
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+    return run_and_record(run, parse_args())
 
 
 if __name__ == "__main__":

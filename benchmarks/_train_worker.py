@@ -277,10 +277,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main() -> int:
-    args = parse_args()
+def run_and_record(run_fn: Callable[[argparse.Namespace], dict[str, Any] | None], args: argparse.Namespace) -> int:
+    """A worker's body: `run_fn(args)`; its record (rank 0's) written to ``args.out``, or the
+    first line of its exception to ``<out>.rank<r>.error`` for the launcher. Exit status."""
     try:
-        record = run(args)
+        record = run_fn(args)
     except Exception as exc:  # noqa: BLE001 - any failure is reported to the caller, then exit 1
         rank = env_world()[0]
         traceback.print_exc()
@@ -291,6 +292,10 @@ def main() -> int:
     if record is not None:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
     return 0
+
+
+def main() -> int:
+    return run_and_record(run, parse_args())
 
 
 if __name__ == "__main__":

@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from train_configs import failure_reason, free_port, machine_info, worker_env
+from train_configs import free_port, machine_info, run_worker
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_encoder_memory_worker.py"
@@ -75,21 +73,9 @@ def launch(row: Row, args: argparse.Namespace, raw_dir: Path, log_dir: Path) -> 
            "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch)]
     for override in row.overrides:
         cmd += ["--override", override]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=worker_env(row.nproc))
-    try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {args.timeout:.0f} s\n"
-    wall_s = time.perf_counter() - start
-    (log_dir / f"{row.name}.log").write_text(f"$ {' '.join(cmd)}\n\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    if proc.returncode == 0 and raw_json.is_file():
-        record = json.loads(raw_json.read_text())
-    else:
-        record = {"name": row.name, "error": failure_reason(raw_json, stderr, proc.returncode)}
+    record, wall_s = run_worker(cmd, row.nproc, args.timeout, log_dir / f"{row.name}.log", raw_json)
+    if "error" in record:
+        record["name"] = row.name
     record.update(wall_s=wall_s, seed_name=row.seed_name, nproc=row.nproc, overrides=list(row.overrides))
     return record
 

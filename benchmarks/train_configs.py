@@ -126,25 +126,30 @@ def launch(config: BenchConfig, round_no: int, args: argparse.Namespace, raw_dir
     ]
     for override in [*common_overrides(args), *config.overrides]:
         cmd += ["--override", override]
+    record, wall_s = run_worker(cmd, args.nproc, args.timeout, log_dir / f"{tag}.log", raw_json)
+    if "error" in record:
+        record = {"name": config.name, "overrides": list(config.overrides), "error": record["error"]}
+    record["wall_s"] = wall_s
+    return record
+
+
+def run_worker(cmd: list[str], nproc: int, timeout: float, log: Path, raw_json: Path) -> tuple[dict[str, Any], float]:
+    """Run one torchrun worker command (`nproc` ranks, killed after `timeout` s), write its
+    output to `log`; (the record it wrote to `raw_json`, or {"error": why}, wall seconds)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=worker_env(args.nproc))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(nproc))
     try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # SIGTERM: the launcher stops the ranks it started (each in a session of its own).
         proc.terminate()
         stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {args.timeout:.0f} s\n"
+        stderr += f"\ntimed out after {timeout:.0f} s\n"
     wall_s = time.perf_counter() - start
-    (log_dir / f"{tag}.log").write_text(f"$ {' '.join(cmd)}\n\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    log.write_text(f"$ {' '.join(cmd)}\n\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
     if proc.returncode == 0 and raw_json.is_file():
-        record = json.loads(raw_json.read_text())
-    else:
-        record = {"name": config.name, "overrides": list(config.overrides),
-                  "error": failure_reason(raw_json, stderr, proc.returncode)}
-    record["wall_s"] = wall_s
-    return record
+        return json.loads(raw_json.read_text()), wall_s
+    return {"error": failure_reason(raw_json, stderr, proc.returncode)}, wall_s
 
 
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
