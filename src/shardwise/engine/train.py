@@ -135,8 +135,7 @@ class TrainEngine:
         self.step = 0
         self.skipped_steps = 0
         self._ignored = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
-        config = getattr(self.model, "config", None)
-        self._vl_config = config if config is not None and vision.is_vision_language(config) else None
+        self._vl_config = vision.vl_config(self.model)
 
     @property
     def dp_size(self) -> int:

@@ -159,7 +159,7 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     fn = prepared.reward_fn
     records = prepared.records
     run_dir = Path(cfg.run.dir)
-    vision = vision_inputs(cfg)  # a VL model: each prompt's image (prepare checked the files)
+    vision = vision_inputs(cfg, tokenizer)  # a VL model: each prompt's image (prepare checked the files)
     WeightSync(engine.model, generator).sync()  # an engine with its own weights (vllm) gets the model's
 
     dp_size = engine.spec.dp_size

@@ -80,10 +80,12 @@ def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
     return records
 
 
-def vision_inputs(cfg: Config) -> VisionInputs | None:
+def vision_inputs(cfg: Config, tokenizer=None) -> VisionInputs | None:
     """The image encoder of a VL model (None for a text model), after the checks only a VL
-    job needs: one image per example does not pack, Ulysses splits no image, and the roles
-    and engines that take images are the actor, the reference and the HF rollout."""
+    job needs: one image per example does not pack, Ulysses splits no image, the roles and
+    engines that take images are the actor, the reference and the HF rollout, and the
+    vision token ids are no ordinary tokens of `tokenizer` (default: the one a job would
+    find on disk, else the built-in one it would build)."""
     hf = load_hf_config(cfg.model)
     if not is_vision_language(hf):
         return None
@@ -106,6 +108,8 @@ def vision_inputs(cfg: Config) -> VisionInputs | None:
         raise ConfigError("data.max_length", f"{cfg.data.max_length} tokens leave no room for text after an "
                           f"image's {len(vision.prompt_prefix)} tokens (data.image_size={cfg.data.image_size})",
                           f"raise it to at least {need}, or lower data.image_size")
-    found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
-    vision.check_tokenizer(load_tokenizer(found) if found is not None else None)
+    if tokenizer is None:
+        found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+        tokenizer = load_tokenizer(found) if found is not None else None
+    vision.check_tokenizer(tokenizer)
     return vision

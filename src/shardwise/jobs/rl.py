@@ -81,9 +81,7 @@ def run(prepared: Prepared) -> dict[str, Any]:
     folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True)
     tokenizer = load_tokenizer(folder)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
-    vision = vision_inputs(cfg)
-    if vision is not None:
-        vision.check_tokenizer(tokenizer)  # prepare checked the tokenizer it found; this is the one in use
+    vision = vision_inputs(cfg, tokenizer)
     note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False)
     if note:
         log.warning("data: %s", note)

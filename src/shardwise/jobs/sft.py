@@ -48,7 +48,13 @@ from shardwise.engine.train import TrainEngine
 from shardwise.errors import ConfigError, DataError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
-from shardwise.jobs.inputs import check_data, check_model, check_resume, check_tokenizer, vision_inputs
+from shardwise.jobs.inputs import (
+    check_data,
+    check_model,
+    check_resume,
+    check_tokenizer,
+    vision_inputs,
+)
 from shardwise.models.loading import load_hf_config
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import MetricsWriter, Progress, peak_memory_bytes, plot_metrics
@@ -163,10 +169,8 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     encoder_task = encoder.is_encoder_task(cfg.model.task)
     tokenizer, tok_dir = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, encoder=encoder_task)
     hf_config = load_hf_config(cfg.model)
-    vision = vision_inputs(cfg)
+    vision = vision_inputs(cfg, tokenizer)
     check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
-    if vision is not None:
-        vision.check_tokenizer(tokenizer)  # prepare checked the tokenizer it found; this is the one in use
     engine = TrainEngine(cfg, runtime, task=cfg.model.task, planned=prepared.planned)
     prepared.planned = None  # fully_shard changed that model in place: it is the engine's now
     if encoder_task:

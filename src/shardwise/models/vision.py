@@ -49,6 +49,7 @@ __all__ = [
     "resolve_images",
     "vision_token_ids",
     "vision_tower_path",
+    "vl_config",
     "with_token_types",
 ]
 
@@ -62,6 +63,13 @@ _TOWER_NAMES = ("visual", "vision_tower", "vision_model")
 def is_vision_language(hf_config) -> bool:
     """True for a config with a vision tower and an image token (Qwen2-VL family)."""
     return getattr(hf_config, "vision_config", None) is not None and getattr(hf_config, "image_token_id", None) is not None
+
+
+def vl_config(model: nn.Module):
+    """The HF config of `model` when it is a vision-language model (its forwards carry
+    images, and throw-away passes a `dummy_image`); None otherwise."""
+    config = getattr(model, "config", None)
+    return config if config is not None and is_vision_language(config) else None
 
 
 def vision_token_ids(hf_config) -> list[int]:

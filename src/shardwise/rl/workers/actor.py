@@ -66,12 +66,10 @@ def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.devic
         return compute_log_probs(model, ids, mask, pos, with_entropy, temperature, chunk_tokens=chunk_tokens,
                                  **images)
 
-    config = getattr(model, "config", None)
-    vl_config = config if config is not None and vision.is_vision_language(config) else None
     with torch.no_grad():
         out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
                                      micro_batch_size, device,
-                                     images={k: t[k] for k in vision.IMAGE_KEYS if k in t}, vl_config=vl_config)
+                                     images={k: t[k] for k in vision.IMAGE_KEYS if k in t}, vl_config=vision.vl_config(model))
     keep = t["response_mask"].bool().to(out["log_probs"].device)
     return {k: v.masked_fill(~keep, 0.0).cpu() for k, v in out.items()}
 
