@@ -25,7 +25,7 @@ from shardwise.data.tasks import (
     get_builtin_task,
     score_arithmetic,
 )
-from shardwise.data.tokenizer import CHAR_VOCAB_SIZE, build_char_tokenizer
+from shardwise.data.tokenizer import BUILTIN_VOCAB_SIZE, CHAR_VOCAB_SIZE, build_char_tokenizer
 from shardwise.errors import DataError, ShardwiseError
 
 
@@ -48,7 +48,7 @@ def tokenizer(tokenizer_dir):
 
 def test_char_tokenizer_ids_of_known_characters(tmp_path):
     tok = build_char_tokenizer(tmp_path)
-    assert len(tok) == CHAR_VOCAB_SIZE
+    assert len(tok) == BUILTIN_VOCAB_SIZE
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     assert tok.convert_tokens_to_ids(["0", "9", "+", "-", "*", "=", " ", "a", "z"]) == [
         4, 13, 14, 15, 16, 17, 18, 19, 44,
@@ -74,7 +74,7 @@ def test_reloaded_tokenizer_keeps_special_tokens(tokenizer_dir, tokenizer):
     )
     assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 2
     assert tokenizer.padding_side == "right"
-    assert len(tokenizer) == CHAR_VOCAB_SIZE
+    assert len(tokenizer) == BUILTIN_VOCAB_SIZE
     assert (tokenizer_dir / "tokenizer.json").is_file()
 
 

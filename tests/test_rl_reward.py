@@ -80,7 +80,7 @@ def test_module_function_from_pythonpath(tmp_path, monkeypatch):
 # (spec template, problem words, hint words); {mod} is a module written to the working
 # directory, {broken} one that raises on import, {needs_dep} one importing a missing package.
 ERRORS = {
-    "unknown_builtin": ("builtin:arithmetc", "unknown built-in task 'arithmetc'", "did you mean builtin:arithmetic?"),
+    "unknown_builtin": ("builtin:arithmetc", "unknown built-in reward 'arithmetc'", "did you mean builtin:arithmetic?"),
     "no_colon": ("my_rewards", "is not of the form", "module:function"),
     "empty_function": ("{mod}:", "is not of the form", "module:function"),
     "empty_module": (":score", "is not of the form", "module:function"),
@@ -90,7 +90,7 @@ ERRORS = {
     "missing_attribute": ("{mod}:scroe", "has no attribute 'scroe'", "did you mean score?"),
     "missing_nested": ("{mod}:Scorer.scroe", "Scorer has no attribute 'scroe'", "did you mean score?"),
     "not_callable": ("{mod}:THRESHOLD", "is a int, not a function", "point it at a function"),
-    "wrong_arity": ("{mod}:two_args", "cannot be called with (prompt, response, ground_truth)", "signature"),
+    "wrong_arity": ("{mod}:two_args", "takes neither (prompt, response, ground_truth) nor verl's", "signature"),
     "raises_on_import": ("{broken}:score", "importing '{broken}' failed: RuntimeError: boom", "imports cleanly"),
     "missing_dependency": ("{needs_dep}:score", "No module named 'no_such_dependency_xyz'", "install"),
     "empty": ("", "names no reward function", "builtin:NAME"),

@@ -1,4 +1,4 @@
-"""The `shardwise` command: plan | train | infer | rl | export | convert.
+"""The `shardwise` command: plan | train | infer | rl | export | convert | data.
 
 Each command is a recipe of `shardwise.jobs`: ``prepare`` (every check the config and its
 files allow; exit status 2 and one line on stderr, before any process group, Ray worker or
@@ -40,7 +40,7 @@ from shardwise.distributed.runtime import (
 )
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.fsdp.build import plan_for
-from shardwise.jobs import export, infer, rl, sft
+from shardwise.jobs import export, infer, preview, rl, sft
 from shardwise.jobs.rundir import RunDirLock, command_line
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError
@@ -325,9 +325,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    """The first examples (or prompts) of a config's data as its job feeds them; see
+    shardwise.jobs.preview."""
+    local_files_only()
+    cfg, _ = _load(args)
+    shown, tokenizer, total = preview.preview(cfg, args.n, args.prompts)
+    if args.json:
+        print(preview.format_json(shown, tokenizer))
+    else:
+        print(preview.format_text(shown, tokenizer, cfg.data.max_length, total))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": cmd_plan, "train": cmd_train, "infer": cmd_infer, "rl": cmd_rl, "export": cmd_export,
-    "convert": cmd_convert}
+    "convert": cmd_convert, "data": cmd_data}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,6 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     ep = sub.add_parser("export", parents=[common], help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
     ep.add_argument("checkpoint_dir")
     ep.add_argument("out_dir")
+    dp = sub.add_parser("data", parents=[common, dialect], help="show the first examples of a config's data as the "
+                        "job feeds them: chat template applied, trained tokens marked, truncation said")
+    dp.add_argument("config")
+    dp.add_argument("overrides", nargs="*", help="key.sub=value")
+    dp.add_argument("--n", type=int, default=3, help="how many examples (default 3)")
+    dp.add_argument("--json", action="store_true", help='one JSON object per example: {"input_ids", "loss_mask", '
+                    '"text"} ({"prompt_ids", "prompt_text"} with --prompts)')
+    dp.add_argument("--prompts", action="store_true", help="the RL / infer prompts instead of SFT examples")
     cp = sub.add_parser("convert", parents=[common], help="write a ROLL, MindSpeed or RLinf config as a shardwise "
                         "YAML (a comment on each key names its source key)")
     cp.add_argument("--from", dest="dialect", choices=DIALECTS, required=True, help="the file's dialect")

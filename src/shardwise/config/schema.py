@@ -265,9 +265,35 @@ class DataConfig(Section):
     """builtin:NAME only: how many training examples the task generates from run.seed
     (its held-out prompts are generated apart, from run.seed + 10000)."""
     prompt_key: str = "prompt"
-    """The column holding each prompt."""
+    """The column holding each prompt: text, or a list of chat messages (verl's format),
+    rendered with the chat template and its generation prompt. Every *_key may be a dotted
+    path into nested columns (extra_info.question)."""
     response_key: str = "response"
     """The column holding each response (SFT) or ground truth (RL, scoring)."""
+    format: Literal["auto", "text", "messages"] = "auto"
+    """What a record is: text (prompt_key + response_key), messages (a conversation in
+    messages_key for SFT; a prompt given as text becomes one user turn for RL / infer), or
+    auto: messages when the data hold them."""
+    messages_key: str = "messages"
+    """SFT on conversations: the column holding each list of turns, OpenAI / TRL
+    ({role, content}) or ShareGPT ({from: human | gpt | system, value}); a ShareGPT
+    'conversations' column is found by itself when there is no 'messages' column."""
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    """SFT on conversations: the tokens the loss covers: every assistant turn (content and
+    the template's end-of-turn marker), the last assistant turn only, or every token."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's chat template renders messages; none: no template (messages
+    are an error); or a jinja template file, which then renders text records too (the prompt
+    as a user turn, the response as the assistant's)."""
+    ground_truth_key: str | None = None
+    """RL and infer scoring: the column reward functions receive as ground truth (e.g.
+    reward_model.ground_truth); null: response_key."""
+    data_source_key: str = "data_source"
+    """RL and infer scoring: the column naming each row's data source (verl-form reward
+    functions and builtin:by_source read it); absent from the data: None."""
+    extra_info_key: str = "extra_info"
+    """RL and infer scoring: the column passed to verl-form reward functions as
+    extra_info; absent from the data: None."""
     max_length: Pos = 128
     """Tokens per example (SFT) or prompt (RL, infer); longer ones are truncated, and said."""
     packing: bool = False

@@ -2,7 +2,14 @@
 
 - `resolve_reward_fn` turns a spec (``builtin:NAME`` or ``module:function``, the value of
   ``rl.reward.function`` or ``infer.reward``) into a ``(prompt, response, ground_truth)
-  -> float`` callable, by import and attribute lookup only (never eval).
+  -> float`` callable, by import and attribute lookup only (never eval). A function of
+  verl's form, ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``,
+  is recognised from its signature (`reward_form`) and called with each row's
+  ``data_source`` and ``extra_info``. Built-ins: each task's scorer, ``gsm8k``,
+  ``gsm8k_flexible``, ``math`` (`shardwise.data.scorers`, equal to verl's) and
+  ``by_source`` (one of those chosen by the row's data_source, as verl's default does).
+- A function may return a number, or a dict whose ``"score"`` is the reward and whose
+  other numeric entries become metrics ``reward/<key>`` (their mean over the rows).
 - `decode_responses` is the text a scorer sees: a row's response tokens up to (not
   including) the first EOS, decoded without special tokens.
 - `score_sequences` scores each row and puts the score on its last response token
@@ -24,11 +31,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from shardwise.data import scorers
 from shardwise.data.batch import Batch
 from shardwise.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, get_builtin_task
-from shardwise.errors import ConfigError, ShardwiseError, did_you_mean
+from shardwise.errors import ConfigError, DataError, ShardwiseError, did_you_mean
 
-__all__ = ["RewardFn", "RewardFunctionError", "decode_responses", "resolve_reward_fn", "score_sequences"]
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
+           "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences"]
 
 RewardFn = Callable[[str, str, str], float]
 """``(prompt, response_text, ground_truth) -> reward``."""
@@ -39,6 +48,87 @@ _FORMS = "builtin:NAME or module:function (e.g. builtin:arithmetic or my_rewards
 
 class RewardFunctionError(ShardwiseError, RuntimeError):
     """A reward function raised, or returned something that is not a finite number."""
+
+
+_VERL_ARGS = ("data_source", "solution_str", "ground_truth")
+
+
+class VerlReward:
+    """A reward function of verl's form, ``fn(data_source=, solution_str=, ground_truth=,
+    extra_info=)`` (keywords, as verl calls it), callable as ``(prompt, response,
+    ground_truth)`` too (data_source and extra_info None), or with them as keywords."""
+
+    form = "verl"
+
+    def __init__(self, fn: Callable, takes_extra_info: bool = True):
+        self.fn = fn
+        self.takes_extra_info = takes_extra_info
+        self.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
+        self.__module__ = getattr(fn, "__module__", None)
+
+    def __call__(self, prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None):
+        del prompt
+        kwargs = {"extra_info": extra_info} if self.takes_extra_info else {}
+        return self.fn(data_source=data_source, solution_str=response, ground_truth=ground_truth, **kwargs)
+
+
+def reward_form(fn: Callable, spec: str, key: str = _KEY) -> str:
+    """``"verl"`` when `fn` takes verl's keywords (data_source, solution_str,
+    ground_truth[, extra_info]), ``"plain"`` when it takes (prompt, response, ground_truth)
+    positionally; decided from the signature once. ConfigError on `key` for neither."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to inspect (some builtins): the plain form
+        return "plain"
+    names = [p.name for p in sig.parameters.values()]
+    if any(n in names for n in _VERL_ARGS[:2]):  # verl's own names decide
+        try:
+            sig.bind(data_source="", solution_str="", ground_truth="")
+        except TypeError as e:
+            raise ConfigError(key, f"{spec} looks like verl's form but cannot be called as "
+                              f"compute_score(data_source=, solution_str=, ground_truth=, extra_info=None): {e}",
+                              "give it verl's signature, or (prompt, response, ground_truth)") from None
+        return "verl"
+    try:
+        sig.bind("", "", "")
+    except TypeError as e:
+        raise ConfigError(key, f"{spec} takes neither (prompt, response, ground_truth) nor verl's (data_source, "
+                          f"solution_str, ground_truth, extra_info=None): {e}",
+                          "give it one of those two signatures") from None
+    return "plain"
+
+
+def _takes_extra_info(fn: Callable) -> bool:
+    try:
+        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+    except TypeError:
+        return False
+    return True
+
+
+def _by_source(prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None) -> float:
+    """``builtin:by_source``: called with each row's data_source like a verl-form function."""
+    del prompt
+    return scorers.score_by_source(data_source, response, ground_truth, extra_info)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {name: scorer for name, scorer in scorers.SCORERS.items()}
+"""Built-in scorers beside the tasks' (``builtin:NAME``), ``(prompt, response, ground_truth)``."""
+_BY_SOURCE = "by_source"
+
+
+def check_data_sources(fn: RewardFn | None, records: list[dict], key: str = _KEY) -> None:
+    """``builtin:by_source`` knows every row's data_source (DataError naming the first row
+    whose source it does not know, before anything starts)."""
+    if fn is not _by_source:
+        return
+    for r in records:
+        source = r.get("data_source")
+        if source not in scorers.SOURCE_SCORERS:
+            raise DataError(f"{key}: builtin:by_source cannot score {r.get('where', 'a row')}: its data_source "
+                            f"{source!r} is none of {', '.join(sorted(scorers.SOURCE_SCORERS))} "
+                            f"(data.data_source_key: {'set' if 'data_source' in r else 'absent'}); "
+                            "use builtin:gsm8k / builtin:math or a module:function of your own")
 
 
 # ---------------------------------------------------------------------- resolving
@@ -62,9 +152,14 @@ def resolve_reward_fn(spec: str, key: str = _KEY) -> RewardFn:
     spec = spec.strip()
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]
+        if name == _BY_SOURCE:
+            return _by_source
+        if name in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[name]
         if name not in BUILTIN_TASKS:
-            raise ConfigError(key, f"unknown built-in task {name!r}",
-                              did_you_mean(name, BUILTIN_TASKS, prefix=BUILTIN_PREFIX))
+            names = [*BUILTIN_TASKS, *BUILTIN_REWARDS, _BY_SOURCE]
+            raise ConfigError(key, f"unknown built-in reward {name!r}",
+                              did_you_mean(name, names, prefix=BUILTIN_PREFIX))
         return get_builtin_task(name).score
     module_name, _, attr_path = spec.partition(":")
     if not (_dotted_name(module_name) and _dotted_name(attr_path)):
@@ -82,13 +177,8 @@ def resolve_reward_fn(spec: str, key: str = _KEY) -> RewardFn:
     if not callable(obj):
         raise ConfigError(key, f"{spec} is a {type(obj).__name__}, not a function",
                           "point it at a function (prompt, response, ground_truth) -> float")
-    try:
-        inspect.signature(obj).bind("", "", "")
-    except TypeError as e:
-        raise ConfigError(key, f"{spec} cannot be called with (prompt, response, ground_truth): {e}",
-                          "give it the signature (prompt: str, response: str, ground_truth: str) -> float") from None
-    except ValueError:  # no signature to inspect (some builtins): find out at call time
-        pass
+    if reward_form(obj, spec, key) == "verl":
+        return VerlReward(obj, _takes_extra_info(obj))
     return obj  # type: ignore[return-value]
 
 
@@ -142,13 +232,28 @@ def _short(text: str, limit: int = 120) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int) -> float:
+def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_source=None,
+          extra_info=None) -> tuple[float, dict[str, float]]:
+    """``(reward, extra metrics)`` of one row; RewardFunctionError naming the row otherwise."""
     where = f"row {row} (prompt {_short(prompt)})"
     try:
-        value = fn(prompt, response, truth)
+        if isinstance(fn, VerlReward) or fn is _by_source:
+            value = fn(prompt, response, truth, data_source=data_source, extra_info=extra_info)
+        else:
+            value = fn(prompt, response, truth)
+    except scorers.UnknownDataSource as e:
+        raise RewardFunctionError(f"{e} ({where})") from None
     except Exception as e:
         raise RewardFunctionError(f"reward function {_describe(fn)} raised {type(e).__name__}: {e} on {where}, "
                                   f"response {_short(response)}") from e
+    extra: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise RewardFunctionError(f"reward function {_describe(fn)} returned a dict without 'score' on {where} "
+                                      f"(keys {sorted(value)}); put the reward under 'score'")
+        extra = {str(k): float(v) for k, v in value.items()
+                 if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
+        value = value["score"]
     if not isinstance(value, numbers.Real):  # bool and numpy scalars included
         hint = " (convert it with .item())" if hasattr(value, "item") else ""
         raise RewardFunctionError(f"reward function {_describe(fn)} returned {type(value).__name__} "
@@ -157,7 +262,7 @@ def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int) -> flo
     if not math.isfinite(value):
         raise RewardFunctionError(f"reward function {_describe(fn)} returned {value} on {where}; "
                                   "rewards must be finite")
-    return value
+    return value, extra
 
 
 def decode_responses(batch: Batch, tokenizer) -> tuple[list[str], list[int | None]]:
@@ -197,22 +302,29 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn) -> Batch:
     function and the row's prompt when `fn` raises or returns a non-finite or
     non-number value.
     """
-    data = batch.select(tensor_keys=["input_ids", "response_mask"], array_keys=["prompt", "ground_truth"],
-                        meta_keys=[])
+    optional = [k for k in ("data_source", "extra_info") if k in batch.arrays]
+    data = batch.select(tensor_keys=["input_ids", "response_mask"],
+                        array_keys=["prompt", "ground_truth", *optional], meta_keys=[])
     ids = data.tensors["input_ids"]
     texts, last = decode_responses(data, tokenizer)
     prompts, truths = data.arrays["prompt"], data.arrays["ground_truth"]
+    sources = data.arrays.get("data_source", [None] * len(texts))
+    infos = data.arrays.get("extra_info", [None] * len(texts))
     scores = torch.zeros(ids.shape, dtype=torch.float32)
     row_scores = []
+    extras: dict[str, list[float]] = {}
     for row, text in enumerate(texts):
-        s = _call(fn, str(prompts[row]), text, str(truths[row]), row)
+        s, extra = _call(fn, str(prompts[row]), text, str(truths[row]), row, sources[row], infos[row])
         row_scores.append(s)
+        for k, v in extra.items():
+            extras.setdefault(k, []).append(v)
         if last[row] is not None:
             scores[row, last[row]] = s
     metrics: dict[str, float] = {"reward/empty_responses": float(sum(p is None for p in last))}
     if row_scores:
         metrics |= {"reward/score_mean": sum(row_scores) / len(row_scores),
                     "reward/score_min": min(row_scores), "reward/score_max": max(row_scores)}
+    metrics |= {f"reward/{k}": sum(v) / len(v) for k, v in extras.items()}
     return Batch.from_dict(tensors={"token_level_scores": scores.to(batch.tensors["input_ids"].device)},
                            arrays={"response_text": texts}, meta={"metrics": metrics})
 

@@ -1,7 +1,15 @@
 """Load the records named by ``data.source``: a built-in task or a local file.
 
-Every source becomes a list of ``{"prompt": str, "response": str | None}``. Files are read
-here by three small readers, with nothing cached and no network:
+Every source becomes a list of records: ``{"prompt": str, "response": str | None}`` for
+text; ``{"messages": [turns]}`` for a conversation (SFT, `load_records`'s
+`conversations`); ``{"prompt": [turns], ...}`` for a prompt given as chat messages (verl's
+format); plus ``"data_source"`` / ``"extra_info"`` when asked for (what a reward function
+receives). Turns are checked and normalised by `shardwise.data.chat.normalize_messages`
+(ShareGPT's ``from`` / ``value`` mapped to roles). Every key may be a dotted path into
+nested columns (``reward_model.ground_truth``, ``extra_info.answer``, ``turns.0.value``):
+JSON objects, Parquet structs and maps, and lists by index; a column whose name itself
+holds the dots is taken first. Files are read here by three small readers, with nothing
+cached and no network:
 
 - ``.jsonl``: one JSON object per line, blank lines skipped;
 - ``.json``: a JSON array of objects. A ``.json`` file that is JSON Lines (or a
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.data.chat import normalize_messages
 from shardwise.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, get_builtin_task
 from shardwise.errors import DataError, nearest
 
@@ -60,7 +69,13 @@ def load_records(
     heldout: bool = False,
     key_names: tuple[str, str] = ("data.prompt_key", "data.response_key"),
     image_key: str | None = None,
-) -> list[dict[str, str | None]]:
+    *,
+    messages_key: str | None = None,
+    fmt: str = "text",
+    conversations: bool = False,
+    as_chat: bool = False,
+    extra_keys: dict[str, tuple[str, str, bool]] | None = None,
+) -> list[dict[str, Any]]:
     """The records of `source`, in file order (or the task's order), as plain dicts.
 
     `source` is ``builtin:NAME`` (`num_builtin` examples of that task, generated from
@@ -79,6 +94,17 @@ def load_records(
     `image_key` (VL models): each record also keeps ``"image"``, the row's value of that
     column as it is (a path, or a built-in task's in-memory image; `shardwise.models.vision`
     checks it).
+
+    Conversations and chat prompts (`shardwise.data.chat`): `fmt` is ``data.format``
+    (``auto``: messages when the data hold them). With `conversations` (SFT) and messages,
+    each record is ``{"messages": turns}`` read from `messages_key`, which must hold at
+    least one assistant turn. Otherwise a prompt column holding a list of turns gives
+    ``"prompt": turns``; a text prompt stays text unless `fmt` is ``messages`` or `as_chat`
+    (a chat template was asked for), which make it one user turn (with `conversations`:
+    the user turn and the response as the assistant's). `extra_keys`: record field ->
+    ``(column, config key, required)``, each read like the other keys (a column missing
+    from the data gives None unless required); values must survive JSON (numbers, text,
+    lists, objects).
     """
     pkey, rkey = key_names
     del cache_dir  # kept so older callers still work; there is no cache any more
@@ -89,34 +115,92 @@ def load_records(
         found = _Rows(examples, [f"row {i}" for i in range(len(examples))], columns)
     else:
         found = _read_file(source)
-    _check_key(prompt_key, found.columns, source, pkey)
-    if response_key is not None:
-        _check_key(response_key, found.columns, source, rkey)
+    if fmt not in FORMATS:
+        raise _error(f"data.format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if messages_key == "messages" and not _has_key("messages", found.columns) and "conversations" in found.columns:
+        messages_key = "conversations"  # ShareGPT's name, when the data have no messages column
+    as_conversation = conversations and messages_key is not None and (
+        fmt == "messages" or (fmt == "auto" and _has_key(messages_key, found.columns)))
+    if as_conversation:
+        _check_key(messages_key, found.columns, source, "data.messages_key")
+    else:
+        _check_key(prompt_key, found.columns, source, pkey)
+        if response_key is not None:
+            _check_key(response_key, found.columns, source, rkey)
     if image_key is not None:
         _check_key(image_key, found.columns, source, "data.image_key")
+    extra_keys = extra_keys or {}
+    present = {}
+    for field, (key, config_key, required) in extra_keys.items():
+        present[field] = _has_key(key, found.columns)
+        if required:
+            _check_key(key, found.columns, source, config_key)
 
     records = []
     for row, where in zip(found.rows, found.where):
-        prompt = _value(row, prompt_key, source, where, pkey)
-        if not isinstance(prompt, str):
-            raise _error(
-                f"{pkey}: '{source}' {where}: {_quote(prompt_key)} must be text, got "
-                f"{_describe(prompt)}; make every {_quote(prompt_key)} a string"
-            )
-        response = None
-        if response_key is not None:
-            response = _value(row, response_key, source, where, rkey)
-            if isinstance(response, (int, float)) and not isinstance(response, bool):
-                response = str(response)
-            if not isinstance(response, str):
-                raise _error(
-                    f"{rkey}: '{source}' {where}: {_quote(response_key)} must be text, got "
-                    f"{_describe(response)}; make every {_quote(response_key)} a string or number"
-                )
-        records.append({"prompt": prompt, "response": response})
+        if as_conversation:
+            turns = normalize_messages(_value(row, messages_key, source, where, "data.messages_key"),
+                                       f"data.messages_key: '{source}' {where}")
+            if not any(t["role"] == "assistant" for t in turns):
+                raise _error(f"data.messages_key: '{source}' {where}: the conversation has no assistant turn, so "
+                             "there is nothing to train on; add one or remove the row")
+            record: dict[str, Any] = {"messages": turns}
+        else:
+            record = {"prompt": _prompt(row, prompt_key, source, where, pkey, fmt, as_chat),
+                      "response": None}
+            if response_key is not None:
+                response = _value(row, response_key, source, where, rkey)
+                if isinstance(response, (int, float)) and not isinstance(response, bool):
+                    response = str(response)
+                if not isinstance(response, str):
+                    raise _error(
+                        f"{rkey}: '{source}' {where}: {_quote(response_key)} must be text, got "
+                        f"{_describe(response)}; make every {_quote(response_key)} a string or number"
+                    )
+                record["response"] = response
+            if conversations and isinstance(record["prompt"], list):
+                if record["response"] is None:  # pragma: no cover - SFT always reads a response
+                    raise _error(f"{rkey}: '{source}' {where}: no response to train on")
+                record = {"messages": record["prompt"] + [{"role": "assistant", "content": record["response"]}]}
+        if "messages" in record or isinstance(record.get("prompt"), list):  # for render errors later
+            record["where"] = f"data.source '{source}' {where}"
+        for field, (key, config_key, _) in extra_keys.items():
+            record[field] = _json_value(_value(row, key, source, where, config_key), source, where, config_key) \
+                if present[field] else None
+        records.append(record)
         if image_key is not None:
             records[-1]["image"] = row.get(image_key) if isinstance(row, dict) else None
     return records
+
+
+FORMATS: tuple[str, ...] = ("auto", "text", "messages")
+"""``data.format``: what a record is (auto: messages when the data hold them)."""
+
+
+def _prompt(row: dict[str, Any], key: str, source: str, where: str, config_key: str, fmt: str,
+            as_chat: bool) -> str | list[dict[str, Any]]:
+    """A row's prompt: text, or a list of turns (a list in the data; text made one user turn
+    when `fmt` is messages or `as_chat`)."""
+    prompt = _value(row, key, source, where, config_key)
+    if isinstance(prompt, (list, tuple)) and fmt != "text":
+        return normalize_messages(prompt, f"{config_key}: '{source}' {where}")
+    if not isinstance(prompt, str):
+        fix = (f"make every {_quote(key)} a string, or set data.format=auto to read lists of chat messages"
+               if fmt == "text" and isinstance(prompt, (list, tuple))
+               else f"make every {_quote(key)} a string (or a list of chat messages)")
+        raise _error(f"{config_key}: '{source}' {where}: {_quote(key)} must be text, got {_describe(prompt)}; {fix}")
+    if fmt == "messages" or as_chat:
+        return [{"role": "user", "content": prompt}]
+    return prompt
+
+
+def _json_value(value: Any, source: str, where: str, config_key: str) -> Any:
+    """`value` as plain JSON data (what a reward function receives through the batch)."""
+    try:
+        return json.loads(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    except (TypeError, ValueError):
+        raise _error(f"{config_key}: '{source}' {where}: {_describe(value)} is not JSON data (numbers, text, "
+                     "lists, objects); convert that column") from None
 
 
 # ---------------------------------------------------------------- files
@@ -260,8 +344,20 @@ def _read_parquet(path: Path, source: str) -> _Rows:
             f"data.source: '{source}' is not a readable Parquet file ({_shorten(why, 120)}); "
             "rewrite it (e.g. pyarrow.parquet.write_table) or use a .jsonl file"
         ) from None
-    rows = table.to_pylist()
+    rows = [_plain(row) for row in table.to_pylist()]
     return _Rows(rows, [f"row {i}" for i in range(len(rows))], list(table.column_names))
+
+
+def _plain(value: Any) -> Any:
+    """pyarrow's Python form as JSON's: a map column (a list of ``(key, value)`` tuples,
+    the only tuples `to_pylist` makes) becomes a dict, recursively."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        if value and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+            return {str(k): _plain(v) for k, v in value}
+        return [_plain(v) for v in value]
+    return value
 
 
 def _columns(rows: Iterable[dict[str, Any]]) -> list[str]:
@@ -271,26 +367,56 @@ def _columns(rows: Iterable[dict[str, Any]]) -> list[str]:
 # ---------------------------------------------------------------- keys and values
 
 
+def _has_key(key: str, columns: list[str]) -> bool:
+    """`key` (a column, or a dotted path whose first part is one) can be looked up."""
+    return key in columns or key.split(".", 1)[0] in columns
+
+
 def _check_key(key: str, columns: list[str], source: str, config_key: str) -> None:
-    if key in columns:
+    if _has_key(key, columns):
         return
-    near = nearest(key, columns)
+    head = key.split(".", 1)[0]
+    near = nearest(head, columns)
     ordered = near + [c for c in columns if c not in near]
     hint = f"; did you mean '{near[0]}'?" if near else ""
+    what = f"key {_quote(key)}" if head == key else f"key {_quote(key)} (its first part {_quote(head)})"
     raise _error(
-        f"{config_key}: key {_quote(key)} not found in data source '{source}'; its keys are "
+        f"{config_key}: {what} not found in data source '{source}'; its keys are "
         f"{_names(ordered) or '(none)'}{hint}"
     )
 
 
 def _value(row: dict[str, Any], key: str, source: str, where: str, config_key: str) -> Any:
-    """`row[key]`, for a key that other rows of the file have (`_check_key` passed)."""
+    """`row[key]`, or the value a dotted `key` leads to, for a key whose first part other
+    rows have (`_check_key` passed)."""
     if key in row:
         return row[key]
-    raise _error(
-        f"{config_key}: '{source}' {where} has no key {_quote(key)}, which other rows have "
-        f"(this row's keys: {_names(list(row)) or '(none)'}); add it to that row or remove the row"
-    )
+    parts = key.split(".")
+    if parts[0] not in row:
+        raise _error(
+            f"{config_key}: '{source}' {where} has no key {_quote(parts[0])}, which other rows have "
+            f"(this row's keys: {_names(list(row)) or '(none)'}); add it to that row or remove the row"
+        )
+    value: Any = row
+    for i, part in enumerate(parts):
+        here = ".".join(parts[:i]) or "the row"
+        if isinstance(value, dict):
+            if part not in value:
+                keys = [str(k) for k in value]
+                near = nearest(part, keys)
+                hint = f"; did you mean '{'.'.join(parts[:i] + [near[0]])}'?" if near else ""
+                raise _error(f"{config_key}: {_quote(key)} names nothing in '{source}' {where}: {here} has no key "
+                             f"{_quote(part)} (its keys: {_names(keys) or '(none)'}){hint}")
+            value = value[part]
+        elif isinstance(value, list):
+            if not (part.isdigit() and int(part) < len(value)):
+                raise _error(f"{config_key}: {_quote(key)} names nothing in '{source}' {where}: {here} is a list of "
+                             f"{len(value)} items, indexed 0 to {len(value) - 1}, not by {_quote(part)}")
+            value = value[int(part)]
+        else:
+            raise _error(f"{config_key}: {_quote(key)} names nothing in '{source}' {where}: {here} is "
+                         f"{_describe(value)}, which has no key {_quote(part)}")
+    return value
 
 
 # ---------------------------------------------------------------- message pieces

@@ -12,6 +12,12 @@ or ``<eos>`` add them (see `shardwise.data.collate.tokenize_pair`). The encoder 
 vocabulary plus ``<mask>``, with ``<bos>`` as the cls token and ``<eos>`` as the sep token,
 and it frames every text as ``<bos> text <eos>`` (as a BERT tokenizer frames
 ``[CLS] text [SEP]``), so plain transformers (a fill-mask pipeline) uses it as it was trained.
+
+The causal variant has a chat template (`CHAT_TEMPLATE`) with the role markers
+``<|system|>``, ``<|user|>``, ``<|assistant|>`` as special tokens (ids 57, 58, 59, after the
+characters; `ROLE_TOKENS`): ``<bos><|user|>12+34=\n<|assistant|>46<eos>``, the assistant's
+text and its ``<eos>`` inside ``{% generation %}`` markers; a tool turn is written as a user
+turn starting ``tool:``. Conversations therefore run offline on the tiny models.
 """
 
 from __future__ import annotations
@@ -44,25 +50,46 @@ CHAR_VOCAB_SIZE: int = len(CHAR_VOCAB)
 MASK_TOKEN = "<mask>"
 """The encoder variant's mask token, id CHAR_VOCAB_SIZE (after every other token)."""
 
+ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
+"""The causal variant's role markers, ids CHAR_VOCAB_SIZE onwards in this order."""
+BUILTIN_VOCAB_SIZE: int = CHAR_VOCAB_SIZE + len(ROLE_TOKENS)
+"""Tokens of the causal built-in tokenizer (characters, specials and role markers): the
+smallest `vocab_size` of a model trained with it."""
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% elif m['role'] == 'system' %}<|system|>{{ m['content'] }}\n"
+    "{% elif m['role'] == 'tool' %}<|user|>tool: {{ m['content'] }}\n"
+    "{% else %}<|user|>{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The causal built-in tokenizer's chat template (jinja, as transformers renders it)."""
+
 
 def build_char_tokenizer(out_dir: str | Path, encoder: bool = False) -> PreTrainedTokenizerFast:
     """Build the character tokenizer, save it to `out_dir` and return it.
 
     `encoder`: the encoder variant (module docstring): CHAR_VOCAB_SIZE + 1 tokens, mask
     ``<mask>`` = CHAR_VOCAB_SIZE, cls ``<bos>``, sep ``<eos>``, and encoding adds them.
+    Otherwise the causal variant: BUILTIN_VOCAB_SIZE tokens, the role markers and
+    `CHAT_TEMPLATE`.
 
     `out_dir` receives ``tokenizer.json`` and ``tokenizer_config.json`` (created if
     missing). The returned tokenizer has pad ``<pad>`` = 0, bos ``<bos>`` = 1,
     eos ``<eos>`` = 2 and unk ``<unk>`` = 3, pads on the right, and does not clean up
     spaces when decoding (that would break the exact round trip).
     """
-    vocab = dict(CHAR_VOCAB) | ({MASK_TOKEN: CHAR_VOCAB_SIZE} if encoder else {})
+    extra_tokens = (MASK_TOKEN,) if encoder else ROLE_TOKENS
+    vocab = dict(CHAR_VOCAB) | {tok: CHAR_VOCAB_SIZE + i for i, tok in enumerate(extra_tokens)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # `[\s\S]` rather than `.` so that a newline is a character like any other.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins the token strings with nothing in between (WordLevel's default is a space).
     backend.decoder = decoders.Fuse()
-    extra = {}
+    extra = {"extra_special_tokens": list(ROLE_TOKENS), "chat_template": CHAT_TEMPLATE}
     if encoder:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{BOS_TOKEN} $A {EOS_TOKEN}", pair=f"{BOS_TOKEN} $A {EOS_TOKEN} $B {EOS_TOKEN}",

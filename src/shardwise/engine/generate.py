@@ -43,7 +43,7 @@ from transformers import GenerationConfig
 
 from shardwise.config.schema import SamplingConfig
 from shardwise.data.batch import Batch
-from shardwise.data.collate import tokenize_prompt
+from shardwise.data.collate import prompt_text, tokenize_prompt
 from shardwise.data.rewards import RewardFn, score_sequences
 from shardwise.data.tasks import (
     BUILTIN_PREFIX,
@@ -102,12 +102,16 @@ class GenerationEngine(abc.ABC):
 def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str],
                  vision: VisionInputs | None = None) -> Batch:
     """The input of `GenerationEngine.generate_sequences`: left-padded ``prompt_ids`` /
-    ``prompt_mask`` and the arrays ``prompt``, ``ground_truth`` ("" where a record has no
-    response) and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`).
+    ``prompt_mask`` and the arrays ``prompt`` (the text asked: a chat prompt as its template
+    renders it), ``ground_truth`` ("" where a record has no response), ``data_source`` and
+    ``extra_info`` (None where a record has none; what verl-form reward functions receive)
+    and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`; chat messages
+    through the tokenizer's template, `shardwise.data.collate.tokenize_prompt`).
     With `vision` (a VL model) each record's ``image`` becomes the prompt's image tokens
     and the row tensors ``pixel_values`` / ``image_grid_thw`` (`shardwise.models.vision`)."""
     prefix = vision.prompt_prefix if vision is not None else ()
-    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length, prefix) for r in records]
+    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length, prefix, where=r.get("where", "prompt"))
+           for r in records]
     width = max((len(x) for x in ids), default=1)  # no records: a (0, 1) batch
     pad = pad_token_id(tokenizer)
     prompt_ids = torch.full((len(ids), width), pad, dtype=torch.long)
@@ -119,9 +123,11 @@ def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids
     if vision is not None:
         tensors.update(vision.encode_rows([r["image"] for r in records]))
     return Batch.from_dict(tensors,
-                           {"prompt": [r["prompt"] for r in records],
+                           {"prompt": [prompt_text(tokenizer, r["prompt"], r.get("where", "prompt")) for r in records],
                             "ground_truth": ["" if r.get("response") is None else str(r["response"])
                                              for r in records],
+                            "data_source": [r.get("data_source") for r in records],
+                            "extra_info": [r.get("extra_info") for r in records],
                             "uid": uids})
 
 

@@ -37,9 +37,11 @@ from torch import nn
 
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_spec
+from shardwise.data.chat import use_chat_template
 from shardwise.data.collate import truncation_note
 from shardwise.data.rewards import (
     RewardFn,
+    check_data_sources,
     decode_responses,
     resolve_reward_fn,
     score_sequences,
@@ -96,11 +98,11 @@ def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
     """The records to generate for (see the module docstring); raises DataError /
     ConfigError for a source that cannot be read or holds no records."""
     n = cfg.infer.num_prompts
-    response_key = cfg.data.response_key if scored else None
+    response_key = (cfg.data.ground_truth_key or cfg.data.response_key) if scored else None
     if cfg.data.source.startswith(BUILTIN_PREFIX):
         return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS,
-                          heldout=True)
-    records = check_data(cfg, response_key)
+                          heldout=True, scoring=scored)
+    records = check_data(cfg, response_key, scoring=scored)
     return records[:n] if n else records
 
 
@@ -117,6 +119,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
     records = load_prompts(cfg, scored=name is not None)
+    check_data_sources(fn, records, REWARD_KEY)
     planned = plan_for(cfg, spec)
     return Prepared(cfg, spec, records, name, fn, planned)
 
@@ -136,6 +139,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+    use_chat_template(tokenizer, cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     if runtime.is_main:
         note = truncation_note(tokenizer, records, cfg.data.max_length, with_response=False)

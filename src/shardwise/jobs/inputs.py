@@ -9,13 +9,17 @@ keys), and an explicit ``checkpoint.resume`` folder (a complete checkpoint).
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
 from shardwise.config.schema import Config
+from shardwise.data.chat import use_chat_template
+from shardwise.data.collate import tokenize_prompt, tokenize_record
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import (
+    build_char_tokenizer,
     has_tokenizer_files,
     load_tokenizer,
     locate_tokenizer,
@@ -65,19 +69,68 @@ def check_resume(cfg: Config) -> None:
 
 
 def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
-               num_builtin: int | None = None, heldout: bool = False) -> list[dict[str, Any]]:
+               num_builtin: int | None = None, heldout: bool = False, sft: bool = False,
+               scoring: bool = False) -> list[dict[str, Any]]:
     """The records of ``data.source`` (every read, parse and key problem raised here).
     A built-in task makes `num_builtin` examples (default: ``data.num_examples``) from `seed`
     (default ``run.seed``); `heldout`: its held-out examples (true answers). For a VL model
-    every record also carries its image (``data.image_key``), checked readable."""
+    every record also carries its image (``data.image_key``), checked readable.
+
+    `sft`: records are training examples (conversations from ``data.messages_key``);
+    otherwise prompts, which with `scoring` also carry ``data_source`` and ``extra_info``
+    (``data.data_source_key`` / ``data.extra_info_key``; required only when set). Each
+    record carries ``"where"`` (file and row, for messages). When the data are chat messages
+    (or a template file is set) every record is rendered and tokenized here with the job's
+    tokenizer, so a template that fails, a tokenizer without one or an unusable turn is an
+    error before anything starts.
+    """
     d = cfg.data
     vl = vision_inputs(cfg) is not None
+    extra = {}
+    if scoring:
+        extra = {"data_source": (d.data_source_key, "data.data_source_key", "data_source_key" in d.model_fields_set),
+                 "extra_info": (d.extra_info_key, "data.extra_info_key", "extra_info_key" in d.model_fields_set)}
     records = load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
                            num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
-                           image_key=("image" if d.source.startswith("builtin:") else d.image_key) if vl else None)
+                           image_key=("image" if d.source.startswith("builtin:") else d.image_key) if vl else None,
+                           messages_key=d.messages_key if sft else None, fmt=d.format, conversations=sft,
+                           as_chat=d.chat_template not in ("auto", "none"), extra_keys=extra)
     if vl:
         resolve_images(records, "image", d.source)
+    if any("messages" in r or isinstance(r.get("prompt"), list) for r in records):
+        check_chat(cfg, records, sft, vl)
     return records
+
+
+def check_chat(cfg: Config, records: list[dict[str, Any]], sft: bool, vl: bool) -> None:
+    """Chat records render: a template exists (``data.chat_template`` or the tokenizer's)
+    and every conversation / prompt renders and tokenizes."""
+    d = cfg.data
+    if vl:
+        raise ConfigError("data.format", "chat messages for vision-language models are not supported yet",
+                          "use text prompts (data.format=text)")
+    if d.chat_template == "none":
+        raise ConfigError("data.chat_template", f"none, but {d.source!r} holds chat messages",
+                          "set auto (the tokenizer's template) or the path of a template file")
+    tokenizer = job_tokenizer(cfg)
+    for r in records:
+        if sft:
+            tokenize_record(tokenizer, r, d.max_length, d.train_on)
+        else:
+            tokenize_prompt(tokenizer, r["prompt"], d.max_length, where=r["where"])
+
+
+def job_tokenizer(cfg: Config):
+    """The tokenizer a job will use, for checks before it starts: ``model.tokenizer`` /
+    ``model.path``'s / the run's built-in one, else the built-in one built in a temporary
+    folder (a job builds it in run.dir); with ``data.chat_template`` applied."""
+    found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+    if found is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = build_char_tokenizer(tmp)
+    else:
+        tokenizer = load_tokenizer(found)
+    return use_chat_template(tokenizer, cfg.data.chat_template)
 
 
 def vision_inputs(cfg: Config, tokenizer=None) -> VisionInputs | None:

@@ -21,8 +21,9 @@ from shardwise.config.validate import (
     check_rl_rows,
     mesh_spec,
 )
+from shardwise.data.chat import use_chat_template
 from shardwise.data.collate import truncation_note
-from shardwise.data.rewards import RewardFn, resolve_reward_fn
+from shardwise.data.rewards import RewardFn, check_data_sources, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed.ulysses import train_only
 from shardwise.fsdp.build import plan_for
@@ -69,8 +70,9 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
     check_tokenizer(cfg)
     check_resume(cfg)
-    records = check_data(cfg, cfg.data.response_key)
+    records = check_data(cfg, cfg.data.ground_truth_key or cfg.data.response_key, scoring=True)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
+    check_data_sources(fn, records)
     plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     return Prepared(cfg, spec, world_size, rows, records, fn)
 
@@ -79,7 +81,7 @@ def run(prepared: Prepared) -> dict[str, Any]:
     """The whole RL run; returns a summary (paths, accuracy before/after, final metrics)."""
     cfg = prepared.cfg
     folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = use_chat_template(load_tokenizer(folder), cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     vision = vision_inputs(cfg, tokenizer)
     note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False)

@@ -28,12 +28,13 @@ from shardwise.checkpoint.hf_export import export_model
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_sft_batch, mesh_spec
 from shardwise.data import encoder
+from shardwise.data.chat import use_chat_template
 from shardwise.data.collate import (
     example_loss_tokens,
     pack_collate,
     pad_collate,
-    tokenize_pair,
-    truncation_note,
+    summarize_truncation,
+    tokenize_record,
 )
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share
 from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
@@ -90,7 +91,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     if encoder.is_encoder_task(cfg.model.task):
         records = encoder.prepare_inputs(cfg, spec, load_hf_config(cfg.model))
     else:
-        records = check_data(cfg, cfg.data.response_key)
+        records = check_data(cfg, cfg.data.response_key, sft=True)
     if spec.ulysses > 1:
         if cfg.data.packing:
             raise ConfigError("data.packing", "packed rows cannot be split by Ulysses sequence parallel",
@@ -110,15 +111,17 @@ class SFTData:
                  vision: VisionInputs | None = None):
         d = cfg.data
         self.vision = vision
-        if vision is None:
-            self.examples = [tokenize_pair(tokenizer, r["prompt"], r["response"], d.max_length) for r in records]
-        else:  # one image per example, its tokens after bos (shardwise.models.vision)
-            self.examples = []
-            for r in records:
-                ex = tokenize_pair(tokenizer, r["prompt"], r["response"], d.max_length, vision.prompt_prefix)
+        self.examples, lengths, lost = [], [], []
+        for r in records:
+            # a VL example's image tokens follow bos (shardwise.models.vision)
+            ex, n, cut = tokenize_record(tokenizer, r, d.max_length, d.train_on,
+                                         vision.prompt_prefix if vision is not None else ())
+            if vision is not None:
                 ex["pixel_values"], ex["image_grid_thw"] = vision.encode(r["image"])
-                self.examples.append(ex)
-        note = truncation_note(tokenizer, records, d.max_length, with_response=True) if dist.get_rank() == 0 else None
+            self.examples.append(ex)
+            lengths.append(n)
+            lost.append(cut)
+        note = summarize_truncation(lengths, lost, d.max_length, True) if dist.get_rank() == 0 else None
         if note:
             log.warning("data: %s", note)
         self.pad_id = pad_token_id(tokenizer)
@@ -168,6 +171,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True, mode="json"), indent=2))
     encoder_task = encoder.is_encoder_task(cfg.model.task)
     tokenizer, tok_dir = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, encoder=encoder_task)
+    use_chat_template(tokenizer, cfg.data.chat_template)
     hf_config = load_hf_config(cfg.model)
     vision = vision_inputs(cfg, tokenizer)
     check_vocab(tokenizer, hf_config.get_text_config().vocab_size)

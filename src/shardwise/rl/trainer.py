@@ -187,6 +187,8 @@ class Controller:
             scores += scored.tensors["token_level_scores"]
             metrics["accuracy"] = float((rule >= 1.0).float().mean())
             metrics["reward/rule_mean"] = float(rule.mean())
+            metrics |= {k: v for k, v in scored.meta["metrics"].items()  # a function's own metrics (dict returns)
+                        if not k.startswith("reward/score_") and k != "reward/empty_responses"}
         if self.cfg.rl.reward.model is not None:
             rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
             rows = torch.arange(len(batch))[has]

@@ -1,0 +1,118 @@
+"""`shardwise data`: the first examples of a config's data exactly as its job feeds them.
+
+Training examples (what `shardwise train` trains on: ids and loss mask, after the chat
+template and truncation) or, with `prompts`, the prompts `shardwise rl` / `shardwise
+infer` generate from. The records are read and checked by the jobs' own `check_data` and
+tokenized by the jobs' own functions with the tokenizer the job would use; no process
+group, no model weights, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.config.schema import Config
+from shardwise.data import encoder
+from shardwise.data.collate import tokenize_prompt, tokenize_record
+from shardwise.errors import ConfigError
+from shardwise.jobs.inputs import check_causal_task, check_data, check_tokenizer, job_tokenizer, vision_inputs
+
+__all__ = ["Shown", "format_json", "format_text", "preview"]
+
+OPEN, CLOSE = "\u27e6", "\u27e7"
+"""Marks around trained tokens in the text view: ⟦ ... ⟧."""
+
+
+@dataclass
+class Shown:
+    """One example as the job feeds it."""
+
+    index: int
+    ids: list[int]
+    """Token ids after truncation."""
+    mask: list[int] | None
+    """Loss mask (1: trained), None for a prompt."""
+    length: int
+    """Tokens before truncation."""
+    lost: int
+    """Trained tokens cut off by truncation."""
+    where: str
+    """Where the record came from (file and row, or the task)."""
+
+
+def preview(cfg: Config, n: int, prompts: bool) -> tuple[list[Shown], Any, int]:
+    """``(the first n examples or prompts, the tokenizer, records in the source)``. Raises
+    the jobs' ShardwiseErrors for bad data, a bad template or a bad config."""
+    if n < 1:
+        raise ConfigError("--n", f"{n} is not a positive number of examples", "e.g. --n 5")
+    if encoder.is_encoder_task(cfg.model.task):
+        raise ConfigError("model.task", f"`shardwise data` shows causal LM examples, not {cfg.model.task}",
+                          "set model.task=causal_lm")
+    if prompts:
+        check_causal_task(cfg, "`shardwise data --prompts`")
+    check_tokenizer(cfg)
+    d = cfg.data
+    records = check_data(cfg, None, scoring=False) if prompts else check_data(cfg, d.response_key, sft=True)
+    tokenizer = job_tokenizer(cfg)
+    vision = vision_inputs(cfg, tokenizer)
+    prefix = vision.prompt_prefix if vision is not None else ()
+    shown = []
+    for i, r in enumerate(records[:n]):
+        where = r.get("where", f"{d.source} row {i}")
+        if prompts:
+            full = tokenize_prompt(tokenizer, r["prompt"], 2**62, prefix, where=where)
+            ids = tokenize_prompt(tokenizer, r["prompt"], d.max_length, prefix, where=where)
+            shown.append(Shown(i, ids, None, len(full), 0, where))
+        else:
+            ex, length, lost = tokenize_record(tokenizer, r, d.max_length, d.train_on, prefix)
+            shown.append(Shown(i, ex["input_ids"], ex["loss_mask"], length, lost, where))
+    return shown, tokenizer, len(records)
+
+
+def _runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
+    """Consecutive tokens of equal mask value: [(value, ids), ...]."""
+    out: list[tuple[int, list[int]]] = []
+    for tok, m in zip(ids, mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(tok)
+        else:
+            out.append((m, [tok]))
+    return out
+
+
+def format_text(shown: list[Shown], tokenizer, max_length: int, total: int) -> str:
+    """The human view: per example a header line (tokens, trained tokens, truncation) and
+    its decoded text (special tokens kept), trained tokens between ⟦ and ⟧."""
+    blocks = []
+    for s in shown:
+        head = f"#{s.index} {s.where}: {len(s.ids)} tokens"
+        if s.mask is not None:
+            head += f", {sum(s.mask)} trained"
+            text = "".join(OPEN + tokenizer.decode(run) + CLOSE if m else tokenizer.decode(run)
+                           for m, run in _runs(s.ids, s.mask))
+        else:
+            text = tokenizer.decode(s.ids)
+        if s.length > len(s.ids):
+            kept = "first" if s.mask is not None else "last"
+            head += (f"; truncated from {s.length} to data.max_length={max_length} (the {kept} tokens kept"
+                     + (f", {s.lost} trained tokens cut" if s.mask is not None else "") + ")")
+        blocks.append(f"{head}\n{text}")
+    cut = sum(s.length > len(s.ids) for s in shown)
+    blocks.append(f"-- {len(shown)} of {total} {'prompts' if shown and shown[0].mask is None else 'examples'} "
+                  f"shown, {cut} of them truncated")
+    return "\n\n".join(blocks)
+
+
+def format_json(shown: list[Shown], tokenizer) -> str:
+    """One JSON object per line: ``{"input_ids", "loss_mask", "text"}`` for examples,
+    ``{"prompt_ids", "prompt_text"}`` for prompts."""
+    lines = []
+    for s in shown:
+        text = tokenizer.decode(s.ids)
+        if s.mask is None:
+            lines.append(json.dumps({"prompt_ids": s.ids, "prompt_text": text}, ensure_ascii=False))
+        else:
+            lines.append(json.dumps({"input_ids": s.ids, "loss_mask": s.mask, "text": text}, ensure_ascii=False))
+    return "\n".join(lines)
