@@ -10,7 +10,9 @@ group, no model weights, nothing written.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shardwise.config.schema import Config
@@ -20,6 +22,9 @@ from shardwise.errors import ConfigError
 from shardwise.jobs.inputs import check_causal_task, check_data, check_tokenizer, job_tokenizer, vision_inputs
 
 __all__ = ["Shown", "format_json", "format_text", "preview"]
+
+_TEXT_MODEL = {"model_type": "qwen3"}
+"""Stands for a model that does not exist yet (only whether it is a VL model matters here)."""
 
 OPEN, CLOSE = "\u27e6", "\u27e7"
 """Marks around trained tokens in the text view: ⟦ ... ⟧."""
@@ -53,6 +58,11 @@ def preview(cfg: Config, n: int, prompts: bool) -> tuple[list[Shown], Any, int]:
     if prompts:
         check_causal_task(cfg, "`shardwise data --prompts`")
     check_tokenizer(cfg)
+    if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        # e.g. the SFT stage's output of an RL config, not trained yet: the data need no weights
+        print(f"shardwise: note: model.path {cfg.model.path!r} holds no model yet; shown as a text model with "
+              "the tokenizer the job would find now", file=sys.stderr)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": None, "config": _TEXT_MODEL})})
     d = cfg.data
     records = check_data(cfg, None, scoring=False) if prompts else check_data(cfg, d.response_key, sft=True)
     tokenizer = job_tokenizer(cfg)

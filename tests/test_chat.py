@@ -1,0 +1,357 @@
+"""Data users bring (issue 18): conversations and chat templates, verl's parquet with nested
+columns, verl-form reward functions, and `shardwise data`.
+
+The loss masks are checked against spans found independently, from the token ids: after a
+template's assistant header up to and including its end-of-turn token. Tokenizers: the
+built-in one (role tokens, a template with {% generation %} markers) and a byte-level BPE
+one with a Qwen-style template (no markers: the prefix route), trained by the test, because
+a character tokenizer hides merges across turn boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from chat_data import QWEN_STYLE_TEMPLATE, arithmetic_conversations, build_bpe_chat_tokenizer, write_jsonl
+from dist.launcher import REPO_ROOT, at_once, run_cli
+
+from shardwise.cli import main
+from shardwise.data import chat
+from shardwise.data.batch import Batch
+from shardwise.data.collate import tokenize_prompt, tokenize_record
+from shardwise.data.rewards import check_data_sources, resolve_reward_fn, score_sequences
+from shardwise.data.sources import load_records
+from shardwise.data.tokenizer import build_char_tokenizer, load_tokenizer
+from shardwise.engine.generate import prompt_batch
+from shardwise.errors import ConfigError, DataError
+
+EXAMPLES = REPO_ROOT / "examples"
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bpe")
+    build_bpe_chat_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("builtin")
+    build_char_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "answer with the number"},
+    {"role": "user", "content": "what is 12+30"}, {"role": "assistant", "content": "42"},
+    {"role": "user", "content": "and 7+1"}, {"role": "assistant", "content": "the answer is 8"},
+]
+
+
+def independent_spans(tok, ids: list[int], header: list[int], end: int) -> list[list[int]]:
+    """Per assistant turn, the positions from just after `header` (the template's assistant
+    header, as ids) up to and including the next `end` token."""
+    spans, i = [], 0
+    while i < len(ids):
+        if ids[i:i + len(header)] == header:
+            start = i + len(header)
+            stop = ids.index(end, start)
+            spans.append(list(range(start, stop + 1)))
+            i = stop + 1
+        else:
+            i += 1
+    return spans
+
+
+def mask_of(spans: list[list[int]], n: int) -> list[int]:
+    on = {p for s in spans for p in s}
+    return [int(p in on) for p in range(n)]
+
+
+def test_bpe_template_without_markers_trains_exactly_the_assistant_turns(bpe):
+    ex, length, lost = chat.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
+    ids = ex["input_ids"]
+    # One tokenization of the whole rendered text, as a model sees it at inference
+    text = bpe.apply_chat_template(CONVERSATION, tokenize=False)
+    assert ids == bpe(text, add_special_tokens=False)["input_ids"] and length == len(ids) and lost == 0
+    header = bpe("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    spans = independent_spans(bpe, ids, header, bpe.convert_tokens_to_ids("<|im_end|>"))
+    assert len(spans) == 2
+    assert ex["loss_mask"] == mask_of(spans, len(ids))
+    assert bpe.decode([ids[p] for p in spans[1]]) == "the answer is 8<|im_end|>"  # the newline after it is not
+    last, _, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "last_assistant", "row 0")
+    assert last["loss_mask"] == mask_of(spans[1:], len(ids))
+    every, _, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "all", "row 0")
+    assert every["loss_mask"] == [1] * len(ids)
+    # The RL prompt of the first exchange is exactly the ids the SFT example has before its answer
+    prompt = tokenize_prompt(bpe, CONVERSATION[:2], 10_000)
+    assert ids[:len(prompt)] == prompt and prompt[-len(header):] == header
+
+
+def test_builtin_template_marks_assistant_text_and_eos(builtin):
+    assert chat.has_generation_markers(builtin)
+    ex, _, _ = chat.conversation_example(builtin, CONVERSATION[:3] + [{"role": "tool", "content": "1"}],
+                                         10_000, "assistant", "row 0")
+    ids = ex["input_ids"]
+    spans = independent_spans(builtin, ids, [builtin.convert_tokens_to_ids("<|assistant|>")], builtin.eos_token_id)
+    assert ex["loss_mask"] == mask_of(spans, len(ids)) and len(spans) == 1
+    assert builtin.decode([ids[p] for p in spans[0]]) == "42<eos>"
+    assert ids[0] == builtin.bos_token_id
+
+
+def test_truncation_keeps_the_beginning_and_counts_the_lost_trained_tokens(bpe):
+    full, n, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
+    cut, n2, lost = chat.conversation_example(bpe, CONVERSATION, 30, "assistant", "row 0")
+    assert n2 == n > 30 and cut["input_ids"] == full["input_ids"][:30]
+    assert lost == sum(full["loss_mask"][30:]) > 0
+
+
+def test_load_records_reads_messages_sharegpt_and_verl_parquet(tmp_path):
+    conv = write_jsonl(tmp_path / "conv.jsonl", arithmetic_conversations(4, 0))
+    recs = load_records(str(conv), "prompt", "response", seed=0, messages_key="messages", fmt="auto",
+                        conversations=True)
+    assert recs[0]["messages"] == arithmetic_conversations(4, 0)[0]["messages"]
+    share = write_jsonl(tmp_path / "share.jsonl", [{"conversations": [
+        {"from": "system", "value": "s"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}])
+    recs = load_records(str(share), "prompt", "response", seed=0, messages_key="messages", fmt="auto",
+                        conversations=True)
+    assert [t["role"] for t in recs[0]["messages"]] == ["system", "user", "assistant"]
+
+    table = pa.table({
+        "data_source": ["openai/gsm8k", "lighteval/MATH"],
+        "prompt": [[{"role": "user", "content": "q1"}], [{"role": "system", "content": "s"},
+                                                         {"role": "user", "content": "q2"}]],
+        "reward_model": [{"style": "rule", "ground_truth": "72"}, {"style": "rule", "ground_truth": "\\frac12"}],
+        "extra_info": [{"index": 0, "answer": "#### 72"}, {"index": 1, "answer": "x"}],
+        "tags": pa.array([[("k", "v")], [("k", "w")]], type=pa.map_(pa.string(), pa.string())),
+    })
+    path = tmp_path / "verl.parquet"
+    pq.write_table(table, path)
+    extra = {"data_source": ("data_source", "data.data_source_key", False),
+             "extra_info": ("extra_info", "data.extra_info_key", False),
+             "tag": ("tags.k", "data.extra_info_key", True)}
+    recs = load_records(str(path), "prompt", "reward_model.ground_truth", seed=0, fmt="auto", extra_keys=extra)
+    assert recs[1]["prompt"][1] == {"role": "user", "content": "q2"} and recs[1]["response"] == "\\frac12"
+    assert recs[0]["extra_info"] == {"index": 0, "answer": "#### 72"} and recs[0]["data_source"] == "openai/gsm8k"
+    assert [r["tag"] for r in recs] == ["v", "w"]  # a Parquet map, by key
+    with pytest.raises(DataError, match=r"data.prompt_key: .* must be text.*data.format=auto"):
+        load_records(str(path), "prompt", None, seed=0, fmt="text")
+    # a text prompt as one user turn when a template is asked for
+    text = write_jsonl(tmp_path / "t.jsonl", [{"q": {"text": "12+3="}, "a": [5, 15]}])
+    recs = load_records(str(text), "q.text", "a.1", seed=0, as_chat=True)
+    assert recs[0]["prompt"] == [{"role": "user", "content": "12+3="}] and recs[0]["response"] == "15"
+
+
+BAD_RECORDS = {
+    "unknown-role": ({"messages": [{"role": "usr", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                     "data.messages_key: 'bad.jsonl' line 1, row 0: turn 0 has the unknown role 'usr'; did you mean user?"),
+    "content-not-text": ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]},
+                         "turn 0 (user) has content int 3"),
+    "no-assistant": ({"messages": [{"role": "user", "content": "a"}]}, "has no assistant turn"),
+    "not-a-list": ({"messages": "hello"}, "expected a non-empty list of turns"),
+    "sharegpt-unknown": ({"conversations": [{"from": "humn", "value": "a"}]}, "did you mean human?"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RECORDS))
+def test_bad_turns_name_the_file_row_and_turn(case, tmp_path):
+    row, fragment = BAD_RECORDS[case]
+    path = write_jsonl(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(DataError) as info:
+        load_records(str(path), "prompt", "response", seed=0, messages_key="messages", fmt="auto",
+                     conversations=True)
+    message = str(info.value).replace(str(tmp_path) + "/", "")
+    assert fragment in message and "\n" not in message, message
+
+
+def test_a_dotted_key_that_names_nothing_lists_the_keys_at_that_level(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "reward_model": {"style": "rule", "ground_truth": 1}}])
+    with pytest.raises(DataError) as info:
+        load_records(str(path), "prompt", "reward_model.ground_truht", seed=0)
+    message = str(info.value)
+    assert "'reward_model.ground_truht' names nothing" in message and "line 1, row 0" in message
+    assert "'style', 'ground_truth'" in message and "did you mean 'reward_model.ground_truth'?" in message
+    with pytest.raises(DataError, match="its first part 'reward'"):
+        load_records(str(path), "prompt", "reward.ground_truth", seed=0)
+
+
+def test_templates_that_cannot_be_used_are_clear_errors(bpe, tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ raise_exception('only user turns, please') }}{% endfor %}")
+    tok = chat.use_chat_template(load_tokenizer(bpe.name_or_path), str(broken))
+    with pytest.raises(DataError, match="row 3: the chat template failed to render.*only user turns, please"):
+        chat.conversation_example(tok, CONVERSATION, 100, "assistant", "row 3")
+    # A template that rewrites earlier turns (as Qwen3 drops earlier reasoning) cannot use prefixes
+    rewriting = tmp_path / "rewrites.jinja"
+    rewriting.write_text("{% for m in messages %}{% if loop.last %}{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% else %}{{ m['role'] }}\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    chat.use_chat_template(tok, str(rewriting))
+    with pytest.raises(DataError, match=r"\{% generation %\}"):
+        chat.conversation_example(tok, CONVERSATION, 100, "assistant", "row 0")
+    tok.chat_template = None
+    with pytest.raises(DataError, match="no chat template; set data.chat_template"):
+        chat.prompt_ids(tok, CONVERSATION[:2], "row 0")
+    with pytest.raises(ConfigError, match="data.chat_template.*does not exist"):
+        chat.use_chat_template(tok, str(tmp_path / "missing.jinja"))
+
+
+# ---------------------------------------------------------------- reward functions
+
+
+VERL_REWARD = '''
+import json, os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open(os.environ.get("RECEIVED", "received.jsonl"), "a") as f:
+        f.write(json.dumps([data_source, solution_str, ground_truth, extra_info]) + "\\n")
+    right = solution_str.strip() == ground_truth
+    return {"score": float(right), "echo_index": float(extra_info["index"])}
+
+def neither(a, b):
+    return 0.0
+'''
+
+
+def test_verl_form_reward_gets_source_and_extra_info_and_returns_metrics(builtin, tmp_path, monkeypatch):
+    (tmp_path / "verl_rw.py").write_text(VERL_REWARD)
+    monkeypatch.chdir(tmp_path)
+    fn = resolve_reward_fn("verl_rw:compute_score")
+    records = [{"prompt": [{"role": "user", "content": "1+1="}], "response": "2", "data_source": "src",
+                "extra_info": {"index": 7}},
+               {"prompt": "2+2=", "response": "4", "data_source": "src", "extra_info": {"index": 9}}]
+    batch = prompt_batch(builtin, records, 16, ["a", "b"])
+    assert batch.arrays["prompt"][0] == "<bos><|user|>1+1=\n<|assistant|>"  # the text asked
+    answers = torch.tensor([builtin.encode("2")[0], builtin.encode("5")[0]])
+    ids = torch.cat([batch.tensors["prompt_ids"], answers[:, None], torch.full((2, 1), builtin.eos_token_id)], 1)
+    mask = torch.zeros_like(ids)
+    mask[:, -2:] = 1
+    seqs = batch.union(Batch.from_dict({"input_ids": ids, "response_mask": mask}))
+    scored = score_sequences(seqs, builtin, fn)
+    assert scored.tensors["token_level_scores"].sum(-1).tolist() == [1.0, 0.0]
+    assert scored.meta["metrics"]["reward/echo_index"] == 8.0
+    received = [json.loads(x) for x in (tmp_path / "received.jsonl").read_text().splitlines()]
+    assert received == [["src", "2", "2", {"index": 7}], ["src", "5", "4", {"index": 9}]]
+    with pytest.raises(ConfigError, match="takes neither"):
+        resolve_reward_fn("verl_rw:neither")
+
+
+def test_by_source_routes_like_verl_and_refuses_unknown_sources():
+    fn = resolve_reward_fn("builtin:by_source")
+    assert fn("", "so #### 1,000", "1000", data_source="openai/gsm8k") == 1.0
+    assert fn("", "it is \\boxed{\\frac12}", "0.5", data_source="lighteval/MATH") == 1.0
+    assert resolve_reward_fn("builtin:gsm8k")("p", "#### 72", "72") == 1.0  # the plain form, as every built-in
+    with pytest.raises(DataError, match="'my/own' is none of .*openai/gsm8k"):
+        check_data_sources(fn, [{"data_source": "openai/gsm8k"}, {"data_source": "my/own", "where": "row 1"}])
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+@pytest.mark.parametrize("config,extra", [
+    ("sft_chat.yaml", []), ("grpo_chat.yaml", ["--prompts"]), ("sft_reverse.yaml", []),
+    ("grpo_reverse.yaml", ["--prompts"]), ("sft_arithmetic.yaml", ["--json"]), ("grpo_chat.yaml", ["--prompts", "--json"]),
+])
+def test_shardwise_data_shows_each_example_config(config, extra, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["data", str(EXAMPLES / config), f"run.dir={tmp_path / 'run'}", "--n", "2", *extra]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "run").exists()  # nothing written
+    if "--json" in extra:
+        rows = [json.loads(x) for x in out.splitlines()]
+        assert len(rows) == 2
+        assert set(rows[0]) == ({"prompt_ids", "prompt_text"} if "--prompts" in extra
+                                else {"input_ids", "loss_mask", "text"})
+    elif config == "sft_chat.yaml":
+        assert "<|assistant|>\u27e6" in out and "<eos>\u27e7" in out and "2 of 6000 examples shown" in out
+    elif config == "grpo_chat.yaml":
+        assert "<bos><|user|>" in out and out.count("<|assistant|>\n") >= 2 and "of 1024 prompts" in out
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["data.chat_template=none"], "data.chat_template': none, but"),
+    (["data.source=examples/data/reverse_verl.parquet", "data.ground_truth_key=reward_model.truth"],
+     "'reward_model.truth' names nothing"),
+])
+def test_shardwise_data_bad_input_is_one_line_exit_2(overrides, fragment, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    config = "grpo_chat.yaml" if "ground_truth_key" in " ".join(overrides) else "sft_chat.yaml"
+    command = ["rl", "--nproc", "2"] if config == "grpo_chat.yaml" else ["data"]
+    code = main([command[0], str(EXAMPLES / config), f"run.dir={tmp_path / 'run'}", *overrides, *command[1:]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and fragment in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_multi_turn_sft_on_two_ranks_equals_one_rank_and_learns(tmp_path):
+    """BPE tokenizer, Qwen-style template (the prefix route), 2-3 exchanges per record."""
+    build_bpe_chat_tokenizer(tmp_path / "bpe")
+    data = write_jsonl(tmp_path / "conv.jsonl", arithmetic_conversations(256, 1))
+    args = ["train", str(EXAMPLES / "sft_chat.yaml"), f"data.source={data}", f"model.tokenizer={tmp_path / 'bpe'}",
+            "model.config.vocab_size=320", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+            "model.config.head_dim=16", "data.max_length=128", "train.max_steps=12", "train.log_every=1",
+            "train.global_batch_size=16", "train.micro_batch_size=4", "checkpoint.every_steps=0",
+            "checkpoint.export_hf=false", "train.scheduler.warmup_steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1, r2 = at_once(lambda: run_cli([*args, "--nproc", "1", f"run.dir={one}"], timeout=300),
+                     lambda: run_cli([*args, "--nproc", "2", f"run.dir={two}"], timeout=300))
+    assert r1.returncode == 0 and r2.returncode == 0, (r1.stderr[-2000:], r2.stderr[-2000:])
+    l1 = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
+    l2 = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
+    # fp32 and the same global batch: sharding changes only the order of sums (tests/test_parity.py)
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-5, atol=0)
+    assert l1[-1] < l1[0] - 1.0, l1  # ln(320) = 5.77 at the start; measured 5.79 -> 4.17
+
+
+RAW_TEMPLATE = "{{ bos_token }}{{ messages[-1]['content'] }}"
+"""A template file that renders a one-turn prompt as the text the SFT demo model was trained on."""
+
+RECORDING_REWARD = '''
+import json, os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open(os.environ["RECEIVED"], "a") as f:
+        f.write(json.dumps([data_source, ground_truth, extra_info]) + "\\n")
+    answer = solution_str.strip().split()[0] if solution_str.strip() else ""
+    return {"score": float(answer == ground_truth), "copied": float(answer == extra_info["word"])}
+'''
+
+
+def test_grpo_from_verl_parquet_with_a_verl_reward_function(sft_demo_model, tmp_path):
+    """verl's columns (prompt as messages, nested reward_model.ground_truth, extra_info), a
+    template file, a verl-form function that records what it receives; from the SFT demo's
+    model, which mostly copies the word (the demo: 22% -> 98% held-out in 30 steps)."""
+    from shardwise.data.tasks import reverse_examples
+
+    rows = reverse_examples(256, 5)
+    pq.write_table(pa.table({
+        "data_source": ["shardwise/reverse"] * len(rows),
+        "prompt": [[{"role": "user", "content": r["prompt"]}] for r in rows],
+        "reward_model": [{"style": "rule", "ground_truth": r["response"]} for r in rows],
+        "extra_info": [{"index": i, "word": r["prompt"][:-1]} for i, r in enumerate(rows)],
+    }), tmp_path / "train.parquet")
+    (tmp_path / "raw.jinja").write_text(RAW_TEMPLATE)
+    (tmp_path / "recording_reward.py").write_text(RECORDING_REWARD)
+    run_dir = tmp_path / "run"
+    res = run_cli(["rl", str(EXAMPLES / "grpo_reverse.yaml"), "--nproc", "2", f"run.dir={run_dir}",
+                   f"model.path={sft_demo_model}", f"data.source={tmp_path / 'train.parquet'}",
+                   "data.ground_truth_key=reward_model.ground_truth", f"data.chat_template={tmp_path / 'raw.jinja'}",
+                   "rl.reward.function=recording_reward:compute_score", "train.max_steps=10",
+                   "rl.heldout_eval=false", "checkpoint.every_steps=0", "checkpoint.export_hf=false"],
+                  timeout=400, cwd=tmp_path, env={"RECEIVED": str(tmp_path / "received.jsonl")})
+    assert res.returncode == 0, res.stderr[-4000:]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    reward = [m["reward/mean"] for m in steps]
+    assert all("reward/copied" in m for m in steps)
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.15, reward
+    received = [json.loads(x) for x in (tmp_path / "received.jsonl").read_text().splitlines()]
+    assert len(received) == 10 * 32 * 8  # steps x prompts x samples
+    for source, truth, info in received:
+        row = rows[info["index"]]
+        assert (source, truth, info["word"]) == ("shardwise/reverse", row["response"], row["prompt"][:-1])
