@@ -254,9 +254,14 @@ def test_by_source_routes_like_verl_and_refuses_unknown_sources():
 # ---------------------------------------------------------------- the CLI
 
 
+def _data_view(name: str) -> list[str]:
+    """The view of an example config: the prompts for RL and infer configs."""
+    return ["--prompts"] if name.startswith(("grpo_", "infer_")) else []
+
+
 @pytest.mark.parametrize("config,extra", [
-    ("sft_chat.yaml", []), ("grpo_chat.yaml", ["--prompts"]), ("sft_reverse.yaml", []),
-    ("grpo_reverse.yaml", ["--prompts"]), ("sft_arithmetic.yaml", ["--json"]), ("grpo_chat.yaml", ["--prompts", "--json"]),
+    *[(p.name, _data_view(p.name)) for p in sorted(EXAMPLES.glob("*.yaml"))],
+    ("sft_arithmetic.yaml", ["--json"]), ("grpo_chat.yaml", ["--prompts", "--json"]),
 ])
 def test_shardwise_data_shows_each_example_config(config, extra, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
@@ -268,10 +273,16 @@ def test_shardwise_data_shows_each_example_config(config, extra, capsys, tmp_pat
         assert len(rows) == 2
         assert set(rows[0]) == ({"prompt_ids", "prompt_text"} if "--prompts" in extra
                                 else {"input_ids", "loss_mask", "text"})
-    elif config == "sft_chat.yaml":
+        return
+    assert out.startswith("#0 ") and out.count("\n#1 ") == 1 and "2 of " in out
+    if config == "sft_chat.yaml":
         assert "<|assistant|>\u27e6" in out and "<eos>\u27e7" in out and "2 of 6000 examples shown" in out
     elif config == "grpo_chat.yaml":
         assert "<bos><|user|>" in out and out.count("<|assistant|>\n") >= 2 and "of 1024 prompts" in out
+    elif config == "sft_colours.yaml":
+        assert "<id 61 x4>" in out  # the image's tokens, past the tokenizer's vocabulary
+    elif not extra:
+        assert "\u27e6" in out and "<eos>\u27e7" in out
 
 
 @pytest.mark.parametrize("overrides,fragment", [
@@ -355,3 +366,20 @@ def test_grpo_from_verl_parquet_with_a_verl_reward_function(sft_demo_model, tmp_
     for source, truth, info in received:
         row = rows[info["index"]]
         assert (source, truth, info["word"]) == ("shardwise/reverse", row["response"], row["prompt"][:-1])
+
+
+def test_heldout_prompts_follow_the_jobs_chat_setting(builtin, tmp_path):
+    from shardwise.config import load_config
+    from shardwise.data.chat import text_prompts_as_chat
+    from shardwise.engine.generate import _heldout_batch
+
+    (tmp_path / "t.jinja").write_text("x")
+    assert not text_prompts_as_chat(load_config(None, []).data)
+    assert text_prompts_as_chat(load_config(None, ["data.format=messages"]).data)
+    assert text_prompts_as_chat(load_config(None, [f"data.chat_template={tmp_path / 't.jinja'}"]).data)
+    _, plain = _heldout_batch(builtin, "builtin:reverse", 0, 32, 3)
+    _, chatted = _heldout_batch(builtin, "builtin:reverse", 0, 32, 3, chat=True)
+    for text, asked in zip(plain.arrays["prompt"], chatted.arrays["prompt"]):
+        assert asked == f"<bos><|user|>{text}\n<|assistant|>"
+    ids = chatted.tensors["prompt_ids"][0][chatted.tensors["prompt_mask"][0].bool()].tolist()
+    assert ids == tokenize_prompt(builtin, [{"role": "user", "content": plain.arrays["prompt"][0]}], 32)

@@ -36,8 +36,9 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from shardwise.errors import ConfigError, DataError, did_you_mean
 
-__all__ = ["ROLES", "SHAREGPT_ROLES", "TRAIN_ON", "conversation_example", "has_generation_markers",
-           "normalize_messages", "prompt_ids", "prompt_text", "render_text", "use_chat_template"]
+__all__ = ["ROLES", "SHAREGPT_ROLES", "TRAIN_ON", "conversation_example", "export_template", "has_generation_markers",
+           "normalize_messages", "prompt_ids", "prompt_text", "render_text", "text_prompts_as_chat",
+           "use_chat_template"]
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 """The roles a turn may have."""
@@ -113,6 +114,13 @@ def use_chat_template(tokenizer, setting: str, key: str = "data.chat_template"):
     return tokenizer
 
 
+def text_prompts_as_chat(data) -> bool:
+    """A text prompt is asked as one user turn of a chat (``data.format: messages``, or a
+    template file in ``data.chat_template``) rather than as ``bos + text``; `data` is the
+    config's ``data`` section. Training prompts and the held-out ones follow it alike."""
+    return data.format == "messages" or data.chat_template not in ("auto", "none")
+
+
 def read_template(path: str, key: str = "data.chat_template") -> str:
     """The jinja text of the template file `path`; ConfigError on `key` otherwise."""
     p = Path(path).expanduser()
@@ -126,6 +134,15 @@ def read_template(path: str, key: str = "data.chat_template") -> str:
     if not text.strip():
         raise ConfigError(key, f"{path!r} is empty", "give a jinja template file")
     return text
+
+
+def export_template(folder: str | Path, setting: str) -> None:
+    """Write the template file ``data.chat_template`` names into the exported HF `folder`
+    as ``chat_template.jinja`` (what transformers loads), so the trained model is sampled
+    with the template it was trained with. Nothing for ``auto`` / ``none`` (the tokenizer's
+    own files are exported as they are)."""
+    if setting not in ("auto", "none"):
+        (Path(folder) / "chat_template.jinja").write_text(read_template(setting), encoding="utf-8")
 
 
 def has_generation_markers(tokenizer) -> bool:
@@ -150,7 +167,8 @@ def render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja's TemplateError, raise_exception() in a template, a TypeError inside it
         message = " ".join(str(e).split()) or type(e).__name__
-        raise DataError(f"{where}: the chat template failed to render this conversation: {message}") from None
+        raise DataError(f"data.chat_template: {where}: the chat template failed to render this conversation: "
+                        f"{message}") from None
     assert isinstance(text, str), type(text)
     return text
 
@@ -202,7 +220,7 @@ def _marked_spans(tokenizer, messages: Sequence[dict], full: str, where: str) ->
             conversations=[list(messages)], chat_template=tokenizer.chat_template,
             return_assistant_tokens_mask=True, add_generation_prompt=False, **tokenizer.special_tokens_map)
     except Exception as e:
-        raise DataError(f"{where}: the chat template failed to render this conversation: "
+        raise DataError(f"data.chat_template: {where}: the chat template failed to render this conversation: "
                         f"{' '.join(str(e).split())}") from None
     if rendered[0] != full:
         raise DataError(f"{where}: the chat template renders differently with and without its generation markers")

@@ -15,7 +15,7 @@ from typing import Any
 
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
 from shardwise.config.schema import Config
-from shardwise.data.chat import use_chat_template
+from shardwise.data.chat import text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import tokenize_prompt, tokenize_record
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import (
@@ -94,7 +94,7 @@ def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
                            num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
                            image_key=("image" if d.source.startswith("builtin:") else d.image_key) if vl else None,
                            messages_key=d.messages_key if sft else None, fmt=d.format, conversations=sft,
-                           as_chat=d.chat_template not in ("auto", "none"), extra_keys=extra)
+                           as_chat=text_prompts_as_chat(d), extra_keys=extra)
     if vl:
         resolve_images(records, "image", d.source)
     if any("messages" in r or isinstance(r.get("prompt"), list) for r in records):

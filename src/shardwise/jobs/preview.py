@@ -9,6 +9,7 @@ group, no model weights, nothing written.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -92,6 +93,19 @@ def _runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
     return out
 
 
+def _decode(tokenizer, ids: list[int]) -> str:
+    """`ids` as text, special tokens kept; ids past the tokenizer's vocabulary (a VL
+    model's image tokens) as ``<id N xK>`` (K of them in a row) instead of nothing."""
+    size = len(tokenizer)
+    parts = []
+    for known, group in itertools.groupby(ids, key=lambda t: t < size):
+        if known:
+            parts.append(tokenizer.decode(list(group)))
+        else:
+            parts += [f"<id {tok} x{len(list(same))}>" for tok, same in itertools.groupby(group)]
+    return "".join(parts)
+
+
 def format_text(shown: list[Shown], tokenizer, max_length: int, total: int) -> str:
     """The human view: per example a header line (tokens, trained tokens, truncation) and
     its decoded text (special tokens kept), trained tokens between ⟦ and ⟧."""
@@ -100,10 +114,10 @@ def format_text(shown: list[Shown], tokenizer, max_length: int, total: int) -> s
         head = f"#{s.index} {s.where}: {len(s.ids)} tokens"
         if s.mask is not None:
             head += f", {sum(s.mask)} trained"
-            text = "".join(OPEN + tokenizer.decode(run) + CLOSE if m else tokenizer.decode(run)
+            text = "".join(OPEN + _decode(tokenizer, run) + CLOSE if m else _decode(tokenizer, run)
                            for m, run in _runs(s.ids, s.mask))
         else:
-            text = tokenizer.decode(s.ids)
+            text = _decode(tokenizer, s.ids)
         if s.length > len(s.ids):
             kept = "first" if s.mask is not None else "last"
             head += (f"; truncated from {s.length} to data.max_length={max_length} (the {kept} tokens kept"
@@ -120,7 +134,7 @@ def format_json(shown: list[Shown], tokenizer) -> str:
     ``{"prompt_ids", "prompt_text"}`` for prompts."""
     lines = []
     for s in shown:
-        text = tokenizer.decode(s.ids)
+        text = _decode(tokenizer, s.ids)
         if s.mask is None:
             lines.append(json.dumps({"prompt_ids": s.ids, "prompt_text": text}, ensure_ascii=False))
         else:

@@ -21,7 +21,7 @@ from shardwise.config.validate import (
     check_rl_rows,
     mesh_spec,
 )
-from shardwise.data.chat import use_chat_template
+from shardwise.data.chat import export_template, use_chat_template
 from shardwise.data.collate import truncation_note
 from shardwise.data.rewards import RewardFn, check_data_sources, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
@@ -106,6 +106,7 @@ def run(prepared: Prepared) -> dict[str, Any]:
             summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
             if vision is not None:
                 vision.save(summary["hf"])
+            export_template(summary["hf"], cfg.data.chat_template)
         summary["checkpoint"] = str(ctl.run_dir / "checkpoints")
     except BaseException:
         ctl.close(graceful=False)

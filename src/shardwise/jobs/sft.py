@@ -28,7 +28,7 @@ from shardwise.checkpoint.hf_export import export_model
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_sft_batch, mesh_spec
 from shardwise.data import encoder
-from shardwise.data.chat import use_chat_template
+from shardwise.data.chat import export_template, text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import (
     example_loss_tokens,
     pack_collate,
@@ -218,12 +218,15 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         export_model(engine.model, out, hf_config, tokenizer_dir=tok_dir)
         if vision is not None and runtime.is_main:
             vision.save(out)
+        if runtime.is_main:
+            export_template(out, cfg.data.chat_template)
         summary["hf"] = str(out)
     if ulysses_free(engine) and not encoder_task:
         generator = build_generator("hf", engine.model, cfg.infer, runtime, pad_token_id(tokenizer),
                                     tokenizer.eos_token_id)
         accuracy = heldout_accuracy(lambda batch: generate_on_ranks(generator, batch), tokenizer,
-                                    cfg.data.source, cfg.run.seed, cfg.data.max_length, vision=vision)
+                                    cfg.data.source, cfg.run.seed, cfg.data.max_length, vision=vision,
+                                    chat=text_prompts_as_chat(cfg.data))
         if accuracy is not None:
             summary["accuracy"] = accuracy
     if runtime.is_main and (run_dir / "metrics.jsonl").is_file():

@@ -38,7 +38,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
 )
 
-from shardwise.data.tokenizer import CHAR_VOCAB, CHAR_VOCAB_SIZE
+from shardwise.data.tokenizer import BUILTIN_VOCAB_SIZE, CHAR_VOCAB, CHAR_VOCAB_SIZE, ROLE_TOKENS
 from shardwise.errors import ConfigError, DataError
 
 __all__ = [
@@ -159,12 +159,13 @@ class VisionInputs:
     def check_tokenizer(self, tokenizer) -> None:
         """The config's vision token ids must fit the embedding and must not be ordinary
         tokens of `tokenizer` (None: the built-in character tokenizer a job builds, whose
-        ids below `CHAR_VOCAB_SIZE` are all ordinary or its own special tokens)."""
+        ids below `BUILTIN_VOCAB_SIZE` are all characters, its special tokens or its role
+        markers)."""
         vocab = int(self.hf_config.get_text_config().vocab_size)
-        size = CHAR_VOCAB_SIZE if tokenizer is None else len(tokenizer)
+        size = BUILTIN_VOCAB_SIZE if tokenizer is None else len(tokenizer)
         special = set() if tokenizer is None else (set(getattr(tokenizer, "all_special_ids", []))
                                                    | set(getattr(tokenizer, "added_tokens_decoder", {})))
-        names = {i: t for t, i in CHAR_VOCAB.items()}
+        names = {i: t for t, i in CHAR_VOCAB.items()} | {CHAR_VOCAB_SIZE + i: t for i, t in enumerate(ROLE_TOKENS)}
         for key in _TOKEN_KEYS:
             tid = int(getattr(self.hf_config, key))
             if tid >= vocab:

@@ -41,6 +41,7 @@ import torch
 
 from shardwise.config.schema import Config
 from shardwise.data.batch import Batch
+from shardwise.data.chat import text_prompts_as_chat
 from shardwise.data.rewards import RewardFn, score_sequences
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.data.tokenizer import pad_token_id
@@ -301,7 +302,8 @@ class Controller:
         if not self.cfg.rl.heldout_eval:
             return None
         return heldout_accuracy(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
-                                self.cfg.run.seed, self.cfg.data.max_length, vision=self.vision)
+                                self.cfg.run.seed, self.cfg.data.max_length, vision=self.vision,
+                                chat=text_prompts_as_chat(self.cfg.data))
 
     def evaluate_sampled(self) -> dict[str, float] | None:
         """pass@1 and pass@n (n = ``rl.rollout.n``) of the current policy, sampled at the
@@ -311,7 +313,7 @@ class Controller:
             return None
         return heldout_pass_at_k(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
                                  self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n,
-                                 vision=self.vision)
+                                 vision=self.vision, chat=text_prompts_as_chat(self.cfg.data))
 
 
 def mean_timing(history: list[dict[str, float]]) -> dict[str, float]:
