@@ -214,7 +214,7 @@ def _report_train(cfg: Config, summary: dict) -> None:
     print(f"done: {summary['steps']} steps, final loss {final.get('loss', float('nan')):.4f}")
     if "accuracy" in summary:
         print(f"  held-out accuracy (greedy): {summary['accuracy']:.1%}")
-    _print_paths(summary, ("metrics", "checkpoint", "hf", "plot"))
+    _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "plot"))
 
 
 def _report_infer(cfg: Config, s: dict) -> None:

@@ -87,7 +87,7 @@ from torch.distributed.checkpoint.api import (
 )
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardwise.config.schema import CheckpointConfig
 from shardwise.distributed.runtime import Runtime
@@ -446,7 +446,7 @@ class CheckpointManager:
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
 
-        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_options(engine))
         app_state = {"model": model_sd, "optimizer": optim_sd}
         writer = FileSystemWriter(tmp)
         if self.cfg.async_save and not final:
@@ -722,14 +722,15 @@ class CheckpointManager:
         if problem is not None:
             raise CheckpointError(problem)
         assert meta is not None
-        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_options(engine))
         app_state = {"model": model_sd, "optimizer": optim_sd}
         try:
             dcp.load(app_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         except (Exception, CheckpointException) as exc:  # DCP gathers every rank's errors: all ranks get here
             raise CheckpointError(f"checkpoint {path} cannot be loaded ({_dcp_cause(exc)})") from None
         set_state_dict(engine.model, engine.optimizer,
-                       model_state_dict=app_state["model"], optim_state_dict=app_state["optimizer"])
+                       model_state_dict=app_state["model"], optim_state_dict=app_state["optimizer"],
+                       options=_options(engine))
         engine.scheduler.load_state_dict(meta["scheduler"])
         engine.step = int(meta["step"])
         if rng is not None:
@@ -738,6 +739,14 @@ class CheckpointManager:
             log.info("resumed from %s (step %d, saved by %d ranks, loaded by %d)", path,
                      engine.step, meta["world_size"], self.runtime.world_size)
         return meta["extra"]
+
+
+def _options(engine: TrainEngine) -> StateDictOptions:
+    """A LoRA run's checkpoint holds the trainable parameters (adapters, modules to save)
+    and their optimizer state only: the frozen base is `model.path`'s, read again on resume
+    (a 7B adapter checkpoint is megabytes)."""
+    lora = engine.cfg.model.lora.enabled
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _dcp_cause(exc: BaseException) -> str:

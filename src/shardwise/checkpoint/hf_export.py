@@ -68,6 +68,7 @@ from shardwise.data.tokenizer import (
 )
 from shardwise.errors import ShardwiseError
 from shardwise.fsdp.gather import full_tensor
+from shardwise.models import lora
 from shardwise.models.layout import TensorEntry, checkpoint_entries, tied_aliases
 from shardwise.models.loading import build_meta_model, load_hf_config
 from shardwise.models.patches import patch_model
@@ -273,8 +274,9 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
     rank = dist.get_rank() if dist.is_initialized() else 0
     sd = model.state_dict()  # sharded DTensors (FSDP's pre-save hook reshards): no copy
     aliases = tied_aliases(model)
-    entries = checkpoint_entries(model, [(k, k, tuple(v.shape), _out_dtype(v.dtype, dtype))
-                                         for k, v in sd.items() if k not in aliases])
+    merges = lora.merge_sources(model)  # LoRA: the base weights are written merged, the adapters folded in
+    entries = checkpoint_entries(model, [(lora.hf_name(k), k, tuple(v.shape), _out_dtype(v.dtype, dtype))
+                                         for k, v in sd.items() if k not in aliases and not lora.is_lora_key(k)])
 
     writer, error = None, None
     if rank == 0:
@@ -288,6 +290,9 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
         if gathered != e.source:  # one gather per source (the cuts of fused experts follow it)
             full = None  # drop the previous full tensor before gathering the next
             full, gathered = full_tensor(value), e.source
+            if e.source in merges:  # one layer gathered, merged, written, dropped
+                a, b, scale = merges[e.source]
+                full = lora.merge(full, full_tensor(sd[a]), full_tensor(sd[b]), scale)
         if writer is not None:
             try:
                 t = e.take(full).to(device="cpu", dtype=e.dtype)
@@ -318,6 +323,34 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
                         total_bytes=writer.total_bytes if writer is not None else 0,
                         max_buffered_bytes=writer.max_buffered if writer is not None else 0,
                         tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir is not None and rank == 0 else None)
+
+
+def export_adapter(model: nn.Module, out_dir: str | Path, base: str | None = None) -> Path:
+    """Write the LoRA adapters (and modules to save) of a live model as a PEFT adapter
+    folder: ``adapter_config.json`` + ``adapter_model.safetensors``, what
+    ``PeftModel.from_pretrained(base_model, out_dir)`` loads. `base`: the base model's
+    folder, recorded as ``base_model_name_or_path``. Collective like `export_model`: every
+    rank gathers, rank 0 writes."""
+    out = Path(out_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    config = model.peft_config[lora.ADAPTER]
+    sd = model.state_dict()
+    names = lora.adapter_state(sd, lora.saved_modules(model))
+    tensors = {}
+    for key, name in names.items():
+        t = full_tensor(sd[key])
+        if rank == 0:
+            tensors[name] = t.to("cpu").contiguous().clone()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = copy.copy(config)
+        config.base_model_name_or_path = str(Path(base).resolve()) if base else None
+        config.inference_mode = True
+        config.save_pretrained(str(out))
+    if dist.is_initialized():
+        dist.barrier()
+    return out
 
 
 def _collective_device() -> torch.device:

@@ -45,6 +45,32 @@ class RunConfig(Section):
     """Seed of model init, data order and sampling."""
 
 
+class LoraSettings(Section):
+    """LoRA adapters (peft), injected into the model before sharding: the base weights are
+    frozen (and stay bitwise unchanged), only the adapters (and modules_to_save) train."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every parameter."""
+    r: Pos = 8
+    """Rank of each adapter (A: r x in_features, B: out_features x r)."""
+    alpha: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 16.0
+    """Scaling numerator: the adapter's update is (alpha / r) * B @ A."""
+    dropout: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    """Linear modules that get adapters: path patterns as in fsdp.wrap.modules
+    (model.layers.{0-11}.self_attn.{q,k,v,o}_proj) or plain names (q_proj: every module
+    of that name); all-linear: every Linear but the output head."""
+    exclude_modules: list[str] = []
+    """Patterns or names taken out of target_modules."""
+    modules_to_save: list[str] = []
+    """Modules trained in full beside the adapters and saved with them (e.g. lm_head),
+    patterns or names."""
+    path: str | None = None
+    """Continue from an existing PEFT adapter folder (adapter_config.json +
+    adapter_model.safetensors) made for this base model; its r / alpha / targets are used."""
+
+
 class ModelConfig(Section):
     path: str | None = None
     """A local HF folder (config.json + safetensors [+ tokenizer]); pickled weights are refused."""
@@ -65,6 +91,8 @@ class ModelConfig(Section):
     masked_lm (BERT-style masked tokens of data.text_key) or sequence_classification (one
     integer label, data.label_key, per data.text_key). The last two need an encoder-style
     config (bert, roberta, ...); `shardwise rl` and `shardwise infer` take causal_lm only."""
+    lora: LoraSettings = LoraSettings()
+    """LoRA adapters instead of full fine-tuning (shardwise.models.lora)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -324,7 +352,11 @@ class CheckpointConfig(Section):
     resume: str = "auto"
     """auto (the newest intact checkpoint in run.dir) | never | a checkpoint path."""
     export_hf: bool = True
-    """Write an HF folder (safetensors) at the end."""
+    """Write an HF folder (safetensors) at the end; with model.lora, the PEFT adapter
+    folder run.dir/adapter instead (and the merged model too with export_merged)."""
+    export_merged: bool = False
+    """model.lora: also write the merged model (base + adapters, as peft's
+    merge_and_unload) as an HF folder in run.dir/hf."""
 
 
 class VLLMConfig(Section):

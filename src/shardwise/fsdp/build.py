@@ -17,12 +17,15 @@ from shardwise.models.loading import (
     freeze,
     load_full_weights,
 )
+from shardwise.models import lora
 from shardwise.models.patches import patch_model
 
 
 def plan_for(cfg: Config, spec: MeshSpec, task: str = "causal_lm", **config_extra) -> tuple[nn.Module, ShardingPlan]:
-    """The meta model (frozen as configured) and its plan; no process group needed."""
+    """The meta model (with its LoRA adapters, frozen as configured) and its plan; no
+    process group needed."""
     model = patch_model(build_meta_model(cfg.model, task, **config_extra), cfg)
+    lora.inject(model, cfg.model.lora)
     freeze(model, cfg.model.freeze)
     return model, build_plan(model, cfg, spec)
 
@@ -43,7 +46,7 @@ def build_sharded_model(cfg: Config, runtime: Runtime, spec: MeshSpec, mesh, tas
     # CPU offload: FSDP keeps the parameter shards in host memory (pinned with
     # `pin_memory`) and moves each unit to the compute device in its forward.
     model.to_empty(device="cpu" if cfg.fsdp.offload.enabled else runtime.device)
-    full = patch_model(build_full_model(cfg.model, cfg.run.seed, task, **config_extra), cfg) if runtime.is_main else None
+    full = build_full(cfg, task, **config_extra) if runtime.is_main else None
     # Loaded while every tensor is on one device (torch's full-state-dict loading refuses a
     # mix); the broadcasts themselves run on the process group's device.
     load_full_weights(model, full, runtime.device)
@@ -54,6 +57,15 @@ def build_sharded_model(cfg: Config, runtime: Runtime, spec: MeshSpec, mesh, tas
     del full
     _retie(model)
     return model, plan
+
+
+def build_full(cfg: Config, task: str = "causal_lm", **config_extra) -> nn.Module:
+    """The whole model on CPU as a run starts it: weights (`model.path` or a seeded init),
+    patches, LoRA adapters (seeded from run.seed + 1, or read from ``model.lora.path``)."""
+    model = patch_model(build_full_model(cfg.model, cfg.run.seed, task, **config_extra), cfg)
+    lora.inject(model, cfg.model.lora, seed=cfg.run.seed + 1)
+    freeze(model, cfg.model.freeze)
+    return model
 
 
 def _outside_fsdp_to(model: nn.Module, device: torch.device) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from shardwise.models import lora
 from shardwise.models.layout import checkpoint_entries, tied_aliases
 
 __all__ = ["full_tensor", "gathered_for_generation", "iter_full_tensors"]
@@ -47,17 +48,23 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` for every state-dict entry of `model` (sharded or plain),
     one at a time: peak extra memory is one full tensor, not the model. Tied aliases are
-    skipped and fused MoE experts cut per expert (`shardwise.models.layout`). Collective:
+    skipped and fused MoE experts cut per expert (`shardwise.models.layout`); a LoRA
+    model's base weights come merged with their adapters, under the base names. Collective:
     every rank iterates to the end, in the same order. Floating tensors are cast to `dtype`
     when given."""
     aliases = tied_aliases(model)
     sd = model.state_dict()
-    entries = checkpoint_entries(model, [(k, k, tuple(v.shape), v.dtype) for k, v in sd.items() if k not in aliases])
+    merges = lora.merge_sources(model)  # LoRA: base weights merged with their adapters, one layer at a time
+    entries = checkpoint_entries(model, [(lora.hf_name(k), k, tuple(v.shape), v.dtype) for k, v in sd.items()
+                                         if k not in aliases and not lora.is_lora_key(k)])
     full, gathered = None, None
     for e in entries:
         if gathered != e.source:  # one gather per source (the cuts of fused experts follow it)
             full = None
             full, gathered = full_tensor(sd[e.source]), e.source
+            if e.source in merges:
+                a, b, scale = merges[e.source]
+                full = lora.merge(full, full_tensor(sd[a]), full_tensor(sd[b]), scale)
         t = e.take(full)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint.dcp import CheckpointManager
-from shardwise.checkpoint.hf_export import export_model
+from shardwise.checkpoint.hf_export import export_adapter, export_model
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_sft_batch, mesh_spec
 from shardwise.data import encoder
@@ -213,7 +213,9 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         metrics.close()
     summary = {"run_dir": str(run_dir), "steps": engine.step, "final": last,
                "metrics": str(run_dir / "metrics.jsonl"), "checkpoint": str(ckpt.latest() or "")}
-    if cfg.checkpoint.export_hf:
+    if cfg.checkpoint.export_hf and cfg.model.lora.enabled:
+        summary["adapter"] = str(export_adapter(engine.model, run_dir / "adapter", base=cfg.model.path))
+    if cfg.checkpoint.export_hf and (not cfg.model.lora.enabled or cfg.checkpoint.export_merged):
         out = run_dir / "hf"
         export_model(engine.model, out, hf_config, tokenizer_dir=tok_dir)
         if vision is not None and runtime.is_main:

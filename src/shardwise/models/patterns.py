@@ -7,6 +7,9 @@ A pattern is a dotted module path in which any segment may be a brace group:
   {1,3,5}        a list; items may mix: {0-3,8,10-11}
 Several groups per path and literal suffixes after them are allowed:
   model.layers.{0-3}.mlp.experts.{*}
+A brace group of names stands for each of them, inside a segment too:
+  model.layers.{0-11}.self_attn.{q,k,v,o}_proj   (q_proj, k_proj, v_proj, o_proj)
+and each name must match some module.
 
 `match_pattern(pattern, module_paths, param_paths)` returns the matching module paths in
 model order, or raises PatternError that names the pattern and the nearest real paths.
@@ -112,6 +115,13 @@ def match_pattern(
     is never matched); `param_paths` are used only to explain a parameter path given by
     mistake. Raises PatternError when nothing matches or an index is out of range.
     """
+    expanded = expand_names(pattern)
+    if len(expanded) > 1:
+        found_any: list[str] = []
+        for one in expanded:
+            found_any += match_pattern(one, module_paths, param_paths, key)
+        chosen = set(found_any)
+        return [p for p in module_paths if p in chosen]
     segments = parse_pattern(pattern, key)
     split = [(p, p.split(".")) for p in module_paths if p]
     found = [p for p, parts in split if len(parts) == len(segments) and all(
@@ -127,6 +137,23 @@ def match_pattern(
     near = nearest(pattern, list(dict.fromkeys(collapsed + [p for p, _ in split])), n=3)
     hint = ("nearest modules: " + ", ".join(near)) if near else None
     raise PatternError(key, f"pattern {pattern!r} matches no module", hint)
+
+
+_GROUP = re.compile(r"\{([^{}]*)\}")
+_INDEX_ITEM = re.compile(r"^\s*(\*|\d+\s*(-\s*\d+\s*)?)$")
+
+
+def expand_names(pattern: str) -> list[str]:
+    """`pattern` with each brace group of names (``{q,k,v,o}``: an item that is not an
+    index, a range or ``*``) written out, one pattern per combination, in order; a pattern
+    without such a group is returned alone."""
+    for m in _GROUP.finditer(pattern):
+        items = m.group(1).split(",")
+        if all(_INDEX_ITEM.match(i) for i in items):
+            continue
+        head, tail = pattern[:m.start()], pattern[m.end():]
+        return [e for item in items for e in expand_names(head + item.strip() + tail)]
+    return [pattern]
 
 
 def _check_indices_exist(pattern: str, segments: tuple[Segment, ...], split, key: str) -> None:
