@@ -248,7 +248,7 @@ def _report_rl(cfg: Config, summary: dict) -> None:
         phases = {k[5:]: v for k, v in timing.items() if k != "time/step"}
         print(f"  seconds per step {step_s:.2f} (mean; "
               + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
-    _print_paths(summary, ("metrics", "checkpoint", "hf", "plot"))
+    _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "plot"))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -87,6 +87,10 @@ def run(prepared: Prepared) -> dict[str, Any]:
     note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False)
     if note:
         log.warning("data: %s", note)
+    if cfg.model.lora.enabled:
+        log.warning("lora: the actor trains LoRA adapters (r=%d); %s", cfg.model.lora.r,
+                    "the reference is the actor with its adapters disabled (no second model in memory)"
+                    if cfg.rl.reference.enabled else "no reference")
     ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
                      vision)
     summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
@@ -102,7 +106,9 @@ def run(prepared: Prepared) -> dict[str, Any]:
         summary["timing"] = mean_timing(history)
         summary["accuracy_after"] = ctl.evaluate()
         summary["sampled_after"] = ctl.evaluate_sampled()
-        if cfg.checkpoint.export_hf:
+        if cfg.checkpoint.export_hf and cfg.model.lora.enabled:
+            summary["adapter"] = ctl.group.export_adapter(str(ctl.run_dir / "adapter"))
+        if cfg.checkpoint.export_hf and (not cfg.model.lora.enabled or cfg.checkpoint.export_merged):
             summary["hf"] = ctl.group.export_hf(str(ctl.run_dir / "hf"), ctl.tokenizer_dir)
             if vision is not None:
                 vision.save(summary["hf"])

@@ -31,7 +31,7 @@ from shardwise.engine.infer import (
     forward_by_micro_batch,
 )
 from shardwise.engine.train import TrainEngine
-from shardwise.models import vision
+from shardwise.models import lora, vision
 from shardwise.rl import algorithms as alg
 from shardwise.rl.workers.common import (
     check_mini_batches,
@@ -235,6 +235,25 @@ def _policy_metrics(metrics: dict[str, list[float]], logp: torch.Tensor, entropy
 def _is_share(key: str) -> bool:
     """Terms aggregated with global counts: each micro-batch holds a share."""
     return key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "entropy", "kl", *_MISMATCH_SHARES)
+
+
+class LoraReference:
+    """The reference policy of a LoRA actor: the actor's own model with its adapters
+    disabled, i.e. the frozen base (no second copy of the weights, no memory of its own)."""
+
+    def __init__(self, actor: ActorWorker):
+        self.actor = actor
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        model = self.actor.model
+        was = model.training
+        model.eval()
+        with lora.adapters_disabled(model):
+            out = sequence_log_probs(model, batch, self.actor.runtime.device, self.actor.cfg.train.micro_batch_size,
+                                     with_entropy=False, temperature=scoring_temperature(self.actor.cfg),
+                                     chunk_tokens=self.actor.engine.chunk_tokens)
+        model.train(was)
+        return Batch.from_dict({"ref_log_probs": out["log_probs"]})
 
 
 class ReferenceWorker:

@@ -60,6 +60,15 @@ def clipped_tokens(values: torch.Tensor, returns: torch.Tensor, old_values: torc
     return (m & (moved.abs() > clip) & larger).sum()
 
 
+def without_lora(cfg: Config) -> Config:
+    """`cfg` with ``model.lora`` off: the critic trains in full (its value head is new, and
+    the adapters are the policy's)."""
+    if not cfg.model.lora.enabled:
+        return cfg
+    lora = cfg.model.lora.model_copy(update={"enabled": False})
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})})
+
+
 class CriticWorker:
     """The value model on a TrainEngine (optimizer over ``rl.critic.lr``, the LR schedule
     spanning every PPO step of the run, see `rl_engine_config`).
@@ -76,7 +85,7 @@ class CriticWorker:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(cfg.run.seed)
-            self.engine = TrainEngine(rl_engine_config(cfg, lr=cfg.rl.critic.lr), runtime,
+            self.engine = TrainEngine(without_lora(rl_engine_config(cfg, lr=cfg.rl.critic.lr)), runtime,
                                       task="token_classification", **VALUE_HEAD)
 
     # ------------------------------------------------------------------ values

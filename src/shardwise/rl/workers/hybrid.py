@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint.dcp import CheckpointManager, is_complete
-from shardwise.checkpoint.hf_export import export_model
+from shardwise.checkpoint.hf_export import export_adapter, export_model
 from shardwise.config.load import config_from_dict
 from shardwise.data.batch import Batch
 from shardwise.distributed.runtime import Runtime, seed_everything
@@ -28,7 +28,7 @@ from shardwise.errors import ConfigError
 from shardwise.models.loading import load_hf_config
 from shardwise.rl.dispatch import Dispatch, register
 from shardwise.rl.weight_sync import WeightSync
-from shardwise.rl.workers.actor import ActorWorker, ReferenceWorker
+from shardwise.rl.workers.actor import ActorWorker, LoraReference, ReferenceWorker
 from shardwise.rl.workers.critic import CriticWorker
 from shardwise.rl.workers.reward import RewardModelWorker
 
@@ -62,7 +62,9 @@ class RLWorker:
                                            compute_dtype=self.cfg.fsdp.mixed_precision.param_dtype)
             self.weight_sync = WeightSync(self.actor.model, self.rollout)
         if "ref" in roles:
-            self.ref = ReferenceWorker(self.cfg, runtime)
+            # LoRA: the actor with its adapters disabled is the initial policy, for free
+            lora_ref = self.cfg.model.lora.enabled and self.actor is not None
+            self.ref = LoraReference(self.actor) if lora_ref else ReferenceWorker(self.cfg, runtime)
         if "critic" in roles:
             self.critic = CriticWorker(self.cfg, runtime)
             self._critic_ckpt = CheckpointManager(run_dir / CRITIC_DIR, self.cfg.checkpoint, runtime)
@@ -161,9 +163,15 @@ class RLWorker:
 
     @register(Dispatch.ONE_TO_ALL, collect="first")
     def export_hf(self, out_dir: str, tokenizer_dir: str | None) -> str:
-        """The actor as an HF folder (safetensors), written by rank 0."""
+        """The actor as an HF folder (safetensors), written by rank 0 (a LoRA actor merged)."""
         export_model(self._need("actor").model, Path(out_dir), load_hf_config(self.cfg.model),
                      tokenizer_dir=tokenizer_dir)
+        return out_dir
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def export_adapter(self, out_dir: str) -> str:
+        """A LoRA actor's adapters as a PEFT adapter folder, written by rank 0."""
+        export_adapter(self._need("actor").model, Path(out_dir), base=self.cfg.model.path)
         return out_dir
 
     def close(self) -> None:

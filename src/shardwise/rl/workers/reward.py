@@ -39,7 +39,8 @@ class RewardModelWorker:
         if not (Path(path) / "config.json").is_file():
             raise ConfigError("rl.reward.model", f"{path!r} holds no config.json",
                               "point it at a folder written by save_pretrained of a sequence-classification model")
-        model = cfg.model.model_copy(update={"path": path, "config": None, "tokenizer": None, "freeze": []})
+        model = cfg.model.model_copy(update={"path": path, "config": None, "tokenizer": None, "freeze": [],
+                                             "lora": cfg.model.lora.model_copy(update={"enabled": False})})
         rm_cfg = cfg.model_copy(update={"model": model})
         # HF's sequence-classification forward refuses batches without a pad id; its own
         # pooling (rightmost non-pad id) is not used (see compute_rm_score).
