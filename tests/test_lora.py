@@ -167,3 +167,50 @@ def test_lora_exports_load_with_peft_checkpoint_holds_adapters_only_and_resume_i
     plain = AutoModelForCausalLM.from_pretrained(base).eval()
     with torch.no_grad():
         assert not torch.allclose(plain(ids).logits, want, atol=1e-4)  # the adapters did change the model
+
+
+def test_grpo_with_lora_starts_at_its_reference_and_raises_heldout_accuracy(sft_demo_model, tmp_path):
+    """examples/grpo_reverse_lora.yaml from the SFT demo's model, shortened. Measured over 30
+    steps: held-out greedy 22.5% -> 95.5%, reward 0.34 -> 0.87 by step 7."""
+    import re
+
+    run_dir = tmp_path / "run"
+    res = run_cli(["rl", str(REPO_ROOT / "examples/grpo_reverse_lora.yaml"), "--nproc", "2", f"run.dir={run_dir}",
+                   f"model.path={sft_demo_model}", "train.max_steps=12", "checkpoint.every_steps=6"], timeout=400)
+    assert res.returncode == 0, res.stderr[-4000:]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["kl"] == 0.0  # B starts at 0: the actor is exactly its reference (the base) at step 1
+    assert steps[-1]["kl"] > 0.0
+    assert "the reference is the actor with its adapters disabled" in res.stderr
+    m = re.search(r"held-out accuracy \(greedy\): before RL ([\d.]+)%, after RL ([\d.]+)%", res.stdout)
+    assert m and float(m.group(2)) >= float(m.group(1)) + 20, res.stdout
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file() and (run_dir / "hf" / "config.json").is_file()
+
+
+def test_an_adapter_folder_is_checked_against_the_base_before_launch(tmp_path, capsys):
+    """model.lora.path: not a PEFT folder, or made for another base (a tensor's shape): one
+    line, exit 2, nothing started (the meta model is checked in the launching process)."""
+    from peft import LoraConfig, get_peft_model
+
+    from shardwise.cli import main
+    from shardwise.models.loading import build_full_model
+
+    other = load_config(None, [TINY_QWEN3.replace("hidden_size: 32", "hidden_size: 64")]).model
+    peft_model = get_peft_model(build_full_model(other, seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
+    peft_model.save_pretrained(tmp_path / "other")
+    (tmp_path / "empty").mkdir()
+    for folder, fragment in (("empty", "is not a PEFT adapter folder"),
+                             ("other", "has shape (4, 64), this base model's is (4, 32)")):
+        code = main(["train", str(REPO_ROOT / "examples/sft_arithmetic.yaml"), "--nproc", "2", TINY_QWEN3,
+                     "model.lora.enabled=true", f"model.lora.path={tmp_path / folder}", f"run.dir={tmp_path / 'run'}"])
+        err = capsys.readouterr().err
+        assert code == 2 and fragment in err and "model.lora.path" in err, err
+        assert not (tmp_path / "run").exists()
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "shardwise.cli", "plan", str(REPO_ROOT / "examples/sft_arithmetic.yaml"),
+                          TINY_QWEN3, "model.lora.enabled=true", f"model.lora.path={tmp_path / 'other'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "model.lora.path" in res.stderr and "(4, 64)" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -29,7 +29,10 @@ default group still works (an all-reduce), no thread is left behind, and
 
 Cases: an untied Qwen3 with one engine per rank (TP 1; rank 1 has no rows in one call),
 and a tied Llama with one engine over both ranks (TP 2: the ranks submit different prompts
-and each must get its own rows back; rank 1 has no rows in one call).
+and each must get its own rows back; rank 1 has no rows in one call) whose actor trains
+LoRA adapters on every Linear (issue 19): the sync streams the merged weights (base + the
+adapters' update, one layer at a time), and vLLM answers like HF generating with the live
+adapters.
 
 The CPU attention of vLLM supports head sizes 32, 64, ... only (16 fails at the first
 forward: "Unsupported CPU attention configuration: head_dim=16"), hence head_dim 32.
@@ -60,6 +63,7 @@ LLAMA = ("model.config={model_type: llama, hidden_size: 128, intermediate_size: 
          "tie_word_embeddings: true}")
 OVERRIDES = [*FP32, "train.optimizer.lr=1e-2", "train.scheduler.name=constant", "train.scheduler.warmup_steps=0",
              "train.grad_clip=null"]
+LORA = ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=64", "model.lora.target_modules=[all-linear]"]
 LP_TOL = 1e-4
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
@@ -102,7 +106,7 @@ def pick_eos(model, runtime) -> int:
     return int(responses[3])
 
 
-def engine_body(rank: int, world: int, model_override: str, tp: int) -> dict:
+def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tuple[str, ...] = ()) -> dict:
     import glob
     import threading
     import time
@@ -120,7 +124,7 @@ def engine_body(rank: int, world: int, model_override: str, tp: int) -> dict:
     from shardwise.rl.weight_sync import WeightSync
 
     runtime = init_distributed(timeout_s=120)
-    cfg = load_config(None, [model_override, *OVERRIDES])
+    cfg = load_config(None, [model_override, *OVERRIDES, *extra])
     actor = TrainEngine(cfg, runtime)
     eos = pick_eos(actor.model, runtime)
     scfg = sampling_cfg(tp)
@@ -251,6 +255,6 @@ def test_vllm_untied_qwen3_one_engine_per_rank():
     _check(run_ranks(engine_body, 2, QWEN3, 1, timeout=240, env=ENV), tp=1)
 
 
-def test_vllm_tied_llama_tensor_parallel_over_both_ranks():
-    """TP 2: one engine over both ranks, each rank with its own prompts."""
-    _check(run_ranks(engine_body, 2, LLAMA, 2, timeout=240, env=ENV), tp=2)
+def test_vllm_tied_llama_lora_tensor_parallel_over_both_ranks():
+    """TP 2: one engine over both ranks, each rank with its own prompts; a LoRA actor."""
+    _check(run_ranks(engine_body, 2, LLAMA, 2, tuple(LORA), timeout=240, env=ENV), tp=2)

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shardwise.config.schema import LoraSettings
@@ -147,10 +146,11 @@ def inject(model: nn.Module, lora: LoraSettings, seed: int | None = None) -> Lor
         p.requires_grad_(trainable)
         if trainable and p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
-    if lora.path is not None and device.type != "meta":
+    if lora.path is not None:  # checked on the meta model (before launch), loaded into the real one
         state = model.state_dict()
+        tensors = read_adapter(lora.path, state, saved, shapes_only=device.type == "meta")
         with torch.no_grad():
-            for key, t in read_adapter(lora.path, state, saved).items():
+            for key, t in tensors.items():
                 state[key].copy_(t)
     return config
 
@@ -230,23 +230,27 @@ def adapter_state(model_state: dict[str, torch.Tensor], saved: tuple[str, ...] =
     return out
 
 
-def read_adapter(path: str, model_state: dict[str, torch.Tensor],
-                 saved: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def read_adapter(path: str, model_state: dict[str, torch.Tensor], saved: tuple[str, ...] = (),
+                 shapes_only: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of the adapter folder `path` under `model_state`'s keys, checked
-    against their shapes (ConfigError on ``model.lora.path`` naming the tensor)."""
+    against their shapes (ConfigError on ``model.lora.path`` naming the tensor); with
+    `shapes_only` nothing is loaded (the check alone, as on a meta model) and {} returned."""
     file = Path(path).expanduser() / "adapter_model.safetensors"
+    out = {}
     try:
-        stored = load_file(str(file))
+        with safe_open(str(file), framework="pt") as f:
+            stored = set(f.keys())
+            for key, name in adapter_state(model_state, saved).items():
+                if name not in stored:
+                    raise ConfigError("model.lora.path", f"{file} has no tensor {name!r} (this base model has that "
+                                      "adapter)", "the adapter was made for another base model or other target modules")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(model_state[key].shape):
+                    raise ConfigError("model.lora.path", f"tensor {name!r} of {file} has shape {shape}, this base "
+                                      f"model's is {tuple(model_state[key].shape)}",
+                                      "the adapter was made for another base model")
+                if not shapes_only:
+                    out[key] = f.get_tensor(name)
     except (SafetensorError, OSError) as e:
         raise ConfigError("model.lora.path", f"{file} is not a readable safetensors file: {e}", "rewrite it") from None
-    out = {}
-    for key, name in adapter_state(model_state, saved).items():
-        if name not in stored:
-            raise ConfigError("model.lora.path", f"{file} has no tensor {name!r} (this base model has that adapter)",
-                              "the adapter was made for another base model or other target modules")
-        t = stored[name]
-        if tuple(t.shape) != tuple(model_state[key].shape):
-            raise ConfigError("model.lora.path", f"tensor {name!r} of {file} has shape {tuple(t.shape)}, this base "
-                              f"model's is {tuple(model_state[key].shape)}", "the adapter was made for another base model")
-        out[key] = t
     return out
