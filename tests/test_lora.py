@@ -164,6 +164,18 @@ def test_lora_exports_load_with_peft_checkpoint_holds_adapters_only_and_resume_i
         folded = adapted.merge_and_unload()(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(folded, want, rtol=1e-5, atol=1e-5)
+    # `shardwise export` of the last checkpoint (adapters only) writes the same two folders
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+
+    ckpt = whole / "checkpoints/step_00000004"
+    assert main(["export", str(ckpt), str(tmp_path / "off_adapter")]) == 0
+    assert main(["export", str(ckpt), str(tmp_path / "off_hf"), "--merged"]) == 0
+    for live, offline in (("adapter/adapter_model.safetensors", "off_adapter/adapter_model.safetensors"),
+                          ("hf/model.safetensors", "off_hf/model.safetensors")):
+        x, y = load_file(whole / live), load_file(tmp_path / offline)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), live
     plain = AutoModelForCausalLM.from_pretrained(base).eval()
     with torch.no_grad():
         assert not torch.allclose(plain(ids).logits, want, atol=1e-4)  # the adapters did change the model

@@ -305,7 +305,7 @@ def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
 def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint folder as an HF folder; see shardwise.jobs.export."""
     local_files_only()
-    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir))
+    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged))
     print(f"exported {args.checkpoint_dir} -> {out}")
     return 0
 
@@ -374,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep = sub.add_parser("export", parents=[common], help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
     ep.add_argument("checkpoint_dir")
     ep.add_argument("out_dir")
+    ep.add_argument("--merged", action="store_true", help="a LoRA checkpoint: write the merged model (base + "
+                    "adapters) instead of the PEFT adapter folder")
     dp = sub.add_parser("data", parents=[common, dialect], help="show the first examples of a config's data as the "
                         "job feeds them: chat template applied, trained tokens marked, truncation said")
     dp.add_argument("config")

@@ -67,6 +67,7 @@ from shardwise.data.tokenizer import (
     locate_tokenizer,
 )
 from shardwise.errors import ShardwiseError
+from shardwise.fsdp.build import build_full
 from shardwise.fsdp.gather import full_tensor
 from shardwise.models import lora
 from shardwise.models.layout import TensorEntry, checkpoint_entries, tied_aliases
@@ -371,6 +372,35 @@ def find_tokenizer_dir(model_cfg, checkpoint_dir: str | Path) -> Path | None:
     return locate_tokenizer(model_cfg.tokenizer, model_cfg.path, Path(checkpoint_dir).resolve().parent.parent)
 
 
+def export_lora_checkpoint(ckpt: Path, cfg, out_dir: str | Path, merged: bool = False,
+                           tokenizer_dir: str | Path | None = None,
+                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                           dtype: torch.dtype | str | None = None) -> ExportReport | Path:
+    """A LoRA checkpoint (the trainable tensors: adapters and modules to save) as a PEFT
+    adapter folder, or with `merged` as the merged HF model. The base comes from the run's
+    ``model.path`` (or its seeded init), built as the run built it; the checkpoint's
+    tensors replace the adapters'. One process, no process group."""
+    model = build_full(cfg)
+    state = model.state_dict()
+    wanted = {k for k, p in model.named_parameters() if p.requires_grad}
+    md = SafeFileSystemReader(str(ckpt)).read_metadata()
+    missing = sorted(k for k in wanted if f"model.{k}" not in md.state_dict_metadata)
+    if missing:
+        raise ExportError(f"the LoRA checkpoint in {str(ckpt)!r} lacks {missing[0]!r} (DCP key 'model.{missing[0]}')")
+    buf = {"model": {k: torch.empty_like(state[k]) for k in sorted(wanted)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(buf, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
+    with torch.no_grad():
+        for k, t in buf["model"].items():
+            state[k].copy_(t)
+    if not merged:
+        return export_adapter(model, out_dir, base=cfg.model.path)
+    tok = Path(tokenizer_dir) if tokenizer_dir is not None else find_tokenizer_dir(cfg.model, ckpt)
+    return export_model(model, out_dir, load_hf_config(cfg.model), tokenizer_dir=tok, dtype=dtype,
+                        max_shard_bytes=max_shard_bytes)
+
+
 def _read_batches(entries: list[TensorEntry], stored: Mapping[str, torch.dtype],
                   batch_bytes: int) -> Iterator[list[TensorEntry]]:
     batch: list[TensorEntry] = []
@@ -390,7 +420,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
                       dtype: torch.dtype | str | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                       tokenizer_dir: str | Path | None = None,
-                      task: str | None = None) -> ExportReport:
+                      task: str | None = None, merged: bool = False) -> ExportReport | Path:
     """Write the model of a DCP checkpoint directory as an HF folder; one process, no
     process group.
 
@@ -402,6 +432,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     through the checkpoint module's `SafeFileSystemReader` (no arbitrary unpickling).
     A folder with COMMITTED is verified first (`verify_checkpoint`: sizes and SHA-256
     digests); a damaged one is an ExportError naming the folder and the first problem.
+
+    A LoRA run's checkpoint (adapters only): `export_lora_checkpoint`, a PEFT adapter folder
+    or, with `merged`, the merged HF model.
     """
     # DCP's .metadata is a pickle: read it with the checkpoint module's restricted unpickler.
     ckpt = Path(checkpoint_dir)
@@ -423,6 +456,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     if "config" not in meta:
         raise ExportError(f"{str(meta_path)!r} has no 'config' entry (the run's config)")
     cfg = config_from_dict(meta["config"])
+    if cfg.model.lora.enabled:
+        return export_lora_checkpoint(ckpt, cfg, out_dir, merged, tokenizer_dir, max_shard_bytes, dtype)
     hf_config = load_hf_config(cfg.model)
     # names only, no memory; patched like the run's model so the names match its checkpoint
     model = patch_model(build_meta_model(cfg.model, task or meta.get("task", cfg.model.task)), cfg)

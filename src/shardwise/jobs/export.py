@@ -1,5 +1,6 @@
 """The export recipe behind `shardwise export`: a DCP checkpoint folder -> an HF folder, in
-one process and without a process group (`shardwise.checkpoint.hf_export.export_checkpoint`).
+one process and without a process group (`shardwise.checkpoint.hf_export.export_checkpoint`);
+a LoRA run's checkpoint -> a PEFT adapter folder, or the merged model with ``--merged``.
 
 `prepare` checks the checkpoint folder (complete, and its files match the sizes and
 checksums its commit marker records) before anything is written.
@@ -26,9 +27,11 @@ __all__ = ["Prepared", "prepare", "run"]
 class Prepared:
     checkpoint_dir: Path
     out_dir: Path
+    merged: bool = False
+    """A LoRA checkpoint: the merged model instead of the adapter folder."""
 
 
-def prepare(checkpoint_dir: str, out_dir: str) -> Prepared:
+def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False) -> Prepared:
     """The folder is a complete, intact checkpoint; ConfigError on the argument otherwise."""
     ckpt = Path(checkpoint_dir).expanduser()
     if not is_complete(ckpt):
@@ -39,8 +42,8 @@ def prepare(checkpoint_dir: str, out_dir: str) -> Prepared:
     if problems:
         raise ConfigError("CHECKPOINT_DIR", f"{str(ckpt)!r} failed verification: {problems[0]}",
                           "export an intact checkpoint (an older step)")
-    return Prepared(ckpt, Path(out_dir).expanduser())
+    return Prepared(ckpt, Path(out_dir).expanduser(), merged)
 
 
-def run(prepared: Prepared) -> ExportReport:
-    return export_checkpoint(prepared.checkpoint_dir, prepared.out_dir)
+def run(prepared: Prepared) -> ExportReport | Path:
+    return export_checkpoint(prepared.checkpoint_dir, prepared.out_dir, merged=prepared.merged)
