@@ -408,3 +408,90 @@ def test_memory_per_rank(world: int, overrides: list[str], expected: list[dict[s
     for k in ("params", "grads", "optimizer", "total"):
         assert peak[k] == max(r[k] for r in expected)
     assert peak["by_rank"] == expected
+
+
+# ------------------------------------------------------------------------------- LoRA
+
+LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj, v_proj]"]
+LORA_LAYER = 4 * (32 + 32) + 4 * (32 + 16)  # r x (in + out): q_proj 32 -> 32, v_proj 32 -> 16 (2 kv heads x 8)
+ROOT_PARAMS = 2 * EMBED_PARAMS + 32          # embed_tokens, lm_head, model.norm
+
+
+def test_lora_trainable_and_frozen_params_per_unit() -> None:
+    model, plan = plan_of(*LORA)
+    assert paths(plan) == [*QWEN_LAYERS, ""]  # adapters live in the units of the modules they adapt
+    assert [u.trainable_params for u in plan.units] == [LORA_LAYER, LORA_LAYER, 0]
+    assert [u.frozen_params for u in plan.units] == [QWEN_LAYER_PARAMS, QWEN_LAYER_PARAMS, ROOT_PARAMS]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(u.trainable_params for u in plan.units) == trainable == plan.lora.trainable_params == 2 * LORA_LAYER
+    assert plan.lora.total_params == 2 * QWEN_LAYER_PARAMS + ROOT_PARAMS + 2 * LORA_LAYER
+    assert (plan.lora.r, plan.lora.alpha) == (4, 16.0)
+    assert plan.lora.targets == [f"model.layers.{i}.self_attn.{m}_proj" for i in (0, 1) for m in "qv"]
+    assert plan.lora.units == QWEN_LAYERS
+    units = plan.to_json()["units"]
+    assert [(u["trainable_params"], u["frozen_params"]) for u in units] == [
+        (LORA_LAYER, QWEN_LAYER_PARAMS), (LORA_LAYER, QWEN_LAYER_PARAMS), (0, ROOT_PARAMS)]
+
+
+def test_without_lora_every_parameter_trains_and_no_lora_section() -> None:
+    _, plan = plan_of("model.freeze=[model.layers.1]")
+    assert [(u.trainable_params, u.frozen_params) for u in plan.units] == [
+        (QWEN_LAYER_PARAMS, 0), (0, QWEN_LAYER_PARAMS), (ROOT_PARAMS, 0)]
+    assert plan.lora is None and plan.to_json()["lora"] is None
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides"),
+    [
+        pytest.param(1, [], id="fp32"),
+        pytest.param(2, ["model.freeze=[model.layers.0]"], id="freeze-a-layer"),
+        # modules to save are fp32 with LoRA, the bf16 master without; an fp32 norm either way
+        pytest.param(4, ["model.dtype=bf16", "model.lora.modules_to_save=[lm_head]",
+                         "fsdp.module_precision={model.norm: fp32}"], id="bf16-saved-head-uneven-rows"),
+        pytest.param(2, ["model.lora.target_modules=[all-linear]", "fsdp.ignored_modules=[model.layers.1.mlp]"],
+                     id="all-linear-ignored-mlp"),
+        pytest.param(4, ["parallel.fsdp_size=2", "fsdp.wrap.lm_head=true"], id="hsdp-head-unit"),
+    ],
+)
+def test_lora_memory_without_lora_is_the_plan_with_lora_off(world: int, overrides: list[str]) -> None:
+    _, with_lora = plan_of(*LORA, *overrides, world=world)
+    _, off = plan_of(*LORA, *overrides, "model.lora.enabled=false", world=world)
+    assert with_lora.lora.memory_per_rank_bytes_without_lora == off.memory_per_rank_bytes
+    for lora_rank, full_rank in zip(with_lora.memory_per_rank_bytes, off.memory_per_rank_bytes, strict=True):
+        assert lora_rank["total"] < full_rank["total"] and lora_rank["grads"] < full_rank["grads"]
+    assert paths(with_lora) == paths(off)
+
+
+def test_lora_adapters_keep_fp32_in_a_bf16_model() -> None:
+    # MICRO, bf16 master, r=2 on q_proj (8 -> 8): A 2x8 + B 8x2 = 32 fp32 elements in 2 tensors beside
+    # 672 bf16 ones (frozen). tests/test_memory_estimate.py's measurement holds the same bytes.
+    _, plan = plan_of("model.dtype=bf16", "model.lora.enabled=true", "model.lora.r=2",
+                      "model.lora.target_modules=[q_proj]", base=MICRO)
+    assert plan.memory_per_rank_bytes == [mem(672 * 2 + 32 * 4, 32 * 4, 2 * 32 * 4 + 2 * 4)]
+    # without LoRA: 672 bf16 elements, all trained, 14 tensors
+    assert plan.lora.memory_per_rank_bytes_without_lora == [mem(1344, 1344, 2 * 1344 + 14 * 4)]
+
+
+def test_lora_json_and_table_line() -> None:
+    from shardwise.cli import format_plan
+
+    _, plan = plan_of(*LORA, world=2)
+    lora = json.loads(json.dumps(plan.to_json()))["lora"]
+    assert set(lora) == {"r", "alpha", "targets", "units", "trainable_params", "total_params",
+                         "memory_per_rank_bytes", "memory_per_rank_bytes_without_lora"}
+    assert lora["memory_per_rank_bytes"] == plan.to_json()["memory_per_rank_bytes"]
+    without = lora["memory_per_rank_bytes_without_lora"]
+    assert set(without) == {"params", "grads", "optimizer", "total", "by_rank"} and len(without["by_rank"]) == 2
+
+    table = format_plan(plan).splitlines()
+    head = next(ln for ln in table if ln.startswith("#  unit"))
+    col = head.index("trainable")
+    rows = [ln for ln in table if ln.startswith(("0  ", "1  ", "2  "))]
+    assert [r[col:].strip() for r in rows] == [f"{LORA_LAYER:,}", f"{LORA_LAYER:,}", "-"]
+    total = 2 * QWEN_LAYER_PARAMS + ROOT_PARAMS + 2 * LORA_LAYER
+    w, wo = lora["memory_per_rank_bytes"]["total"], without["total"]
+    line = next(ln for ln in table if ln.startswith("LoRA"))
+    assert line.startswith(f"LoRA (r=4, 4 adapters on 2 units): trainable {2 * LORA_LAYER:,} of {total:,} "
+                           f"parameters ({2 * LORA_LAYER / total:.1%}); per-rank memory with LoRA "), line
+    assert line.endswith(f" without (saves {1 - w / wo:.0%})"), line
+    assert not any(ln.startswith("LoRA") for ln in format_plan(plan_of(world=2)[1]).splitlines())

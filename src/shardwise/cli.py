@@ -65,7 +65,7 @@ def format_plan(plan) -> str:
         "",
     ]
     head = ["#", "unit", "from", "param", "reduce", "output", "cast in", "store", "reshard", "offload", "recompute",
-            "prefetch fwd/bwd", "params"]
+            "prefetch fwd/bwd", "params", "trainable"]
     rows = []
     for i, u in enumerate(plan.units):
         rows.append([
@@ -73,6 +73,7 @@ def format_plan(plan) -> str:
             u.output_dtype or "-", "yes" if u.cast_forward_inputs else "no", u.storage_dtype, str(u.reshard_after_forward).lower(),
             "cpu" if u.offload else "-", "yes" if u.recompute else "-",
             f"{len(u.prefetch_forward)}/{len(u.prefetch_backward)}", f"{u.num_params:,}",
+            f"{u.trainable_params:,}" if u.trainable_params else "-",
         ])
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
     fmt = "  ".join("{:<%d}" % w for w in widths)
@@ -99,6 +100,14 @@ def format_plan(plan) -> str:
     peak = {k: max(r[k] for r in plan.memory_per_rank_bytes) for k in plan.memory_per_rank_bytes[0]}
     lines += ["", "per-rank memory (largest rank; params + grads + AdamW state): "
               + "  ".join(f"{k} {_human_bytes(v)}" for k, v in peak.items())]
+    if plan.lora is not None:
+        lo = plan.lora
+        with_, without = peak["total"], max(r["total"] for r in lo.memory_per_rank_bytes_without_lora)
+        change = f"saves {1 - with_ / without:.0%}" if with_ <= without else f"adds {with_ / without - 1:.0%}"
+        lines.append(f"LoRA (r={lo.r}, {len(lo.targets)} adapters on {len(lo.units)} units): trainable "
+                     f"{lo.trainable_params:,} of {lo.total_params:,} parameters "
+                     f"({lo.trainable_params / lo.total_params:.1%}); per-rank memory with LoRA "
+                     f"{_human_bytes(with_)} vs {_human_bytes(without)} without ({change})")
     for note in plan.warnings:
         lines.append(f"note: {note}")
     return "\n".join(lines)

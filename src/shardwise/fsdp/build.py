@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec
+from shardwise.errors import ConfigError
 from shardwise.distributed.runtime import Runtime
 from shardwise.fsdp.apply import apply_plan
 from shardwise.fsdp.plan import ShardingPlan, build_plan, warn_plan
@@ -25,9 +26,25 @@ def plan_for(cfg: Config, spec: MeshSpec, task: str = "causal_lm", **config_extr
     """The meta model (with its LoRA adapters, frozen as configured) and its plan; no
     process group needed."""
     model = patch_model(build_meta_model(cfg.model, task, **config_extra), cfg)
-    lora.inject(model, cfg.model.lora)
+    config = lora.inject(model, cfg.model.lora)
+    if config is not None:
+        _check_lora(model, config, cfg, task)
     freeze(model, cfg.model.freeze)
     return model, build_plan(model, cfg, spec)
+
+
+def _check_lora(model: nn.Module, config, cfg: Config, task: str) -> None:
+    """Settings that cannot work with LoRA adapters, refused before anything runs."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_path = next((n for n, m in model.named_modules() if head is not None and (m is head or
+                      getattr(m, "base_layer", None) is head)), None)
+    if cfg.train.chunked_loss.enabled and head_path in set(config.target_modules):
+        raise ConfigError("model.lora.target_modules", f"an adapter on the output head {head_path!r} and "
+                          "train.chunked_loss (which reads the head's weight directly) do not combine",
+                          f"leave {head_path} out (all-linear does), or set train.chunked_loss.enabled=false")
+    if task != "causal_lm" and not config.modules_to_save:
+        raise ConfigError("model.lora.modules_to_save", f"model.task {task} has a new head that LoRA would leave "
+                          "frozen at its random init", "add the head, e.g. modules_to_save: [classifier]")
 
 
 def build_sharded_model(cfg: Config, runtime: Runtime, spec: MeshSpec, mesh, task: str = "causal_lm",

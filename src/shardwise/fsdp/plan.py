@@ -22,6 +22,9 @@ Rules (documented for users in README "Sharding plan"):
   forward order: unit i all-gathers units i+1..i+F ahead in forward and i-1..i-B in backward.
 - `train.compile`: every non-root unit's module is compiled (torch.compile, one per unit);
   the root never is (it holds the embeddings, the head and HF's mask / position glue).
+- `model.lora`: adapters live in the units of the modules they adapt (paths unchanged);
+  the plan counts trainable / frozen parameters per unit and, in `LoraPlan`, the per-rank
+  memory of the same model trained in full, so the saving shows before anything runs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from torch import nn
 
@@ -36,6 +40,7 @@ from shardwise.config.dtypes import canonical_dtype, dtype_bytes
 from shardwise.config.schema import Config, PrecisionOverride
 from shardwise.config.validate import MeshSpec
 from shardwise.errors import ConfigError, did_you_mean
+from shardwise.models.lora import ADAPTER, is_lora_key, lora_modules, saved_modules
 from shardwise.models.patches.moe import SUPPORTED
 from shardwise.models.patterns import looks_like_class_name, match_pattern
 from shardwise.models.vision import vision_tower_path
@@ -67,9 +72,40 @@ class Unit:
     num_params: int = 0
     """Elements of the parameters this unit owns (not those of nested units or ignored ones)."""
     trainable_params: int = 0
+    """Elements of those that train (requires_grad: with LoRA, the adapters and modules to save)."""
+
+    @property
+    def frozen_params(self) -> int:
+        """Elements of this unit's parameters that do not train (`model.freeze`, a LoRA base)."""
+        return self.num_params - self.trainable_params
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "frozen_params": self.frozen_params}
+
+
+@dataclass
+class LoraPlan:
+    """What `model.lora` does to the plan: the adapters, and the memory it saves."""
+
+    r: int
+    alpha: float
+    targets: list[str]
+    """Module paths that carry an adapter, in model order."""
+    units: list[str]
+    """Paths of the units that hold adapters, in apply order ("" is the root)."""
+    trainable_params: int
+    """Elements of every trainable parameter (adapters, modules to save, ignored ones included)."""
+    total_params: int
+    """Elements of every parameter of the model: base, adapters, ignored modules."""
+    memory_per_rank_bytes_without_lora: list[dict[str, int]]
+    """Index = rank: bytes as in `ShardingPlan.memory_per_rank_bytes` for the same config with
+    LoRA off (`_without_lora`)."""
+
+    def to_json(self, memory_per_rank_bytes: list[dict[str, int]]) -> dict:
+        return {"r": self.r, "alpha": self.alpha, "targets": self.targets, "units": self.units,
+                "trainable_params": self.trainable_params, "total_params": self.total_params,
+                "memory_per_rank_bytes": per_rank_json(memory_per_rank_bytes),
+                "memory_per_rank_bytes_without_lora": per_rank_json(self.memory_per_rank_bytes_without_lora)}
 
 
 @dataclass
@@ -91,6 +127,8 @@ class ShardingPlan:
     """Index = rank: {"params", "grads", "optimizer", "total"} bytes held after apply + a step."""
     model_dtype: str
     warnings: list[str] = field(default_factory=list)
+    lora: LoraPlan | None = None
+    """The adapters and the memory without them; None when `model.lora` is off."""
 
     def unit(self, path: str) -> Unit:
         for u in self.units:
@@ -104,8 +142,6 @@ class ShardingPlan:
         return [u.path for u in self.units if u.compiled]
 
     def to_json(self) -> dict:
-        per_rank = self.memory_per_rank_bytes
-        peak = {k: max(r[k] for r in per_rank) for k in per_rank[0]} if per_rank else {}
         return {
             "world_size": self.world_size,
             "mesh": self.mesh.to_json(),
@@ -117,9 +153,19 @@ class ShardingPlan:
             "tiled_mlp": {"modules": self.tiled_mlp, "shards": self.tiled_mlp_shards},
             "frozen": self.frozen,
             "buffer_casts": self.buffer_casts,
-            "memory_per_rank_bytes": {**peak, "by_rank": per_rank},
+            "memory_per_rank_bytes": per_rank_json(self.memory_per_rank_bytes),
             "warnings": self.warnings,
+            "lora": self.lora.to_json(self.memory_per_rank_bytes) if self.lora is not None else None,
         }
+
+
+def peak_memory(per_rank: list[dict[str, int]]) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "total"}: each the largest over ranks, in bytes."""
+    return {k: max(r[k] for r in per_rank) for k in per_rank[0]} if per_rank else {}
+
+
+def per_rank_json(per_rank: list[dict[str, int]]) -> dict:
+    return {**peak_memory(per_rank), "by_rank": per_rank}
 
 
 @dataclass
@@ -327,12 +373,17 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     frozen = _frozen_paths(model)
     _count_params(model, units, ignored)
     memory = estimate_memory(model, units, ignored, mesh, overrides, model_dtype)
+    lora_plan = None
+    if cfg.model.lora.enabled and ADAPTER in getattr(model, "peft_config", {}):
+        without = estimate_memory(model, units, ignored, mesh, overrides, model_dtype,
+                                  _without_lora(model, idx, cfg.model.freeze, model_dtype))
+        lora_plan = _lora_plan(model, units, ignored, without)
     return ShardingPlan(
         world_size=mesh.world_size, mesh=mesh, units=units, ignored=ignored,
         recompute=recompute, use_reentrant=fcfg.recompute.use_reentrant,
         tiled_mlp=tiled, tiled_mlp_shards=fcfg.tiled_mlp.shards, frozen=frozen,
         buffer_casts=buffer_casts, memory_per_rank_bytes=memory, model_dtype=model_dtype,
-        warnings=notes,
+        warnings=notes, lora=lora_plan,
     )
 
 
@@ -460,44 +511,92 @@ def _count_params(model: nn.Module, units: list[Unit], ignored: list[str]) -> No
             u.trainable_params += p.numel()
 
 
+class ParamInfo(NamedTuple):
+    """What the memory estimate needs of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    """Bytes per element of the parameter as built (fp32 for LoRA adapters in a bf16 model)."""
+    trainable: bool
+
+
+def _without_lora(model: nn.Module, idx: _Index, freeze: list[str], model_dtype: str) -> list[ParamInfo]:
+    """The parameters of `model` (LoRA injected) as the same config with LoRA off has them.
+
+    Adapter tensors (`.lora_A.` / `.lora_B.`) are left out; a target's `base_layer.weight`
+    stands for the plain Linear's weight (same shape, same unit, since units are module
+    paths above the target). Every parameter trains except those under `model.freeze`'s
+    modules (resolved on this model: its patterns name modules, which LoRA leaves in
+    place). Modules to save, which LoRA keeps in fp32, are back in the master dtype.
+    """
+    frozen = [m for i, pat in enumerate(freeze)
+              for m in match_pattern(pat, idx.modules, idx.params, key=f"model.freeze[{i}]")]
+    saved = saved_modules(model)
+    return [ParamInfo(n, tuple(p.shape),
+                      dtype_bytes(model_dtype) if any(is_under(n, s) for s in saved) else p.element_size(),
+                      not any(is_under(n, f) for f in frozen))
+            for n, p in model.named_parameters() if not is_lora_key(n)]
+
+
+def _lora_plan(model: nn.Module, units: list[Unit], ignored: list[str],
+               without: list[dict[str, int]]) -> LoraPlan:
+    config = model.peft_config[ADAPTER]
+    targets = list(lora_modules(model))
+    paths = [u.path for u in units]
+    owners = {_owner(f"{t}.lora_A.{ADAPTER}.weight", paths) for t in targets
+              if not any(is_under(t, ig) for ig in ignored)}
+    params = list(model.parameters())
+    return LoraPlan(r=int(config.r), alpha=float(config.lora_alpha), targets=targets,
+                    units=[p for p in paths if p in owners],
+                    trainable_params=sum(p.numel() for p in params if p.requires_grad),
+                    total_params=sum(p.numel() for p in params), memory_per_rank_bytes_without_lora=without)
+
+
 def estimate_memory(model: nn.Module, units: list[Unit], ignored: list[str], mesh: MeshSpec,
-                    overrides: dict[str, PrecisionOverride], model_dtype: str) -> list[dict[str, int]]:
+                    overrides: dict[str, PrecisionOverride], model_dtype: str,
+                    params: list[ParamInfo] | None = None) -> list[dict[str, int]]:
     """Bytes each rank holds for params, grads and AdamW state after apply and one step.
 
     Sharded parameters and their gradients occupy the padded shard FSDP2 allocates
     (ceil(dim0 / shard) rows on every rank); AdamW's exp_avg / exp_avg_sq follow the
     unpadded local shard (torch.chunk rows of this rank) plus one 4-byte `step` tensor per
-    parameter. Ignored parameters are whole on every rank.
+    parameter. Ignored parameters are whole on every rank. A parameter is stored in its
+    unit's storage dtype, or in its own where that is wider (LoRA adapters stay fp32 in a
+    bf16 model). `params`: the parameters to count (default: `model`'s, trainable when
+    requires_grad).
     """
+    if params is None:
+        params = [ParamInfo(n, tuple(p.shape), p.element_size(), p.requires_grad) for n, p in model.named_parameters()]
     paths = [u.path for u in units]
     by_path = {u.path: u for u in units}
     S = mesh.shard
     out = []
     for rank in range(mesh.world_size):
         shard_idx = rank % S
-        params = grads = optim = 0
-        for name, p in model.named_parameters():
+        held = grads = optim = 0
+        for p in params:
+            name, numel = p.name, math.prod(p.shape)
             is_ignored = any(is_under(name, ig) for ig in ignored)
             if is_ignored:
-                dt = _param_storage(name, overrides, model_dtype)
-                nbytes = p.numel() * dtype_bytes(dt)
-                params += nbytes
-                if p.requires_grad:
+                nbytes = numel * max(dtype_bytes(_param_storage(name, overrides, model_dtype)), p.itemsize)
+                held += nbytes
+                if p.trainable:
                     grads += nbytes
                     optim += 2 * nbytes + 4
                 continue
             u = by_path[_owner(name, paths)]
-            esz = dtype_bytes(u.storage_dtype)
-            rest = math.prod(p.shape[1:]) if p.dim() > 1 else 1
-            dim0 = p.shape[0] if p.dim() > 0 else 1
+            esz = max(dtype_bytes(u.storage_dtype), p.itemsize)
+            rest = math.prod(p.shape[1:]) if len(p.shape) > 1 else 1
+            dim0 = p.shape[0] if len(p.shape) > 0 else 1
             padded_rows = -(-dim0 // S)
             local_rows = _chunk_rows(dim0, S, shard_idx)
-            params += padded_rows * rest * esz
-            if p.requires_grad:
+            held += padded_rows * rest * esz
+            if p.trainable:
                 grads += padded_rows * rest * esz
                 optim += 2 * local_rows * rest * esz + 4
-        out.append({"params": params, "grads": grads, "optimizer": optim,
-                    "total": params + grads + optim})
+        out.append({"params": held, "grads": grads, "optimizer": optim,
+                    "total": held + grads + optim})
     return out
 
 
