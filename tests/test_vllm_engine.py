@@ -32,7 +32,9 @@ and a tied Llama with one engine over both ranks (TP 2: the ranks submit differe
 and each must get its own rows back; rank 1 has no rows in one call) whose actor trains
 LoRA adapters on every Linear (issue 19): the sync streams the merged weights (base + the
 adapters' update, one layer at a time), and vLLM answers like HF generating with the live
-adapters.
+adapters. A third case runs a LoRA Qwen3 (TP 1) with ``lora_sync: adapter``: the base is
+pushed once, unmerged, and after each update only the adapters (bytes checked), built
+into vLLM's LoRA model from memory; its answers are the check there.
 
 The CPU attention of vLLM supports head sizes 32, 64, ... only (16 fails at the first
 forward: "Unsupported CPU attention configuration: head_dim=16"), hence head_dim 32.
@@ -106,7 +108,8 @@ def pick_eos(model, runtime) -> int:
     return int(responses[3])
 
 
-def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tuple[str, ...] = ()) -> dict:
+def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tuple[str, ...] = (),
+                lora_sync: str = "merged") -> dict:
     import glob
     import threading
     import time
@@ -120,7 +123,7 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
     from shardwise.engine.infer import compute_log_probs
     from shardwise.engine.train import TrainEngine
     from shardwise.engine.vllm_engine import VLLMGenerator
-    from shardwise.fsdp.gather import iter_full_tensors
+    from shardwise.fsdp.gather import iter_adapter_tensors, iter_full_tensors
     from shardwise.rl.weight_sync import WeightSync
 
     runtime = init_distributed(timeout_s=120)
@@ -128,6 +131,7 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
     actor = TrainEngine(cfg, runtime)
     eos = pick_eos(actor.model, runtime)
     scfg = sampling_cfg(tp)
+    scfg.vllm.lora_sync = lora_sync
     hf = HFGenerator(actor.model, scfg, runtime, PAD, eos)
     threads_before = {t.ident for t in threading.enumerate()}
     set_num_threads = torch.set_num_threads
@@ -150,13 +154,17 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
             rows = make_global_batch(step, 4, vocab=64)
             actor.train_step(micro_batches_of(rows, rank, world, 2), loss_tokens(rows))
         sync.sync()
-        v: dict = {"sync_s": engine.last_sync_seconds, "sync_bytes": engine.last_sync_bytes}
-        want = {k: t.clone() for k, t in iter_full_tensors(actor.model)}
-        if "lm_head.weight" not in want:  # tied: the engine's head, read through its kernel, is the embedding
-            want["lm_head.weight"] = want["model.embed_tokens.weight"]
-        got = engine.read_weights()
-        v["names_equal"] = sorted(got) == sorted(want)
-        v["weights_unequal"] = [k for k in want if k not in got or not torch.equal(got[k], want[k])]
+        v: dict = {"sync_s": engine.last_sync_seconds, "sync_bytes": sync.bytes}
+        if lora_sync == "adapter":  # the engine holds the base and an adapter: its answers are the check
+            v["names_equal"], v["weights_unequal"] = True, []
+            v["adapter_bytes"] = sum(t.numel() * t.element_size() for _, t in iter_adapter_tensors(actor.model))
+        else:
+            want = {k: t.clone() for k, t in iter_full_tensors(actor.model)}
+            if "lm_head.weight" not in want:  # tied: the engine's head, read through its kernel, is the embedding
+                want["lm_head.weight"] = want["model.embed_tokens.weight"]
+            got = engine.read_weights()
+            v["names_equal"] = sorted(got) == sorted(want)
+            v["weights_unequal"] = [k for k in want if k not in got or not torch.equal(got[k], want[k])]
         # The same prompts for every version of the weights (a stale prefix cache would be
         # hit), one of 150 or 200 tokens on each rank; rank 1 has no rows in the middle call.
         lengths = ([5, 150, 17] if rank == 0 else [200, 9]) if step != 1 or rank == 0 else []
@@ -220,7 +228,7 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
     return out
 
 
-def _check(outs: list[dict], tp: int) -> None:
+def _check(outs: list[dict], tp: int, adapter: bool = False) -> None:
     for rank, out in enumerate(outs):
         assert "sync_weights" in out["generate_before_sync"], out["generate_before_sync"]
         assert out["rng_kept_by_startup"] and out["set_num_threads_real"]
@@ -243,6 +251,10 @@ def _check(outs: list[dict], tp: int) -> None:
     assert not torch.equal(outs[0]["versions"][0]["responses"], outs[0]["versions"][2]["responses"])
     # some response stopped at EOS
     assert sum(v["eos_stops"] for o in outs for v in o["versions"]) > 0
+    if adapter:  # the base once with the first push, then the adapters alone
+        sizes = [v["sync_bytes"] for v in outs[0]["versions"]]
+        adapter_bytes = outs[0]["versions"][0]["adapter_bytes"]
+        assert sizes[1] == sizes[2] == adapter_bytes and sizes[0] > 5 * adapter_bytes, (sizes, adapter_bytes)
     timings = {k: [round(o[k], 2) for o in outs] for k in ("startup_s", "shutdown_s")}
     timings["sync_s"] = [round(v["sync_s"], 3) for v in outs[0]["versions"]]
     timings["sync_bytes"] = outs[0]["versions"][0]["sync_bytes"]
@@ -253,6 +265,12 @@ def _check(outs: list[dict], tp: int) -> None:
 def test_vllm_untied_qwen3_one_engine_per_rank():
     """TP 1: two independent engines (vLLM's external-DP ranks), one per trainer rank."""
     _check(run_ranks(engine_body, 2, QWEN3, 1, timeout=240, env=ENV), tp=1)
+
+
+def test_vllm_lora_adapter_sync_one_engine_per_rank():
+    """lora_sync: adapter (TP 1): the base once, then the adapters alone, served as vLLM LoRA
+    from memory; greedy answers equal HF's with the live adapters after every update."""
+    _check(run_ranks(engine_body, 2, QWEN3, 1, tuple(LORA), "adapter", timeout=240, env=ENV), tp=1, adapter=True)
 
 
 def test_vllm_tied_llama_lora_tensor_parallel_over_both_ranks():

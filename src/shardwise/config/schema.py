@@ -382,17 +382,9 @@ class VLLMConfig(Section):
     """CUDA: release the KV cache and move the engine's weights to host memory while the
     actor trains (sleep / wake up)."""
     lora_sync: Literal["merged", "adapter"] = "merged"
-    """A LoRA actor's weights to the engine: merged (base + adapters, streamed one layer at
-    a time after every update). adapter (the base once, then only the adapters as a LoRA
-    request) is not implemented yet: a config error."""
-
-    @model_validator(mode="after")
-    def _lora_sync_available(self) -> VLLMConfig:
-        if self.lora_sync == "adapter":
-            raise ConfigError("rl.rollout.vllm.lora_sync", "adapter is not implemented yet (vLLM would load the "
-                              "base once and then the adapters from memory as a LoRA request)",
-                              "use merged: the merged weights are streamed after every update")
-        return self
+    """A LoRA actor's weights to the engine (model.lora): merged (base + adapters, streamed
+    one layer at a time after every update) or adapter (the base once, then only the
+    adapters after every update, from memory, served as vLLM LoRA: enable_lora)."""
 
 
 class SamplingConfig(Section):

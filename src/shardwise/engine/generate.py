@@ -72,6 +72,9 @@ class GenerationEngine(abc.ABC):
 
     shares_model_parameters: bool = False
     """True for an engine that generates with the actor's own parameters (nothing to sync)."""
+    takes_adapters: bool = False
+    """True for an engine that holds a LoRA actor's base once and takes its adapters alone
+    (`sync_adapter`); otherwise a LoRA actor's weights come merged through `sync_weights`."""
 
     @abc.abstractmethod
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -92,6 +95,11 @@ class GenerationEngine(abc.ABC):
         their own copy of the weights (e.g. vLLM) load them here; an engine that shares the
         trained model's parameters (`HFGenerator`) has nothing to do.
         """
+
+    def sync_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's LoRA adapter with `named_tensors` (PEFT adapter-file names,
+        full tensors); only for an engine that `takes_adapters`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no adapters")
 
     def shutdown(self) -> None:
         """Release what the engine holds beside the model (an engine of its own). Collective:

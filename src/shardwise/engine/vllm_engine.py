@@ -26,6 +26,15 @@ What vLLM 0.32 does to the process, and what this module does about it:
 - environment variables other than ``VLLM_*`` that it sets at start-up (e.g.
   ``TORCHINDUCTOR_COMPILE_THREADS=1``) are put back.
 
+A LoRA actor (`shardwise.models.lora`) with ``vllm.lora_sync: adapter``: the engine starts
+with ``enable_lora`` (``max_lora_rank`` the smallest vLLM allows at or above r), holds the
+base weights once (pushed unmerged) and takes the adapters alone after every update
+(`VLLMGenerator.sync_adapter`): they are built into vLLM's LoRA model from the tensors in
+memory (`_add_adapter`, on the worker: no adapter folder is written) and replace the
+engine's one adapter in place; every request then carries that adapter. This reaches into
+vLLM's worker (``model_runner.lora_manager`` and its adapter manager), checked on vLLM
+0.32 (CPU build): what verl and ROLL patch for the same purpose.
+
 With TP > 1 every rank of a TP group must submit exactly the same requests (each runs the
 same scheduler; different requests give silently wrong tokens), so `generate_sequences`
 all-gathers the prompts of the TP group, generates all of them on every rank of the group
@@ -63,6 +72,7 @@ from shardwise.engine.generate import (
     sampling_call,
     sampling_seed,
 )
+from shardwise.models import lora
 
 __all__ = ["VLLMGenerator"]
 
@@ -71,6 +81,10 @@ log = logging.getLogger(__name__)
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 """vLLM's names for the config's (``vllm.dtype`` and the canonical ``param_dtype`` it
 defaults to)."""
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM 0.32's values of ``max_lora_rank``."""
+_ADAPTER_ID = 1
+"""The engine's one LoRA adapter (replaced in place at every push)."""
 _DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache of the CPU backend when VLLM_CPU_KVCACHE_SPACE (GiB) is not set: 1 GiB (vLLM
 would otherwise reserve gpu_memory_utilization of the node's memory, minus its RSS)."""
@@ -329,6 +343,34 @@ def _full_weights(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------ the engine
 
 
+def _add_adapter(worker, adapter_id: int, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any]) -> int:
+    """Run on the vLLM worker (``collective_rpc``): build a LoRA model from `tensors` (PEFT
+    adapter-file names) and `peft_config` (an adapter_config.json's dict) as vLLM's own
+    loader would from a folder, and put it in place of adapter `adapter_id`. Returns the
+    number of adapted modules."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": None})
+    helper.validate_legal(manager.lora_config)
+    adapters = manager._adapter_manager
+    mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+    lora_model = manager._lora_model_cls.from_lora_tensors(
+        adapter_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper else None)
+    adapters.remove_adapter(adapter_id)
+    adapters.add_adapter(lora_model)
+    return len(lora_model.loras)
+
+
+def _json_config(peft) -> dict[str, Any]:
+    """A LoraConfig as the dict of its adapter_config.json (sets as sorted lists)."""
+    out = {}
+    for k, v in peft.to_dict().items():
+        out[k] = sorted(v) if isinstance(v, (set, frozenset)) else v
+    return out
+
+
 class VLLMGenerator(GenerationEngine):
     """Sampling with an in-process vLLM engine holding its own copy of the actor's weights.
 
@@ -376,6 +418,10 @@ class VLLMGenerator(GenerationEngine):
                 if g == rank // self.tp:
                     self.tp_group = group
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        peft = getattr(model, "peft_config", {}).get(lora.ADAPTER)
+        self.takes_adapters = getattr(vcfg, "lora_sync", "merged") == "adapter" and peft is not None
+        self._peft_config = _json_config(peft) if self.takes_adapters else None
+        self._adapter: dict[str, torch.Tensor] | None = None
         self.on_cuda = runtime.device.type == "cuda"
         # Level 1: the KV cache is dropped and the weights are moved to host memory (kept:
         # a generation without a sync in between, e.g. the held-out evaluation, stays right).
@@ -408,6 +454,11 @@ class VLLMGenerator(GenerationEngine):
             logprobs_mode=self.logprobs_mode, max_logprobs=1,
             enable_sleep_mode=self.sleep_level > 0,
         )
+        if self.takes_adapters:
+            rank_cap = next((x for x in _LORA_RANKS if x >= int(peft.r)), None)
+            if rank_cap is None:
+                raise ValueError(f"vLLM serves LoRA ranks up to {_LORA_RANKS[-1]}, not {peft.r}")
+            kwargs.update(enable_lora=True, max_lora_rank=rank_cap, max_loras=1)
         if not self.on_cuda and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = _DEFAULT_CPU_KV_CACHE_BYTES
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -447,6 +498,8 @@ class VLLMGenerator(GenerationEngine):
             if todo:
                 self.llm.wake_up(tags=todo)
                 self._asleep -= set(todo)
+                if "weights" in todo and self._adapter is not None:  # the adapter slots are not kept asleep
+                    self.llm.collective_rpc(_add_adapter, args=(_ADAPTER_ID, self._adapter, self._peft_config))
 
     # -------------------------------------------------------------- weights
 
@@ -503,6 +556,22 @@ class VLLMGenerator(GenerationEngine):
         self._weights_current = True
         self.last_sync_seconds = time.perf_counter() - start
         self.last_sync_bytes = nbytes
+
+    def sync_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's LoRA adapter with the actor's (``(adapter-file name, full
+        tensor)`` pairs, consumed to the end on every rank), from memory; the base weights
+        stay. Then drop the prefix cache. Only with ``lora_sync: adapter``."""
+        if not self.takes_adapters:
+            raise RuntimeError("VLLMGenerator: sync_adapter needs a LoRA actor and vllm.lora_sync=adapter")
+        start = time.perf_counter()
+        tensors = {name: t.detach().to("cpu").clone() for name, t in named_tensors}
+        self._wake(["weights"])
+        self.llm.collective_rpc(_add_adapter, args=(_ADAPTER_ID, tensors, self._peft_config))
+        self._adapter = tensors
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vllm: reset_prefix_cache failed (requests still running?)")
+        self.last_sync_seconds = time.perf_counter() - start
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     def read_weights(self) -> dict[str, torch.Tensor]:
         """The engine's weights as ``{HF name: full tensor}`` on CPU (fused q/k/v and
@@ -581,9 +650,19 @@ class VLLMGenerator(GenerationEngine):
         try:
             with _kept_rng_states():
                 return self.llm.generate([{"prompt_token_ids": q["tokens"]} for q in requests], params,
-                                         use_tqdm=False)
+                                         use_tqdm=False, lora_request=self._lora_request())
         finally:
             self._sleep()
+
+    def _lora_request(self):
+        """The request for the engine's adapter (None: the base alone, or no LoRA)."""
+        if self._adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        # The adapter is already in the worker's manager under this id (`_add_adapter`): the
+        # path is never read.
+        return LoRARequest("shardwise-actor", _ADAPTER_ID, lora_path="in-memory")
 
     def _assemble(self, prompts: Batch, ids: torch.Tensor, mask: torch.Tensor, tokens: list[list[int]],
                   log_probs: list[list[float]], r: int) -> Batch:

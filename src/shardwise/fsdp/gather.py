@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from shardwise.models import lora
 from shardwise.models.layout import checkpoint_entries, tied_aliases
 
-__all__ = ["full_tensor", "gathered_for_generation", "iter_full_tensors"]
+__all__ = ["full_tensor", "gathered_for_generation", "iter_adapter_tensors", "iter_full_tensors"]
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -45,16 +45,18 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor()
 
 
-def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None,
+                      merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` for every state-dict entry of `model` (sharded or plain),
     one at a time: peak extra memory is one full tensor, not the model. Tied aliases are
     skipped and fused MoE experts cut per expert (`shardwise.models.layout`); a LoRA
-    model's base weights come merged with their adapters, under the base names. Collective:
+    model's base weights come merged with their adapters, under the base names (with
+    `merge_lora` False: the base weights as they are, the adapters left out). Collective:
     every rank iterates to the end, in the same order. Floating tensors are cast to `dtype`
     when given."""
     aliases = tied_aliases(model)
     sd = model.state_dict()
-    merges = lora.merge_sources(model)  # LoRA: base weights merged with their adapters, one layer at a time
+    merges = lora.merge_sources(model) if merge_lora else {}  # LoRA: base merged with its adapters, layer by layer
     entries = checkpoint_entries(model, [(lora.hf_name(k), k, tuple(v.shape), v.dtype) for k, v in sd.items()
                                          if k not in aliases and not lora.is_lora_key(k)])
     full, gathered = None, None
@@ -69,6 +71,14 @@ def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Ite
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         yield e.name, t
+
+
+def iter_adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(PEFT adapter-file name, full tensor)`` of a LoRA model's adapters, one at a time
+    (collective like `iter_full_tensors`)."""
+    sd = model.state_dict()
+    for key, name in lora.adapter_state(sd).items():
+        yield name, full_tensor(sd[key])
 
 
 # ------------------------------------------------------------------ torch-private state

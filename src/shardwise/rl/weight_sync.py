@@ -4,7 +4,10 @@
 names (`shardwise.fsdp.gather.iter_full_tensors`: peak extra memory one tensor, tied
 aliases once), to the engine before each generation when the engine keeps its own copy of
 the weights; with `HFGenerator`, which generates with the actor's parameters, it does
-nothing.
+nothing. A LoRA actor's weights go merged (base + adapters), unless the engine takes
+adapters (`GenerationEngine.takes_adapters`: vLLM with ``lora_sync: adapter``): then the
+base goes once, unmerged, and every later push is the adapters alone
+(`GenerationEngine.sync_adapter`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 from shardwise.engine.generate import GenerationEngine
-from shardwise.fsdp.gather import iter_full_tensors
+from shardwise.fsdp.gather import iter_adapter_tensors, iter_full_tensors
 
 __all__ = ["WeightSync"]
 
@@ -32,6 +35,8 @@ class WeightSync:
         self.changed = True  # the engine starts without the actor's weights
         self.seconds = 0.0
         self.bytes = 0
+        self.base_pushed = False
+        """Adapter mode: the engine holds the actor's base weights."""
 
     def actor_changed(self) -> None:
         """The actor's weights moved (an update, a checkpoint load): push before the next
@@ -45,7 +50,14 @@ class WeightSync:
             return False
         start = time.perf_counter()
         self.bytes = 0
-        self.engine.sync_weights(self._counted(iter_full_tensors(self.actor_model, self.dtype)))
+        if self.engine.takes_adapters:
+            if not self.base_pushed:  # the frozen base, once
+                self.engine.sync_weights(self._counted(iter_full_tensors(self.actor_model, self.dtype,
+                                                                         merge_lora=False)))
+                self.base_pushed = True
+            self.engine.sync_adapter(self._counted(iter_adapter_tensors(self.actor_model)))
+        else:
+            self.engine.sync_weights(self._counted(iter_full_tensors(self.actor_model, self.dtype)))
         self.seconds = time.perf_counter() - start
         self.syncs += 1
         self.changed = False
