@@ -141,6 +141,7 @@ def match_pattern(
 
 _GROUP = re.compile(r"\{([^{}]*)\}")
 _INDEX_ITEM = re.compile(r"^\s*(\*|\d+\s*(-\s*\d+\s*)?)$")
+_NAME_ITEM = re.compile(r"^\s*[A-Za-z_][\w-]*\s*$")
 
 
 def expand_names(pattern: str) -> list[str]:
@@ -149,7 +150,8 @@ def expand_names(pattern: str) -> list[str]:
     without such a group is returned alone."""
     for m in _GROUP.finditer(pattern):
         items = m.group(1).split(",")
-        if all(_INDEX_ITEM.match(i) for i in items):
+        # a group of names (every item a name); anything else is left to the index grammar
+        if not all(_NAME_ITEM.match(i) for i in items):
             continue
         head, tail = pattern[:m.start()], pattern[m.end():]
         return [e for item in items for e in expand_names(head + item.strip() + tail)]
