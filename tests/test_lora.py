@@ -226,3 +226,12 @@ def test_an_adapter_folder_is_checked_against_the_base_before_launch(tmp_path, c
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "model.lora.path" in res.stderr and "(4, 64)" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_plan_of_an_rl_config_says_the_reference_costs_no_memory(capsys, tmp_path):
+    from shardwise.cli import main
+
+    assert main(["plan", str(REPO_ROOT / "examples/grpo_reverse_lora.yaml"), "--rl", "--world-size", "8",
+                 "model.path=null", TINY_QWEN3]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA (r=16" in out and "the reference policy is the actor with its LoRA adapters disabled" in out

@@ -29,7 +29,7 @@ from shardwise.checkpoint.dcp import CheckpointManager
 from shardwise.config import load_config
 from shardwise.config.dialects import DIALECTS, load_dialect_config, read_dialect
 from shardwise.config.schema import Config
-from shardwise.config.validate import check_sft_batch, mesh_spec
+from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
 from shardwise.distributed import launch
 from shardwise.distributed.runtime import (
     Runtime,
@@ -129,12 +129,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg, ranks = _load(args)
     world = args.world_size if args.world_size is not None else ranks or env_world()[1]
     spec = mesh_spec(cfg.parallel, world)
-    check_sft_batch(cfg.train, spec.dp_size)
+    if args.rl:  # an RL config: global_batch_size counts prompts, micro_batch_size rows per forward
+        check_rl_rows(cfg, spec.dp_size)
+    else:
+        check_sft_batch(cfg.train, spec.dp_size)
     _, plan = plan_for(cfg, spec, cfg.model.task)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         print(format_plan(plan))
+        if args.rl and cfg.model.lora.enabled and cfg.rl.reference.enabled:
+            print("rl: the reference policy is the actor with its LoRA adapters disabled (no reference model "
+                  "in memory)")
     return 0
 
 
@@ -367,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("overrides", nargs="*", help="key.sub=value")
     sp.add_argument("--world-size", type=int, default=None)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--rl", action="store_true", help="CONFIG is for `shardwise rl` (its batch rules: "
+                    "global_batch_size counts prompts)")
     tp = sub.add_parser("train", parents=[common, dialect], help="supervised fine-tuning (SFT) with the FSDP2 train engine")
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")
