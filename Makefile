@@ -63,6 +63,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/gpu_throughput.py
 	test -d runs/sft_reverse/hf || $(MAKE) demo
 	$(PY) benchmarks/rollout_engines.py
+	$(PY) benchmarks/lora.py    # LoRA vs full fine-tuning: memory per rank, SFT tokens/s, the RL step (~4 min)
 	$(PY) benchmarks/rl_vs_trl.py    # slow: 3-5 minutes, plus the TRL venv's install on its first run
 
 plan: $(STAMP)
