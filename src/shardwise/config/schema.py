@@ -265,6 +265,12 @@ class ChunkedLossConfig(Section):
 class TrainConfig(Section):
     micro_batch_size: Pos = 4
     """Rows per rank, per forward."""
+    max_tokens_per_micro_batch: Pos | None = None
+    """SFT of a causal LM: micro-batches made by a token budget instead of micro_batch_size: each holds at
+    most this many tokens (rows x longest row, or the rows' sum with data.packing), the
+    work balanced between them; ranks with fewer run throw-away passes. The update is the
+    same (the loss is normalised by the global batch's loss tokens). null: micro_batch_size
+    rows."""
     global_batch_size: Pos = 16
     """SFT: examples per optimizer step = micro x grad accumulation x data-parallel size
     (checked by `shardwise.config.validate`). RL: prompts per step, each sampled

@@ -121,3 +121,42 @@ def micro_batches(indices: Sequence[T], micro_batch_size: int) -> list[list[T]]:
     if micro_batch_size < 1:
         raise DataError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     return [list(indices[i : i + micro_batch_size]) for i in range(0, len(indices), micro_batch_size)]
+
+
+def token_budget_micro_batches(indices: Sequence[T], lengths: Sequence[int], budget: int, packed: bool = False,
+                               key: str = "train.max_tokens_per_micro_batch") -> list[list[T]]:
+    """`indices` (rows of lengths `lengths`, in tokens) split into micro-batches of at most
+    `budget` tokens each, the work balanced between them.
+
+    A micro-batch's tokens are what its tensors hold: rows x its longest row when rows are
+    padded, the sum of its rows' lengths when `packed`. Rows go longest first, each to the
+    micro-batch with the least tokens it still fits in (a new one when none has room), so
+    few micro-batches hold about equal work; each keeps its rows in `indices`' order and
+    the micro-batches come longest-first. The loss is the same for any split: the engine
+    normalises by the global batch's loss tokens. DataError naming `key` when a row is
+    longer than `budget`.
+    """
+    if budget < 1:
+        raise DataError(f"{key}: must be >= 1, got {budget}")
+    if len(indices) != len(lengths):
+        raise DataError(f"token_budget_micro_batches: {len(indices)} rows but {len(lengths)} lengths")
+    order = sorted(range(len(indices)), key=lambda i: (-lengths[i], i))
+    if order and lengths[order[0]] > budget:
+        raise DataError(f"{key}: a row of {lengths[order[0]]} tokens does not fit a budget of {budget} tokens; "
+                        f"raise it to at least {lengths[order[0]]}")
+    bins: list[list[int]] = []
+    cost: list[int] = []  # tokens each micro-batch holds
+    for i in order:
+        n = lengths[i]
+        best = None
+        for b, rows in enumerate(bins):
+            grown = cost[b] + n if packed else lengths[rows[0]] * (len(rows) + 1)  # rows[0]: its longest
+            if grown <= budget and (best is None or cost[b] < cost[best]):
+                best = b
+        if best is None:
+            bins.append([i])
+            cost.append(n)
+        else:
+            bins[best].append(i)
+            cost[best] = cost[best] + n if packed else lengths[bins[best][0]] * len(bins[best])
+    return [[indices[i] for i in sorted(rows)] for rows in bins]

@@ -212,12 +212,14 @@ class TrainEngine:
         out.logits.sum().mul(0.0).backward()
 
     def train_step(self, micro_batches: Sequence[Batch], global_loss_tokens: int,
-                   loss_fn: LossFn | None = None) -> StepResult:
+                   loss_fn: LossFn | None = None, agree: bool = False) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch.
 
         `global_loss_tokens` is the number of loss tokens in the WHOLE global batch (all
-        ranks, all micro-batches). Every data-parallel rank holds the same number of
-        micro-batches (its equal share of the global batch), so no agreement is needed.
+        ranks, all micro-batches). With fixed micro-batches every data-parallel rank holds
+        the same number of them (its equal share of the global batch), so no agreement is
+        needed; `agree` (micro-batches made by a token budget) lets the counts differ: the
+        ranks agree on the most and the others run throw-away passes (`accumulate`).
         `loss_fn` defaults to `lm_loss` (the causal-LM loss, chunked per
         ``train.chunked_loss``); `lm_loss_sum` itself is the plain full-logits loss.
         """
@@ -237,7 +239,7 @@ class TrainEngine:
         def on_device(model: nn.Module, mb: Batch) -> torch.Tensor:
             return loss_fn(model, self._to_device(mb))
 
-        local_sum = self.accumulate(micro_batches, on_device, scale, agree=False)
+        local_sum = self.accumulate(micro_batches, on_device, scale, agree=agree)
         return self.finish_step(local_sum, global_loss_tokens)
 
     def _ulysses_loss_fn(self, loss_fn: LossFn | None) -> LossFn:

@@ -36,7 +36,7 @@ from shardwise.data.collate import (
     summarize_truncation,
     tokenize_record,
 )
-from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share
+from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share, token_budget_micro_batches
 from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
 from shardwise.distributed import ulysses
 from shardwise.distributed.runtime import Runtime, env_world
@@ -92,6 +92,11 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
         records = encoder.prepare_inputs(cfg, spec, load_hf_config(cfg.model))
     else:
         records = check_data(cfg, cfg.data.response_key, sft=True)
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is not None and budget < cfg.data.max_length:
+        raise ConfigError("train.max_tokens_per_micro_batch", f"{budget} tokens is less than data.max_length="
+                          f"{cfg.data.max_length}, the longest an example can be",
+                          f"raise it to at least {cfg.data.max_length}")
     if spec.ulysses > 1:
         if cfg.data.packing:
             raise ConfigError("data.packing", "packed rows cannot be split by Ulysses sequence parallel",
@@ -150,8 +155,13 @@ class SFTData:
                             f"truncation to {self.cfg.data.max_length} tokens; raise data.max_length")
         tokens = sum(len(ex["input_ids"]) for ex in global_examples)
         mine = rank_share(indices, self.dp_rank, self.dp_size)
-        mbs = [self.collate([self.examples[i] for i in mb])
-               for mb in micro_batches(mine, self.cfg.train.micro_batch_size)]
+        budget = self.cfg.train.max_tokens_per_micro_batch
+        if budget is None:
+            split = micro_batches(mine, self.cfg.train.micro_batch_size)
+        else:
+            split = token_budget_micro_batches(mine, [len(self.examples[i]["input_ids"]) for i in mine], budget,
+                                               packed=self.cfg.data.packing)
+        mbs = [self.collate([self.examples[i] for i in mb]) for mb in split]
         return mbs, loss_tokens, tokens
 
     def state_dict(self) -> dict:
@@ -196,7 +206,8 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         while engine.step < max_steps:
             t0 = time.perf_counter()
             mbs, loss_tokens, tokens = data.next_step()
-            res = engine.train_step(mbs, loss_tokens, loss_fn=data.loss_fn)
+            res = engine.train_step(mbs, loss_tokens, loss_fn=data.loss_fn,
+                                    agree=cfg.train.max_tokens_per_micro_batch is not None)
             dt = time.perf_counter() - t0
             step = engine.step
             last = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
