@@ -158,9 +158,7 @@ def load_records(
                         f"{_describe(response)}; make every {_quote(response_key)} a string or number"
                     )
                 record["response"] = response
-            if conversations and isinstance(record["prompt"], list):
-                if record["response"] is None:  # pragma: no cover - SFT always reads a response
-                    raise _error(f"{rkey}: '{source}' {where}: no response to train on")
+            if conversations and isinstance(record["prompt"], list):  # SFT reads a response: the assistant's turn
                 record = {"messages": record["prompt"] + [{"role": "assistant", "content": record["response"]}]}
         if "messages" in record or isinstance(record.get("prompt"), list):  # for render errors later
             record["where"] = f"data.source '{source}' {where}"
