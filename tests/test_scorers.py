@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import pickle
 import random
 import sys
 from pathlib import Path
 
 import pytest
-from dist.common import REQUIRED_ENV
+from dist.common import missing_optional
 
 from shardwise.data.scorers import (
     SCORERS,
@@ -38,10 +37,7 @@ def _reward_score_dir() -> Path:
     if spec is not None and spec.submodule_search_locations:
         folder = Path(next(iter(spec.submodule_search_locations))) / "utils" / "reward_score"
     if folder is None or not (folder / "math_reward.py").is_file():
-        message = f"verl's reward_score files are not installed; {INSTALL}"
-        if "verl" in os.environ.get(REQUIRED_ENV, "").split(","):
-            pytest.fail(f"{message} ({REQUIRED_ENV} requires it)", pytrace=False)
-        pytest.skip(message, allow_module_level=True)
+        missing_optional("verl", f"verl's reward_score files are not installed; {INSTALL}")
     return folder
 
 

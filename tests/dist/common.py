@@ -290,11 +290,15 @@ def import_optional(name: str, install: str):
     """Import the optional module `name` for a test module, or skip that module (saying
     `install`). When `name` is in ``SHARDWISE_REQUIRED_MODULES`` a missing or broken
     install is a failure, not a skip."""
-    required = name in os.environ.get(REQUIRED_ENV, "").split(",")
     try:
         return importlib.import_module(name)
     except Exception as exc:  # ImportError, or a broken install (a CUDA wheel without its libraries)
-        message = f"{name} is not importable ({exc!r}); {install}"
-        if required:
-            pytest.fail(f"{message} ({REQUIRED_ENV} requires it)", pytrace=False)
-        pytest.skip(message, allow_module_level=True)
+        missing_optional(name, f"{name} is not importable ({exc!r}); {install}")
+
+
+def missing_optional(name: str, message: str) -> None:
+    """Skip the calling test module because the optional module `name` is missing (saying
+    `message`), or fail it when `name` is in ``SHARDWISE_REQUIRED_MODULES``."""
+    if name in os.environ.get(REQUIRED_ENV, "").split(","):
+        pytest.fail(f"{message} ({REQUIRED_ENV} requires it)", pytrace=False)
+    pytest.skip(message, allow_module_level=True)

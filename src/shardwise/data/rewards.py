@@ -106,10 +106,8 @@ def _takes_extra_info(fn: Callable) -> bool:
     return True
 
 
-def _by_source(prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None) -> float:
-    """``builtin:by_source``: called with each row's data_source like a verl-form function."""
-    del prompt
-    return scorers.score_by_source(data_source, response, ground_truth, extra_info)
+_by_source = VerlReward(scorers.score_by_source)
+"""``builtin:by_source``: verl's default scorer (one of the built-ins by each row's data_source)."""
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {name: scorer for name, scorer in scorers.SCORERS.items()}
@@ -237,7 +235,7 @@ def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_s
     """``(reward, extra metrics)`` of one row; RewardFunctionError naming the row otherwise."""
     where = f"row {row} (prompt {_short(prompt)})"
     try:
-        if isinstance(fn, VerlReward) or fn is _by_source:
+        if isinstance(fn, VerlReward):
             value = fn(prompt, response, truth, data_source=data_source, extra_info=extra_info)
         else:
             value = fn(prompt, response, truth)

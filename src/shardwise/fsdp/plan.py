@@ -40,6 +40,7 @@ from shardwise.config.dtypes import canonical_dtype, dtype_bytes
 from shardwise.config.schema import Config, PrecisionOverride
 from shardwise.config.validate import MeshSpec
 from shardwise.errors import ConfigError, did_you_mean
+from shardwise.models.loading import frozen_modules
 from shardwise.models.lora import ADAPTER, is_lora_key, lora_modules, saved_modules
 from shardwise.models.patches.moe import SUPPORTED
 from shardwise.models.patterns import looks_like_class_name, match_pattern
@@ -530,8 +531,7 @@ def _without_lora(model: nn.Module, idx: _Index, freeze: list[str], model_dtype:
     modules (resolved on this model: its patterns name modules, which LoRA leaves in
     place). Modules to save, which LoRA keeps in fp32, are back in the master dtype.
     """
-    frozen = [m for i, pat in enumerate(freeze)
-              for m in match_pattern(pat, idx.modules, idx.params, key=f"model.freeze[{i}]")]
+    frozen = frozen_modules(freeze, idx.modules, idx.params)
     saved = saved_modules(model)
     return [ParamInfo(n, tuple(p.shape),
                       dtype_bytes(model_dtype) if any(is_under(n, s) for s in saved) else p.element_size(),

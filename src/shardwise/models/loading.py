@@ -262,18 +262,20 @@ def load_full_weights(sharded: nn.Module, full: nn.Module | None, device: torch.
             buf.copy_(wire)
 
 
+def frozen_modules(patterns: list[str], module_paths: list[str], param_paths: list[str]) -> list[str]:
+    """The module paths ``model.freeze``'s `patterns` name (PatternError otherwise)."""
+    return [path for i, pat in enumerate(patterns)
+            for path in match_pattern(pat, module_paths, param_paths, key=f"model.freeze[{i}]")]
+
+
 def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     """requires_grad=False for every parameter under the matched modules; returns their paths."""
     if not patterns:
         return []
-    names = [n for n, _ in model.named_modules()]
-    params = [n for n, _ in model.named_parameters()]
-    frozen = []
-    for i, pat in enumerate(patterns):
-        for path in match_pattern(pat, names, params, key=f"model.freeze[{i}]"):
-            for p in model.get_submodule(path).parameters():
-                p.requires_grad_(False)
-            frozen.append(path)
+    frozen = frozen_modules(patterns, [n for n, _ in model.named_modules()], [n for n, _ in model.named_parameters()])
+    for path in frozen:
+        for p in model.get_submodule(path).parameters():
+            p.requires_grad_(False)
     return frozen
 
 
