@@ -290,10 +290,13 @@ def test_shardwise_data_shows_each_example_config(config, extra, capsys, tmp_pat
     (["data.source=examples/data/reverse_verl.parquet", "data.ground_truth_key=reward_model.truth"],
      "'reward_model.truth' names nothing"),
 ])
-def test_shardwise_data_bad_input_is_one_line_exit_2(overrides, fragment, capsys, tmp_path, monkeypatch):
+def test_shardwise_data_bad_input_is_one_line_exit_2(overrides, fragment, capsys, tmp_path, monkeypatch,
+                                                     sft_demo_model):
     monkeypatch.chdir(REPO_ROOT)
     config = "grpo_chat.yaml" if "ground_truth_key" in " ".join(overrides) else "sft_chat.yaml"
     command = ["rl", "--nproc", "2"] if config == "grpo_chat.yaml" else ["data"]
+    if config == "grpo_chat.yaml":  # its warm start (runs/sft_chat/hf) is not in a clean clone
+        overrides = [f"model.path={sft_demo_model}", *overrides]
     code = main([command[0], str(EXAMPLES / config), f"run.dir={tmp_path / 'run'}", *overrides, *command[1:]])
     err = capsys.readouterr().err.strip()
     assert code == 2 and fragment in err and len(err.splitlines()) == 1, err
