@@ -69,6 +69,7 @@ def actor_body(rank: int, world: int, overrides: list[str], split: tuple[int, ..
     runtime = init_distributed(timeout_s=60)
     cfg = load_config(None, overrides)
     actor = ActorWorker(cfg, runtime)
+    init = full_params(actor.model)  # collective: every rank gathers
     batch, noise = rollout_batch()
     rows = one_process_order(split) if world == 1 else shares(split)[rank]
     batch, noise = batch[rows], noise[rows]
@@ -83,7 +84,7 @@ def actor_body(rank: int, world: int, overrides: list[str], split: tuple[int, ..
     after = actor.compute_log_prob(batch).tensors["old_log_probs"]
     params = full_params(actor.model)
     teardown()
-    return {"metrics": metrics, "params": params if rank == 0 else None, "same_as_ref": same_as_ref,
+    return {"metrics": metrics, "params": params if rank == 0 else None, "init": init if rank == 0 else None, "same_as_ref": same_as_ref,
             "before": scored.tensors["old_log_probs"], "after": after, "entropy_zero_outside": bool((scored.tensors["entropy"][~mask] == 0).all())}
 
 

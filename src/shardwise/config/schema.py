@@ -472,6 +472,13 @@ class ActorConfig(Section):
     """How per-token losses are reduced, over the whole mini-batch of all ranks."""
     kl_loss: KLLossConfig = KLLossConfig()
     """KL to the reference policy in the loss."""
+    max_tokens_per_micro_batch: Pos | None = None
+    """The update's micro-batches made by a token budget instead of train.micro_batch_size
+    rows (verl's ppo_max_token_len_per_gpu): each holds at most this many tokens (the sum
+    of its rows' real tokens with rl.packing, else rows x its longest row), the rows sorted
+    by length and the work balanced; the ranks agree on the count (a rank with fewer runs
+    throw-away passes). The update is the same: the loss is normalised by the global
+    mini-batch's counts. Also the critic's update. null: micro_batch_size rows."""
 
 
 class CriticConfig(Section):
@@ -543,6 +550,18 @@ class RLConfig(Section):
     heldout_eval: bool = True
     """Built-in tasks: score the policy on the task's 200 held-out prompts before and after
     RL (greedy accuracy; pass@1 and pass@n sampled at the rollout temperature)."""
+    packing: bool | None = None
+    """Padding-free forwards (verl's use_remove_padding): every forward that scores tokens
+    (old log-probs, reference, values, the actor and critic updates) runs on its
+    micro-batch's real tokens only, packed into one row with positions restarting per
+    sequence (transformers then masks attention per sequence); the results are unpacked to
+    the batch's layout. The same numbers as padded rows up to the order of fp32 sums.
+    null: on for text models, off for vision-language ones (which cannot: 3-D positions,
+    one image per row); true with one of those is refused."""
+    log_prob_max_tokens_per_micro_batch: Pos | None = None
+    """Token budget of the forward-only passes (old log-probs, reference, values); they
+    keep no activations for backward, so it may be larger than the update's. null: the
+    update's (rl.actor.max_tokens_per_micro_batch), else train.micro_batch_size rows."""
     record_batches: NonNeg = 0
     """Write the whole batch of each of the first this many steps (prompts, responses,
     masks, rollout / old / reference log-probs, scores, advantages) to

@@ -42,6 +42,7 @@ from shardwise.data.collate import IGNORE_INDEX
 from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
 from shardwise.distributed.ulysses import train_only
+from shardwise.engine import packing
 from shardwise.engine.losses import loss_chunk_tokens
 from shardwise.fsdp.build import build_sharded_model
 from shardwise.fsdp.plan import ShardingPlan
@@ -89,7 +90,8 @@ def log_probs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
 def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor | None = None,
                       with_entropy: bool = False, temperature: float = 1.0,
-                      chunk_tokens: int | None = None, **images: torch.Tensor) -> dict[str, torch.Tensor]:
+                      chunk_tokens: int | None = None, layout: str = "padded",
+                      **images: torch.Tensor) -> dict[str, torch.Tensor]:
     """One forward of `model` and its per-token log-probs, in the module's convention.
 
     input_ids, attention_mask ``(batch, seq)`` on the model's compute device; position_ids
@@ -109,7 +111,19 @@ def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     `images`: a VL batch's ``pixel_values`` / ``image_grid_thw``
     (`shardwise.models.vision.forward_kwargs`); the model then derives its own (3-D)
     positions and `position_ids` is not used.
+
+    `layout` (`shardwise.engine.packing`): "padded" runs the rows as they are; "packed"
+    runs their real tokens as one row (``rl.packing``), "compact" each row's real tokens
+    right-padded to the longest (token-budget micro-batches); both give the results back
+    in the rows' layout, 0 on padding. Text rows only.
     """
+    if layout != "padded":
+        if images:
+            raise ValueError(f"compute_log_probs: layout {layout!r} takes text rows only, not images")
+        lay = packing.compact(input_ids, attention_mask, position_ids, packed=layout == "packed")
+        res = compute_log_probs(model, lay.input_ids, lay.attention_mask, lay.position_ids, with_entropy,
+                                temperature, chunk_tokens)
+        return {k: lay.unpack(v) for k, v in res.items()}
     if images:
         position_ids = None
         if "mm_token_type_ids" not in images:
@@ -178,7 +192,8 @@ class InferEngine:
     @torch.no_grad()
     def log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                   micro_batch_size: int | None = None, with_entropy: bool = False,
-                  position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  position_ids: torch.Tensor | None = None, layout: str = "padded",
+                  max_tokens_per_micro_batch: int | None = None) -> dict[str, torch.Tensor]:
         """Per-token log-probs of the response tokens (see the module docstring).
 
         input_ids, attention_mask, response_mask ``(batch, seq)``; response_mask is 1 on
@@ -187,6 +202,11 @@ class InferEngine:
         `with_entropy`; both exactly 0 where response_mask is 0. Rows are run
         `micro_batch_size` at a time (default: all at once); the result is the same.
         With ``train.chunked_loss`` the LM head runs over chunks of tokens (`compute_log_probs`).
+        `layout` "packed" runs each micro-batch's real tokens as one row, "compact" each
+        row's right-padded to the micro-batch's longest (`shardwise.engine.packing`);
+        `max_tokens_per_micro_batch` makes the micro-batches by a token budget instead of
+        a row count (the rows' order is kept in the result). Same results either way up
+        to the order of fp32 sums.
         """
         if response_mask.shape != input_ids.shape:
             raise ValueError(f"response_mask {tuple(response_mask.shape)} must have the shape of "
@@ -198,12 +218,20 @@ class InferEngine:
         if (keep & ~attention_mask.bool()).any():
             raise ValueError("response_mask marks padding (attention_mask == 0)")
 
+        if layout not in packing.LAYOUTS:
+            raise ValueError(f"layout must be one of {packing.LAYOUTS}, got {layout!r}")
+
         def run(ids, mask, pos):
-            return compute_log_probs(self.model, ids, mask, pos, with_entropy, chunk_tokens=self.chunk_tokens)
+            return compute_log_probs(self.model, ids, mask, pos, with_entropy, chunk_tokens=self.chunk_tokens,
+                                     layout=layout)
 
         self.model.eval()
+        groups = None
+        if max_tokens_per_micro_batch is not None:
+            groups = packing.micro_batch_rows(attention_mask.sum(-1).tolist(), 1, max_tokens_per_micro_batch,
+                                              layout == "packed", "max_tokens_per_micro_batch")
         out = forward_by_micro_batch(run, input_ids, attention_mask, position_ids, micro_batch_size,
-                                     self.runtime.device)
+                                     self.runtime.device, groups=groups)
         drop = ~keep.to(out["log_probs"].device)
         return {k: v.masked_fill(drop, 0.0) for k, v in out.items()}
 
@@ -212,7 +240,7 @@ def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids
                            attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
                            micro_batch_size: int | None, device: torch.device,
                            images: dict[str, torch.Tensor] | None = None,
-                           vl_config=None) -> dict[str, torch.Tensor]:
+                           vl_config=None, groups: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Run `fn(ids, mask, pos)` (one forward of a sharded model, returning ``(rows, ...)``
     tensors) over row chunks of `micro_batch_size` and concatenate. Collective: every rank
     runs the same number of forwards (each forward all-gathers parameters), padding with a
@@ -223,7 +251,12 @@ def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids
     VL models: `images` holds the rows' ``pixel_values`` ``(B, N, D)`` and
     ``image_grid_thw`` ``(B, 3)``; each chunk's go to `fn` as keyword arguments, flattened
     (`shardwise.models.vision.forward_kwargs`), and with `vl_config` (the model's HF
-    config) a throw-away forward carries a one-token image (`vision.dummy_image`)."""
+    config) a throw-away forward carries a one-token image (`vision.dummy_image`).
+
+    `groups`: the rows of each micro-batch, by index (`shardwise.engine.packing.micro_batch_rows`,
+    e.g. by a token budget), instead of runs of `micro_batch_size`; every row in exactly one
+    group. The results come back in the rows' order. A throw-away forward then takes one
+    row as long as this rank's longest real row (within any budget the groups keep)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
@@ -235,6 +268,30 @@ def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids
     if micro_batch_size is not None and micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
     rows, seq = input_ids.shape
+    if groups is not None:
+        order = [i for g in groups for i in g]
+        if sorted(order) != list(range(rows)):
+            raise ValueError(f"forward_by_micro_batch: groups {groups} do not hold each of the {rows} rows once")
+        n_local = len(groups)
+        n = torch.tensor(n_local, dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        n_all = max(int(n), 1)
+        dummy_len = int(attention_mask.sum(-1).max()) if rows else 1
+        chunks = []
+        for i in range(n_all):
+            if i < n_local:
+                index = torch.tensor(groups[i], dtype=torch.long, device=input_ids.device)
+                pos = position_ids[index].to(device) if position_ids is not None else None
+                chunks.append(fn(input_ids[index].to(device), attention_mask[index].to(device), pos))
+            else:
+                dummy = torch.zeros((1, max(dummy_len, 1)), dtype=torch.long, device=device)
+                template = fn(dummy, torch.ones_like(dummy), None)
+        if not chunks:
+            return {k: v.new_zeros((0, seq, *v.shape[2:])).to(input_ids.device) for k, v in template.items()}
+        back = torch.empty(rows, dtype=torch.long)
+        back[torch.tensor(order, dtype=torch.long)] = torch.arange(rows)
+        return {k: torch.cat([c[k] for c in chunks]).to(input_ids.device)[back.to(input_ids.device)]
+                for k in chunks[0]}
     if micro_batch_size is None:
         size, n_local, n_all = max(rows, 1), 1 if rows else 0, 1
     else:

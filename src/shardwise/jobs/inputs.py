@@ -148,6 +148,15 @@ def vision_inputs(cfg: Config, tokenizer=None) -> VisionInputs | None:
     if cfg.parallel.ulysses_size > 1:
         raise ConfigError("parallel.ulysses_size", "Ulysses sequence parallel does not split a vision-language "
                           "model's image tokens and 3-D rotary positions", "set parallel.ulysses_size=1")
+    if cfg.rl.packing:
+        raise ConfigError("rl.packing", "a vision-language model's rows are not packed (3-D rotary positions, "
+                          "one image per row)", "set rl.packing=false (or leave it unset)")
+    budgets = {"rl.actor.max_tokens_per_micro_batch": cfg.rl.actor.max_tokens_per_micro_batch,
+               "rl.log_prob_max_tokens_per_micro_batch": cfg.rl.log_prob_max_tokens_per_micro_batch}
+    for key, budget in budgets.items():
+        if budget is not None:
+            raise ConfigError(key, "a vision-language model's micro-batches are made by rows (one image each)",
+                              "unset it; train.micro_batch_size sets the rows")
     for key, engine in (("rl.rollout.engine", cfg.rl.rollout.engine), ("infer.engine", cfg.infer.engine)):
         if engine != "hf":
             raise ConfigError(key, f"the {engine} engine takes no images from shardwise yet", "use hf")

@@ -26,6 +26,7 @@ from shardwise.data.collate import truncation_note
 from shardwise.data.rewards import RewardFn, check_data_sources, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed.ulysses import train_only
+from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.jobs.inputs import (
     check_causal_task,
@@ -65,6 +66,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_causal_task(cfg, "`shardwise rl`")
     rows = check_rl_rows(cfg, spec.dp_size)
     check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
+    check_token_budgets(cfg)
     check_model(cfg)
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
@@ -75,6 +77,20 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_data_sources(fn, records)
     plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     return Prepared(cfg, spec, world_size, rows, records, fn)
+
+
+def check_token_budgets(cfg: Config) -> None:
+    """ConfigError naming the key when a token budget of the RL passes cannot hold the
+    longest row a rollout can make: a prompt of data.max_length tokens and a response of
+    rl.rollout.max_new_tokens."""
+    longest = cfg.data.max_length + cfg.rl.rollout.max_new_tokens
+    for key, budget in (("rl.actor.max_tokens_per_micro_batch", cfg.rl.actor.max_tokens_per_micro_batch),
+                        ("rl.log_prob_max_tokens_per_micro_batch", cfg.rl.log_prob_max_tokens_per_micro_batch)):
+        if budget is not None and budget < longest:
+            raise ConfigError(key, f"{budget} tokens do not hold the longest row a rollout can make: "
+                              f"data.max_length ({cfg.data.max_length}) + rl.rollout.max_new_tokens "
+                              f"({cfg.rl.rollout.max_new_tokens}) = {longest} tokens",
+                              f"raise it to at least {longest}")
 
 
 def run(prepared: Prepared) -> dict[str, Any]:

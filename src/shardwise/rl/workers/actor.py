@@ -34,10 +34,13 @@ from shardwise.engine.train import TrainEngine
 from shardwise.models import lora, vision
 from shardwise.rl import algorithms as alg
 from shardwise.rl.workers.common import (
+    PassShape,
     check_mini_batches,
+    forward_shape,
     global_counts,
     mean_over_ranks,
     rl_engine_config,
+    update_shape,
 )
 
 log = logging.getLogger(__name__)
@@ -56,20 +59,27 @@ def scoring_temperature(cfg: Config) -> float:
 
 def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.device, micro_batch_size: int,
                        with_entropy: bool, temperature: float = 1.0,
-                       chunk_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                       chunk_tokens: int | None = None, shape: PassShape | None = None) -> dict[str, torch.Tensor]:
     """Log-probs (and entropy) of `batch`'s sequences under `model` at `temperature`, 0
     outside ``response_mask``; collective (ranks may hold different numbers of rows).
-    `chunk_tokens`: the LM head over chunks of tokens (`compute_log_probs`)."""
+    `chunk_tokens`: the LM head over chunks of tokens (`compute_log_probs`). `shape`: the
+    layout and micro-batches of the pass (``rl.packing``, token budgets); None: padded rows,
+    `micro_batch_size` at a time (always so for rows with images)."""
     t = batch.tensors
+    images = {k: t[k] for k in vision.IMAGE_KEYS if k in t}
+    layout = "padded" if shape is None or images else shape.layout
 
     def run(ids, mask, pos, **images):
         return compute_log_probs(model, ids, mask, pos, with_entropy, temperature, chunk_tokens=chunk_tokens,
-                                 **images)
+                                 layout=layout, **images)
 
     with torch.no_grad():
-        out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
-                                     micro_batch_size, device,
-                                     images={k: t[k] for k in vision.IMAGE_KEYS if k in t}, vl_config=vision.vl_config(model))
+        if shape is not None and not images:
+            out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
+                                         None, device, groups=shape.groups(t["attention_mask"]))
+        else:
+            out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
+                                         micro_batch_size, device, images=images, vl_config=vision.vl_config(model))
     keep = t["response_mask"].bool().to(out["log_probs"].device)
     return {k: v.masked_fill(~keep, 0.0).cpu() for k, v in out.items()}
 
@@ -81,6 +91,8 @@ class ActorWorker:
         self.cfg = cfg
         self.runtime = runtime
         self.engine = TrainEngine(rl_engine_config(cfg), runtime)
+        self.forward_shape = forward_shape(cfg, self.engine.model)
+        self.update_shape = update_shape(cfg, self.engine.model)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -91,7 +103,7 @@ class ActorWorker:
         self.model.eval()
         out = sequence_log_probs(self.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
                                  with_entropy=True, temperature=scoring_temperature(self.cfg),
-                                 chunk_tokens=self.engine.chunk_tokens)
+                                 chunk_tokens=self.engine.chunk_tokens, shape=self.forward_shape)
         self.model.train()
         return Batch.from_dict({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
@@ -128,15 +140,17 @@ class ActorWorker:
         metrics: dict[str, list[float]] = {k: [] for k in names}
         self.model.train()
         mini_size = len(batch) // n_mini
-        size = self.cfg.train.micro_batch_size
-        seq = batch.tensors["input_ids"].shape[1]
+        shape = self.update_shape
         for _ in range(a.ppo_epochs):
             for mini in (batch.split(mini_size) if mini_size else [batch] * n_mini):
                 tokens, seqs = global_counts(mini.tensors["response_mask"], device)
+                mask = mini.tensors["attention_mask"]
+                micro = [mini[g] for g in shape.groups(mask)] if not _has_images(mini) else \
+                    mini.split(self.cfg.train.micro_batch_size)
                 # FSDP averages gradients over dp ranks; the loss is already over the
                 # global mini-batch, so undo that average.
-                local = self.engine.accumulate(mini.split(size), self._ppo_loss(tokens, seqs, metrics, on_policy),
-                                               self.engine.dp_size, dummy_seq_len=seq)
+                local = self.engine.accumulate(micro, self._ppo_loss(tokens, seqs, metrics, on_policy),
+                                               self.engine.dp_size, dummy_seq_len=shape.dummy_len(mask))
                 res = self.engine.finish_step(local, 1)
                 metrics["actor/loss"].append(res.loss)
                 metrics["actor/grad_norm"].append(res.grad_norm)
@@ -174,13 +188,15 @@ class ActorWorker:
         chunk_tokens = self.engine.chunk_tokens
         tis_cap = self.cfg.rl.rollout.tis_cap
         device = self.runtime.device
+        layout = self.update_shape.layout
 
         def loss_fn(model: nn.Module, mb: Batch) -> torch.Tensor:
             t = {k: v.to(device) for k, v in mb.tensors.items()}
             mask = t["response_mask"].bool()
+            images = vision.forward_kwargs(t)
             out = compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"],
                                     with_entropy=a.entropy_coef != 0 or on_policy, temperature=temperature,
-                                    chunk_tokens=chunk_tokens, **vision.forward_kwargs(t))
+                                    chunk_tokens=chunk_tokens, layout="padded" if images else layout, **images)
             logp = out["log_probs"]
             old = logp.detach() if on_policy else t["old_log_probs"]
             if on_policy:
@@ -232,6 +248,10 @@ def _policy_metrics(metrics: dict[str, list[float]], logp: torch.Tensor, entropy
                 metrics[top].append(float(x.max()))
 
 
+def _has_images(batch: Batch) -> bool:
+    return any(k in batch.tensors for k in vision.IMAGE_KEYS)
+
+
 def _is_share(key: str) -> bool:
     """Terms aggregated with global counts: each micro-batch holds a share."""
     return key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "entropy", "kl", *_MISMATCH_SHARES)
@@ -251,7 +271,7 @@ class LoraReference:
         with lora.adapters_disabled(model):
             out = sequence_log_probs(model, batch, self.actor.runtime.device, self.actor.cfg.train.micro_batch_size,
                                      with_entropy=False, temperature=scoring_temperature(self.actor.cfg),
-                                     chunk_tokens=self.actor.engine.chunk_tokens)
+                                     chunk_tokens=self.actor.engine.chunk_tokens, shape=self.actor.forward_shape)
         model.train(was)
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})
 
@@ -263,9 +283,10 @@ class ReferenceWorker:
         self.cfg = cfg
         self.runtime = runtime
         self.engine = InferEngine(cfg, runtime)
+        self.shape = forward_shape(cfg, self.engine.model)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         out = sequence_log_probs(self.engine.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,
                                  with_entropy=False, temperature=scoring_temperature(self.cfg),
-                                 chunk_tokens=self.engine.chunk_tokens)
+                                 chunk_tokens=self.engine.chunk_tokens, shape=self.shape)
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwise.engine import packing
 from shardwise.errors import ConfigError
+from shardwise.models import vision
 
 
 def global_counts(mask: torch.Tensor, device: torch.device, group=None) -> tuple[float, float]:
@@ -61,3 +63,43 @@ def rl_engine_config(cfg, lr: float | None = None):
     if lr is not None:
         train = train.model_copy(update={"optimizer": train.optimizer.model_copy(update={"lr": lr})})
     return cfg.model_copy(update={"train": train})
+
+
+class PassShape:
+    """How a role's passes lay out and group their rows (``rl.packing``, the token
+    budgets): `layout` is the `shardwise.engine.packing` layout each forward uses, and
+    `groups` the row indices of each micro-batch of a pass."""
+
+    def __init__(self, cfg, model, budget: int | None, key: str):
+        packed = cfg.rl.packing if cfg.rl.packing is not None else vision.vl_config(model) is None
+        self.layout = "packed" if packed else ("compact" if budget is not None else "padded")
+        self.budget = budget
+        self.key = key
+        self.micro_batch_size = cfg.train.micro_batch_size
+
+    def groups(self, attention_mask: torch.Tensor) -> list[list[int]]:
+        """Row indices of each micro-batch over rows with this `attention_mask` ``(B, T)``."""
+        lengths = attention_mask.sum(-1).tolist()
+        return packing.micro_batch_rows(lengths, self.micro_batch_size, self.budget, self.layout == "packed",
+                                        self.key)
+
+    def dummy_len(self, attention_mask: torch.Tensor) -> int:
+        """Tokens of a throw-away pass's row: this rank's longest real row (the batch's
+        width in the padded layout)."""
+        if self.layout == "padded" or not attention_mask.shape[0]:
+            return attention_mask.shape[1]
+        return int(attention_mask.sum(-1).max())
+
+
+def forward_shape(cfg, model) -> PassShape:
+    """The forward-only passes' shape: their token budget is
+    ``rl.log_prob_max_tokens_per_micro_batch``, else the update's."""
+    if cfg.rl.log_prob_max_tokens_per_micro_batch is not None:
+        return PassShape(cfg, model, cfg.rl.log_prob_max_tokens_per_micro_batch,
+                         "rl.log_prob_max_tokens_per_micro_batch")
+    return update_shape(cfg, model)
+
+
+def update_shape(cfg, model) -> PassShape:
+    """The update passes' shape (actor and critic): ``rl.actor.max_tokens_per_micro_batch``."""
+    return PassShape(cfg, model, cfg.rl.actor.max_tokens_per_micro_batch, "rl.actor.max_tokens_per_micro_batch")

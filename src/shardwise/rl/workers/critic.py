@@ -23,10 +23,13 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids, forward_by_micro_batch
 from shardwise.engine.train import TrainEngine
 from shardwise.rl.algorithms import value_loss
+from shardwise.engine import packing
 from shardwise.rl.workers.common import (
     check_mini_batches,
+    forward_shape,
     global_counts,
     rl_engine_config,
+    update_shape,
 )
 
 __all__ = ["VALUE_HEAD", "CriticWorker", "clipped_tokens", "values_from_head"]
@@ -87,6 +90,8 @@ class CriticWorker:
             torch.manual_seed(cfg.run.seed)
             self.engine = TrainEngine(without_lora(rl_engine_config(cfg, lr=cfg.rl.critic.lr)), runtime,
                                       task="token_classification", **VALUE_HEAD)
+        self.forward_shape = forward_shape(cfg, self.engine.model)
+        self.update_shape = update_shape(cfg, self.engine.model)
 
     # ------------------------------------------------------------------ values
 
@@ -104,11 +109,13 @@ class CriticWorker:
         t = data.tensors
         self.engine.model.eval()
 
+        shape = self.forward_shape
+
         def run(ids, mask, pos):
-            return {"values": values_from_head(self._forward(ids, mask, pos))}
+            return {"values": self._values(ids, mask, pos, shape.layout)}
 
         values = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
-                                        self.cfg.train.micro_batch_size, self.runtime.device)["values"]
+                                        None, self.runtime.device, groups=shape.groups(t["attention_mask"]))["values"]
         values = values.masked_fill(~t["response_mask"].bool().to(values.device), 0.0)
         return Batch(tensors={"values": values})
 
@@ -162,11 +169,12 @@ class CriticWorker:
         mode = self.cfg.rl.actor.loss_agg_mode
         tokens, seqs = global_counts(mini.tensors["response_mask"], device)
         local = torch.zeros(2, dtype=torch.float64, device=device)
+        shape = self.update_shape
 
         def loss_fn(model: nn.Module, mb: Batch) -> torch.Tensor:
             # `model` is self.engine.model, which `_forward` runs (quietly, see there).
             t = {k: v.to(device) for k, v in mb.tensors.items()}
-            values = values_from_head(self._forward(t["input_ids"], t["attention_mask"], t.get("position_ids")))
+            values = self._values(t["input_ids"], t["attention_mask"], t.get("position_ids"), shape.layout)
             mask = t["response_mask"].bool()
             loss, _ = value_loss(values, t["returns"], t["values"], mask, clip=critic.cliprange_value,
                                  mode=mode, global_tokens=tokens, global_seqs=seqs)
@@ -177,8 +185,9 @@ class CriticWorker:
 
         # FSDP averages gradients over dp ranks; the loss is already over the global
         # mini-batch, so undo that average.
-        loss_sum = self.engine.accumulate(mini.split(self.cfg.train.micro_batch_size), loss_fn,
-                                          self.engine.dp_size, dummy_seq_len=mini.tensors["input_ids"].shape[1])
+        mask = mini.tensors["attention_mask"]
+        loss_sum = self.engine.accumulate([mini[g] for g in shape.groups(mask)], loss_fn,
+                                          self.engine.dp_size, dummy_seq_len=shape.dummy_len(mask))
         result = self.engine.finish_step(loss_sum, 1)  # the sum over ranks is the loss
         step = {"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/lr": result.lr,
                 "tokens": tokens}
@@ -200,7 +209,16 @@ class CriticWorker:
                                  "every per-token tensor is (B, T) aligned with input_ids")
         return data
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def _values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
+                layout: str) -> torch.Tensor:
+        """`values_from_head` of the rows ``(b, T)``, run in `layout` (`shardwise.engine.packing`)
+        and given back in the rows' layout."""
+        if layout == "padded":
+            return values_from_head(self._forward(input_ids, attention_mask, position_ids))
+        lay = packing.compact(input_ids, attention_mask, position_ids, packed=layout == "packed")
+        return lay.unpack(values_from_head(self._forward(lay.input_ids, lay.attention_mask, lay.position_ids)))
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The head's per-token output ``(b, T, 1)`` (model dtype), under the caller's grad mode."""
         if position_ids is None:
