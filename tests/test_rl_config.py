@@ -37,6 +37,11 @@ ROWS = [
     (["rl.rollout.temperature=-1"], "rl.rollout.temperature", None),
     (["rl.actor.loss_agg_mode=token_mean"], "rl.actor.loss_agg_mode", "token-mean"),
     (["rl.algorthm=ppo"], "rl.algorthm", "did you mean rl.algorithm?"),
+    (["rl.filter_groups=zero_var"], "rl.filter_groups", "zero_variance"),
+    # n=1: every group is one sample, always zero variance (grpo already needs n >= 2)
+    (["rl.filter_groups=zero_variance", "rl.rollout.n=1", "rl.advantage=reinforce_plus_plus"],
+     "rl.filter_groups", "rl.rollout.n=4"),
+    (["rl.filter_groups=zero_variance", "rl.filter_groups_max_rounds=0"], "rl.filter_groups_max_rounds", None),
 ]
 
 

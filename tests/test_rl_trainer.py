@@ -231,3 +231,45 @@ def test_ppo_with_critic_lowers_value_loss(demo_runs):
     assert all("time/values" in x and "time/update_critic" in x for x in m)
     assert sorted(p.name for p in (run_dir / "critic" / "checkpoints").iterdir()) == ["step_00000004",
                                                                                     "step_00000008"]
+
+
+HALF_FLAT_REWARD = ("def half_flat(prompt, response, ground_truth):\n"
+                    "    # odd-length words: the same reward for every sample (a zero-variance group)\n"
+                    "    return 0.5 if len(ground_truth) % 2 else float(response.strip() == ground_truth)\n")
+
+
+def test_group_filtering_with_refill_keeps_only_groups_that_teach(sft_demo_model, tmp_path):
+    # The demo's GRPO job with rl.filter_groups=zero_variance and refill, 2 steps of 8
+    # prompts. The reward gives every sample of an odd-length word 0.5, so about half the
+    # groups of each round have zero variance whatever the samples: they must leave, and
+    # refill rounds must bring the step back to 8 kept groups.
+    (tmp_path / "flat_reward.py").write_text(HALF_FLAT_REWARD)
+    run_dir = tmp_path / "run"
+    rl(run_dir, f"model.path={sft_demo_model}", "train.max_steps=2", "train.global_batch_size=8",
+       "rl.reward.function=flat_reward:half_flat", "rl.filter_groups=zero_variance",
+       "rl.filter_groups_refill=true", "rl.filter_groups_max_rounds=3", "rl.heldout_eval=false",
+       "checkpoint.every_steps=0", "checkpoint.export_hf=false", "rl.record_batches=1",
+       config=DEMO, cwd=tmp_path)
+    m = metrics(run_dir)
+    assert [x["step"] for x in m] == [1, 2]
+    for x in m:
+        kept, dropped, trimmed, rounds = (x[f"filter/{k}"] for k in ("kept_groups", "dropped_groups",
+                                                                     "trimmed_groups", "rounds"))
+        assert kept + dropped + trimmed == 8 * (rounds + 1), x  # every generated group accounted for
+        assert kept == 8 or rounds == 3, x  # full again, or the cap was hit
+        assert x["filter/skipped_update"] == 0 and "actor/loss" in x and "filter/kept_reward_mean" in x
+    assert sum(x["filter/dropped_groups"] for x in m) > 0 and sum(x["filter/rounds"] for x in m) > 0
+    # step 1's update ran on the kept groups only: each has rewards that differ, none is an
+    # odd-length word, and there are as many as the metric says
+    from shardwise.data.batch import Batch
+
+    b = Batch.from_bytes((run_dir / "batches" / "step_00000001.batch").read_bytes())
+    reward = b.tensors["token_level_scores"].sum(-1)
+    groups: dict[str, list[int]] = {}
+    for r, uid in enumerate(b.arrays["uid"]):
+        groups.setdefault(str(uid), []).append(r)
+    assert len(groups) == m[0]["filter/kept_groups"] and all(len(g) == 8 for g in groups.values())
+    assert all(len(str(b.arrays["ground_truth"][r])) % 2 == 0 for r in range(len(b)))
+    assert all(float(reward[g].std()) > 0 for g in groups.values())
+    assert bool((b.tensors["advantages"].abs().sum(-1) > 0).all())
+    assert abs(float(reward.mean()) - m[0]["filter/kept_reward_mean"]) < 1e-6

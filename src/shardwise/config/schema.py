@@ -567,6 +567,19 @@ class RLConfig(Section):
     masks, rollout / old / reference log-probs, scores, advantages) to
     run.dir/batches/step_NNNNNNNN.batch, for checking the pipeline by hand
     (`shardwise.data.batch.Batch.from_bytes` reads one: safetensors and JSON, no pickle)."""
+    filter_groups: Literal["none", "zero_variance"] = "none"
+    """DAPO's dynamic sampling. zero_variance: a group (the rl.rollout.n samples of one
+    prompt) whose rewards are all exactly equal leaves the step after the reward, before
+    the old log-probs: its GRPO advantages are 0, so it would only cost update compute and
+    dilute the token-mean of the loss. Counted in the ``filter/*`` metrics; a step whose
+    groups all leave makes no update (``filter/skipped_update``). Needs rl.rollout.n >= 2."""
+    filter_groups_refill: bool = False
+    """With filter_groups: sample more prompts (the sampler's next global batch, generated
+    and scored the same way) until the step holds train.global_batch_size kept groups
+    again, then cut it to exactly that many; at most filter_groups_max_rounds extra rounds."""
+    filter_groups_max_rounds: Pos = 4
+    """Most extra sampling rounds per step with filter_groups_refill; when they are spent
+    the update runs on the kept groups it has."""
 
     @model_validator(mode="after")
     def _roles_agree(self) -> RLConfig:
@@ -580,6 +593,11 @@ class RLConfig(Section):
         if self.algorithm == "grpo" and traits["needs_critic"]:
             raise ConfigError("rl.advantage", f"{self.advantage} needs the critic of rl.algorithm=ppo",
                               "use grpo, rloo or reinforce_plus_plus, or set rl.algorithm=ppo")
+        if self.filter_groups != "none" and self.rollout.n < 2:
+            raise ConfigError("rl.filter_groups",
+                              f"{self.filter_groups} compares the rewards of a prompt's samples; with "
+                              f"rl.rollout.n={self.rollout.n} every group has one sample and would be dropped",
+                              "set rl.rollout.n=4 or rl.filter_groups=none")
         if traits["compares_samples"] and self.rollout.n < 2:
             raise ConfigError("rl.rollout.n", f"{self.advantage} compares samples of one prompt and needs n >= 2",
                               "set rl.rollout.n=4")

@@ -13,12 +13,13 @@ world / ulysses_size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from shardwise.config.schema import Config, ParallelConfig, SamplingConfig, TrainConfig
 from shardwise.errors import ConfigError
 
-__all__ = ["MeshSpec", "check_rl_rows", "check_sft_batch", "mesh_spec"]
+__all__ = ["MeshSpec", "check_rl_rows", "check_sft_batch", "mesh_spec", "rl_update_groups"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,20 @@ def check_rl_rows(cfg: Config, dp_size: int) -> int:
                           f"{rl.actor.ppo_mini_batches} does not divide the {rows // dp_size} rows of each rank",
                           "pick a divisor of (global_batch_size x n / ranks)")
     return rows
+
+
+def rl_update_groups(groups: int, n: int, dp_size: int, mini_batches: int) -> int:
+    """How many of `groups` groups (prompts of `n` rows each) an RL update takes when
+    rl.filter_groups left fewer than a full step: the most whose rows split evenly over the
+    `dp_size` data-parallel ranks and each rank's share into `mini_batches` equal
+    mini-batches, what `check_rl_rows` asks of a full step (a duplicated row would count
+    twice in the loss, so rows are never padded). A multiple of
+    ``dp_size x mini_batches / gcd(n, dp_size x mini_batches)`` groups, i.e. every count
+    when `n` is a multiple of dp_size x mini_batches; the groups beyond it leave the step
+    like the filtered ones. 0: no update this step."""
+    parts = dp_size * mini_batches
+    unit = parts // math.gcd(n, parts)
+    return groups // unit * unit
 
 
 def check_generation_engine(sampling: SamplingConfig, world_size: int, key: str) -> None:

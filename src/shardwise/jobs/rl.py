@@ -103,6 +103,9 @@ def run(prepared: Prepared) -> dict[str, Any]:
     note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False)
     if note:
         log.warning("data: %s", note)
+    if cfg.rl.filter_groups == "none" and (cfg.rl.filter_groups_refill
+                                           or "filter_groups_max_rounds" in cfg.rl.model_fields_set):
+        log.warning("rl.filter_groups_refill / filter_groups_max_rounds have no effect with rl.filter_groups=none")
     if cfg.model.lora.enabled:
         log.warning("lora: the actor trains LoRA adapters (r=%d); %s", cfg.model.lora.r,
                     "the reference is the actor with its adapters disabled (no second model in memory)"
@@ -142,5 +145,7 @@ def run(prepared: Prepared) -> dict[str, Any]:
                   ("seconds per phase", ["time/step", "time/generate", "time/update_actor", "time/old_log_prob"])]
         if cfg.rl.critic.enabled:
             panels.append(("critic", ["critic/vf_loss"]))
+        if cfg.rl.filter_groups != "none":
+            panels.append(("groups in the update", ["filter/kept_groups", "filter/dropped_groups"]))
         summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
     return summary

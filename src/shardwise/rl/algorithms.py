@@ -48,6 +48,7 @@ __all__ = [
     "resolve_kl_kind",
     "rloo_advantages",
     "value_loss",
+    "zero_variance_groups",
 ]
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -240,6 +241,22 @@ def _group_stats(score: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor
     counts = torch.zeros(n_groups, dtype=torch.float32, device=score.device).index_add_(0, group, torch.ones_like(score))
     sums = torch.zeros(n_groups, dtype=torch.float32, device=score.device).index_add_(0, group, score)
     return counts[group], sums[group]
+
+
+@torch.no_grad()
+def zero_variance_groups(scores: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor) -> torch.Tensor:
+    """Bool ``(batch,)``: True on the rows of a group whose `scores` (float ``(batch,)``,
+    one per sequence) are all exactly equal. Such a group has advantage 0 on every row
+    under grpo / rloo, so DAPO's dynamic sampling leaves it out of the update
+    (``rl.filter_groups: zero_variance``). A group of one row is always True."""
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be (batch,), got shape {tuple(scores.shape)}")
+    group = _group_index(group_ids, scores.shape[0], scores.device)
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    s = scores.float()
+    high = torch.full((n_groups,), -math.inf, device=s.device).scatter_reduce(0, group, s, "amax")
+    low = torch.full((n_groups,), math.inf, device=s.device).scatter_reduce(0, group, s, "amin")
+    return (high == low)[group]
 
 
 @torch.no_grad()

@@ -12,12 +12,20 @@ rewards), the sampler position and the metrics; the workers hold the models. The
 that checks a config and drives a whole run is `shardwise.jobs.rl`.
 
 Rows per step are ``train.global_batch_size`` prompts x ``rl.rollout.n`` samples, split
-evenly over the data-parallel ranks; ``train.micro_batch_size`` rows per forward.
+evenly over the data-parallel ranks; ``train.micro_batch_size`` rows per forward. With
+``rl.filter_groups`` (DAPO's dynamic sampling, `Controller.sample`) the groups whose rewards
+are all equal leave the step after the reward; with ``rl.filter_groups_refill`` more prompts
+are sampled until the step is full again. The update then runs on fewer rows: as many whole
+groups as split evenly over the ranks and ``rl.actor.ppo_mini_batches``
+(`shardwise.config.validate.rl_update_groups`), or none (the step makes no update); its
+losses are normalised over those rows alone (``global_counts`` of the workers).
 
 Metrics (one line per step in run.dir/metrics.jsonl): ``reward/mean``, ``accuracy`` (share
 of samples whose rule-based score is >= 1, i.e. fully right), ``response_length/mean``
-and ``/clip_frac`` (share that hit max_new_tokens), ``entropy``, ``kl`` (k1 between the
-policy and the reference, nats/token), the ``actor/*`` and ``critic/*`` update metrics
+and ``/clip_frac`` (share that hit max_new_tokens), all over every sample generated in the
+step (every refill round too, filtered or not); ``entropy``, ``kl`` (k1 between the
+policy and the reference, nats/token) over the update's rows; ``filter/*`` with
+``rl.filter_groups`` (`Controller.sample`); the ``actor/*`` and ``critic/*`` update metrics
 (loss, clip fractions, grad norm, lr) and ``time/<phase>`` seconds for generate, reward,
 old_log_prob, ref, values, advantage, update_critic, update_actor, checkpoint and step,
 and ``time/dispatch``: the part of those phases spent moving batches between the
@@ -40,6 +48,7 @@ from typing import Any
 import torch
 
 from shardwise.config.schema import Config
+from shardwise.config.validate import mesh_spec, rl_update_groups
 from shardwise.data.batch import Batch
 from shardwise.data.chat import text_prompts_as_chat
 from shardwise.data.rewards import RewardFn, score_sequences
@@ -55,7 +64,8 @@ from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller", "mean_timing", "worker_groups"]
+__all__ = ["Controller", "concat_rounds", "drop_zero_variance_groups", "mean_timing", "merge_reward_metrics",
+           "worker_groups"]
 
 
 def worker_groups(cfg: Config) -> dict[str, list[str]]:
@@ -104,6 +114,7 @@ class Controller:
         self.on_policy_shortcut = (a.on_policy_shortcut and a.ppo_epochs == 1 and a.ppo_mini_batches == 1
                                    and not cfg.rl.kl_in_reward.enabled)
         """No old-log-prob forward: the update is on-policy (`ActorWorker.update_actor`)."""
+        self.dp_size = mesh_spec(cfg.parallel, world_size).dp_size
         self.step = 0
         self.groups: dict[str, RayWorkerGroup] = {}
 
@@ -165,13 +176,17 @@ class Controller:
             g.wait_checkpoint()
 
     # -- one step
-    def next_prompts(self) -> Batch:
+    def next_prompts(self, round_: int = 0) -> Batch:
+        """The sampler's next global batch of prompts, each repeated rl.rollout.n times, with
+        the sampling seed of this step's sampling round `round_` (0, then 1, 2, ... for the
+        refills of ``rl.filter_groups_refill``). A prompt's uid names its group."""
         indices = next(self._batches)
-        uids = [f"{self.step}-{i}" for i in range(len(indices))]
+        tag = str(self.step) if round_ == 0 else f"{self.step}.{round_}"
+        uids = [f"{tag}-{i}" for i in range(len(indices))]
         batch = prompt_batch(self.tokenizer, [self.records[i] for i in indices], self.cfg.data.max_length, uids,
                              self.vision)
         batch = batch.repeat(self.cfg.rl.rollout.n, interleave=True)
-        batch.meta["seed"] = self.cfg.run.seed * 1_000_003 + self.step
+        batch.meta["seed"] = self.cfg.run.seed * 1_000_003 + self.step + round_ * _ROUND_SEED
         return batch
 
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -217,22 +232,90 @@ class Controller:
         return batch.union(Batch.from_dict({"token_level_rewards": rewards, "advantages": adv,
                                             "returns": returns})), metrics
 
+    def rollout(self, timer: PhaseTimer, metrics: dict[str, float], round_: int = 0) -> tuple[Batch, dict[str, float]]:
+        """One sampling round: the next prompts generated and scored; returns the scored
+        batch and its reward metrics. The engine's own figures (the weight push before
+        generating, only in the round that pushes) go to `metrics`: the slowest rank's."""
+        with timer("generate"):
+            batch = self.group.generate_sequences(self.next_prompts(round_))
+        for name, values in batch.meta.pop("metrics", {}).items():
+            metrics[name] = metrics.get(name, 0.0) + float(max(values) if isinstance(values, list) else values)
+        with timer("reward"):
+            return self.score(batch)
+
+    def sample(self, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+        """The step's rows for the update, after ``rl.filter_groups`` (see `RLConfig`).
+
+        Without filtering: one round, every row. With it: the groups whose rewards are all
+        equal leave; with refill, more rounds (at most ``filter_groups_max_rounds``) until
+        ``train.global_batch_size`` groups are kept; the kept groups, in sampling order,
+        cut to at most ``global_batch_size`` and to what splits evenly over the
+        data-parallel ranks and mini-batches (`rl_update_groups`). May return no rows.
+
+        Adds to `metrics`: the reward metrics and ``response_length/*`` over every sample
+        generated this step (all rounds: the curves stay comparable with filtering off);
+        with filtering ``filter/kept_groups`` (groups in the update), ``/dropped_groups``
+        (zero reward variance), ``/trimmed_groups`` (kept but beyond what the update takes),
+        ``/rounds`` (extra sampling rounds) and ``/kept_reward_mean`` (``reward/mean`` over
+        the update's rows)."""
+        rl = self.cfg.rl
+        batch, m = self.rollout(timer, metrics, 0)
+        generated, scored = [batch], [m]
+        if rl.filter_groups != "none":
+            n, wanted = rl.rollout.n, self.cfg.train.global_batch_size
+            kept = [drop_zero_variance_groups(batch)]
+            have = len(kept[0]) // n
+            while rl.filter_groups_refill and have < wanted and len(generated) <= rl.filter_groups_max_rounds:
+                batch, m = self.rollout(timer, metrics, len(generated))
+                generated.append(batch)
+                scored.append(m)
+                kept.append(drop_zero_variance_groups(batch))
+                have += len(kept[-1]) // n
+            take = rl_update_groups(min(have, wanted), n, self.dp_size, rl.actor.ppo_mini_batches)
+            batch = concat_rounds(kept, self.pad_id)[:take * n]
+            metrics["filter/kept_groups"] = float(take)
+            metrics["filter/dropped_groups"] = float(sum(len(b) for b in generated) // n - have)
+            metrics["filter/trimmed_groups"] = float(have - take)
+            metrics["filter/rounds"] = float(len(generated) - 1)
+            if take:
+                metrics["filter/kept_reward_mean"] = float(batch.tensors["token_level_scores"].sum(-1).mean())
+        metrics.update(merge_reward_metrics(generated, scored))
+        lengths = torch.cat([b.tensors["response_mask"].sum(-1) for b in generated]).float()
+        metrics["response_length/mean"] = float(lengths.mean())
+        metrics["response_length/clip_frac"] = float((lengths >= rl.rollout.max_new_tokens).float().mean())
+        return batch
+
     def train_step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
-        rl = self.cfg.rl
-        g = self.group
         timer = PhaseTimer(synchronize=False)
         metrics: dict[str, float] = {}
         t0 = time.perf_counter()
         dispatch_before = sum(gr.dispatch_s for gr in self.groups.values())
-        with timer("generate"):
-            batch = g.generate_sequences(self.next_prompts())
-        # The engine's own figures (the weight push before generating): the slowest rank's.
-        for name, values in batch.meta.pop("metrics", {}).items():
-            metrics[name] = float(max(values) if isinstance(values, list) else values)
-        with timer("reward"):
-            batch, m = self.score(batch)
-            metrics.update(m)
+        batch = self.sample(timer, metrics)
+        if len(batch):
+            self.update(batch, timer, metrics)
+        else:
+            log.warning("step %d: no update: rl.filter_groups=%s dropped %d groups and the %d kept do not split "
+                        "over the data-parallel ranks and mini-batches", self.step + 1, self.cfg.rl.filter_groups,
+                        metrics["filter/dropped_groups"], metrics["filter/trimmed_groups"])
+        if self.cfg.rl.filter_groups != "none":
+            metrics["filter/skipped_update"] = float(not len(batch))
+        self.step += 1
+        max_steps = self.cfg.train.max_steps
+        if _should_save(self.cfg, self.step, max_steps):
+            with timer("checkpoint"):
+                self.save(final=self.step == max_steps)
+        metrics.update(timer.as_dict())
+        # inside the phases above: the step's controller <-> worker data movement
+        metrics["time/dispatch"] = sum(gr.dispatch_s for gr in self.groups.values()) - dispatch_before
+        metrics["time/step"] = time.perf_counter() - t0
+        return metrics
+
+    def update(self, batch: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> None:
+        """Old log-probs, reference, values, advantages and the updates on the step's
+        scored rows (``entropy``, ``kl`` and the update metrics are over these rows)."""
+        rl = self.cfg.rl
+        g = self.group
         mask = batch.tensors["response_mask"].bool()
         if not self.on_policy_shortcut:
             with timer("old_log_prob"):
@@ -261,19 +344,6 @@ class Controller:
             folder = self.run_dir / "batches"
             folder.mkdir(exist_ok=True)
             (folder / f"step_{self.step + 1:08d}.batch").write_bytes(batch.to_bytes())
-        lengths = mask.sum(-1).float()
-        metrics["response_length/mean"] = float(lengths.mean())
-        metrics["response_length/clip_frac"] = float((lengths >= rl.rollout.max_new_tokens).float().mean())
-        self.step += 1
-        max_steps = self.cfg.train.max_steps
-        if _should_save(self.cfg, self.step, max_steps):
-            with timer("checkpoint"):
-                self.save(final=self.step == max_steps)
-        metrics.update(timer.as_dict())
-        # inside the phases above: the step's controller <-> worker data movement
-        metrics["time/dispatch"] = sum(gr.dispatch_s for gr in self.groups.values()) - dispatch_before
-        metrics["time/step"] = time.perf_counter() - t0
-        return metrics
 
     def fit(self) -> list[dict[str, float]]:
         """Steps until ``train.max_steps`` (from wherever `resume` left the controller), with
@@ -322,6 +392,60 @@ def mean_timing(history: list[dict[str, float]]) -> dict[str, float]:
     steps = history[1:] if len(history) > 1 else history
     keys = sorted({k for m in steps for k in m if k.startswith("time/")})
     return {k: sum(m.get(k, 0.0) for m in steps) / len(steps) for k in keys} if steps else {}
+
+
+_ROUND_SEED = 1_000_000_007
+"""Added to a step's sampling seed once per refill round: more than any step count, so no
+round samples with the seed of another step's round."""
+
+# The sequence-aligned tensors of a scored rollout batch (prompt columns, then response
+# columns) and the prompt-only ones: left-padded when rounds of different prompt widths
+# are joined. The ids get the pad id, everything else 0 (masked out, position 0).
+_SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
+             "token_level_scores")
+_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+
+def drop_zero_variance_groups(batch: Batch) -> Batch:
+    """`batch` without the groups (rows of one uid) whose sequence scores are all equal."""
+    scores = batch.tensors["token_level_scores"].sum(-1)
+    return batch[~alg.zero_variance_groups(scores, list(batch.arrays["uid"]))]
+
+
+def concat_rounds(batches: list[Batch], pad_id: int) -> Batch:
+    """The rows of several sampling rounds in one batch: the prompt columns left-padded to
+    the widest round's (each round's prompts are as wide as its longest), the rounds'
+    sampling seeds dropped from meta."""
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.tensors["prompt_ids"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        extra = width - b.tensors["prompt_ids"].shape[1]
+        tensors = dict(b.tensors)
+        for k in (*_SEQ_KEYS, *_PROMPT_KEYS):
+            if k in tensors and extra:
+                v = tensors[k]
+                fill = pad_id if k in ("input_ids", "prompt_ids") else 0
+                tensors[k] = torch.cat([torch.full((v.shape[0], extra), fill, dtype=v.dtype), v], dim=1)
+        padded.append(Batch(tensors=tensors, arrays=dict(b.arrays),
+                            meta={k: v for k, v in b.meta.items() if k != "seed"}))
+    return Batch.concat(padded)
+
+
+def merge_reward_metrics(batches: list[Batch], metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The reward metrics of a step's sampling rounds (`Controller.score`'s, per round) as
+    if scored at once: means weighted by rows, ``reward/std`` over every row."""
+    if len(batches) == 1:
+        return metrics[0]
+    rows = [len(b) for b in batches]
+    out = {}
+    for k in sorted({k for m in metrics for k in m}):
+        pairs = [(r, m[k]) for r, m in zip(rows, metrics) if k in m]
+        out[k] = sum(r * v for r, v in pairs) / max(sum(r for r, _ in pairs), 1)
+    seq = torch.cat([b.tensors["token_level_scores"].sum(-1) for b in batches])
+    out["reward/std"] = float(seq.std()) if len(seq) > 1 else 0.0
+    return out
 
 
 def _should_save(cfg: Config, step: int, max_steps: int) -> bool:
