@@ -170,6 +170,7 @@ def _infer_body(rank: int, world: int, overrides: list[str]) -> dict:
         run = {"wrapped": _compiled_modules(engine.model)}
         run["log_probs"] = engine.log_probs(**mine, with_entropy=True)
         run["micro_log_probs"] = engine.log_probs(**mine, micro_batch_size=1)["log_probs"]  # another batch size
+        run["packed_log_probs"] = engine.log_probs(**mine, layout="packed")["log_probs"]  # rl.packing's rows
         run["counts_scored"] = _dynamo_counts()
         gen = HFGenerator(engine.model, cfg.rl.rollout, runtime, pad_id=PAD, eos_id=63)
         seqs = gen.generate_sequences(_prompts(rank))
@@ -190,8 +191,9 @@ def test_compiled_infer_engine_equals_eager_and_generates():
         assert comp["counts_scored"]["graphs"] >= 1 and comp["counts_scored"]["graph_breaks"] == 0
         for key in ("log_probs", "entropy"):
             torch.testing.assert_close(comp["log_probs"][key], eager["log_probs"][key], rtol=0, atol=LOG_PROB_ATOL)
-        torch.testing.assert_close(comp["micro_log_probs"], eager["log_probs"]["log_probs"], rtol=0,
-                                   atol=LOG_PROB_ATOL)
+        for key in ("micro_log_probs", "packed_log_probs"):
+            torch.testing.assert_close(comp[key], eager["log_probs"]["log_probs"], rtol=0, atol=LOG_PROB_ATOL)
+        torch.testing.assert_close(eager["packed_log_probs"], eager["log_probs"]["log_probs"], rtol=0, atol=1e-5)
         assert comp["log_probs"]["log_probs"].abs().sum() > 1.0  # the comparison was over real values
         # KV-cached decoding runs the layers' eager forward (apply_compile): the same tokens and
         # log-probs as the eager model, and not one graph compiled for it.

@@ -6,11 +6,15 @@ the longest response. A forward over that layout computes every padding token to
 answers of mixed length most of the batch can be padding. Two other layouts hold the same
 real tokens:
 
-- ``packed``: the real tokens of all rows, concatenated into ONE row ``(1, N)``, position
-  ids restarting at 0 for each sequence, ``attention_mask=None``. transformers detects the
-  restarts (``masking_utils.find_packed_sequence_indices``) and builds the block-diagonal
-  causal mask for sdpa / eager / flex, or runs flash-attention's varlen kernel where
-  installed, so no sequence attends to another. Nothing but real tokens is computed.
+- ``packed``: the sequences of all rows laid end to end in rows as wide as the longest
+  sequence (`pack_rows`, first-fit by decreasing length), position ids restarting at 0 for
+  each sequence, ``attention_mask=None``. transformers detects the restarts
+  (``masking_utils.find_packed_sequence_indices``) and builds the block-diagonal causal
+  mask for sdpa / eager / flex, or runs flash-attention's varlen kernel where installed, so
+  no sequence attends to another. What padding remains is the few tokens at the end of a
+  packed row (a sequence of their own, positions from 0). Not one row of all tokens: sdpa
+  and eager form (row x row) scores, so a single row of N tokens would cost N^2 where rows
+  of the longest sequence's width cost about N x longest.
 - ``compact``: each row's real tokens moved to the left, right-padded to the longest real
   row of the micro-batch ``(rows, longest)`` with a 2-D mask. Padding remains, but only up to
   the micro-batch's own longest row (what a token budget counts for unpacked rows).
@@ -34,7 +38,7 @@ import torch
 
 from shardwise.data.sampler import token_budget_micro_batches
 
-__all__ = ["LAYOUTS", "Layout", "compact", "micro_batch_rows", "padding_share"]
+__all__ = ["LAYOUTS", "Layout", "compact", "micro_batch_rows", "pack_rows", "padding_share"]
 
 LayoutName = Literal["padded", "compact", "packed"]
 LAYOUTS: tuple[str, ...] = ("padded", "compact", "packed")
@@ -45,7 +49,7 @@ class Layout:
     """A micro-batch's real tokens in another layout, and the way back."""
 
     input_ids: torch.Tensor
-    """``(1, N)`` packed or ``(rows, longest)`` compact, int64."""
+    """``(packed rows, longest)`` packed or ``(rows, longest)`` compact, int64."""
     attention_mask: torch.Tensor | None
     """None when packed (the position ids mark the sequences); ``(rows, longest)`` compact."""
     position_ids: torch.Tensor
@@ -67,7 +71,7 @@ class Layout:
 def compact(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
             packed: bool = True) -> Layout:
     """`input_ids` ``(B, T)`` (padding where `attention_mask` is 0, on either side) in the
-    packed (one row) or compact (right-padded, trimmed) layout, see the module docstring.
+    packed or compact (right-padded, trimmed) layout, see the module docstring.
 
     position_ids ``(B, T)``: taken from the batch for each real token when given, else the
     count of real tokens before it in its row. Every row needs at least one real token.
@@ -86,10 +90,25 @@ def compact(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids:
     pos = within if position_ids is None else position_ids[rows, cols]
     device = input_ids.device
     if packed:
-        n = int(rows.numel())
-        dst = (torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))
-        ids = input_ids[rows, cols].unsqueeze(0)
-        positions = pos.unsqueeze(0)
+        bins = pack_rows(lengths.tolist())
+        width = int(lengths.max())
+        seq_row = torch.empty(len(lengths), dtype=torch.long)
+        seq_start = torch.empty(len(lengths), dtype=torch.long)
+        tails = []
+        for b, members in enumerate(bins):
+            used = 0
+            for i in members:
+                seq_row[i], seq_start[i] = b, used
+                used += int(lengths[i])
+            tails.append((b, used))
+        seq_row, seq_start = seq_row.to(device), seq_start.to(device)
+        dst = (seq_row[rows], seq_start[rows] + within)
+        ids = input_ids.new_zeros((len(bins), width))
+        ids[dst] = input_ids[rows, cols]
+        positions = torch.zeros_like(ids)
+        positions[dst] = pos
+        for b, used in tails:  # the padding after a row's sequences: a sequence of its own
+            positions[b, used:] = torch.arange(width - used, device=device)
         mask = None
     else:
         width = int(lengths.max())
@@ -100,6 +119,28 @@ def compact(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids:
         positions[dst] = pos
         mask = (torch.arange(width, device=device) < lengths[:, None]).to(attention_mask.dtype)
     return Layout(ids, mask, positions, tuple(input_ids.shape), (rows, cols), dst)
+
+
+def pack_rows(lengths: list[int]) -> list[list[int]]:
+    """Sequences of `lengths` tokens into rows as wide as the longest, first-fit by
+    decreasing length (each row's sequences in their original order): a few rows with
+    little padding, so attention over a packed row costs about the longest row's square
+    per row (one row of all tokens would cost the square of the total)."""
+    if not lengths:
+        return []
+    width = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return [sorted(r) for r in rows]
 
 
 def micro_batch_rows(lengths: list[int], micro_batch_size: int, budget: int | None, packed: bool,

@@ -30,7 +30,10 @@ policy and the reference, nats/token) over the update's rows; ``filter/*`` with
 old_log_prob, ref, values, advantage, update_critic, update_actor, checkpoint and step,
 and ``time/dispatch``: the part of those phases spent moving batches between the
 controller and the workers (splitting, serializing, Ray scheduling) rather than in the
-workers' methods;
+workers' methods; ``batch/tokens`` (real tokens of the step's rows), ``batch/padding_share``
+(the share of the rows' padded layout that is padding: what forwards without
+``rl.packing`` compute for nothing) and ``perf/update_tokens_per_s`` (real tokens x
+ppo_epochs / time/update_actor);
 ``rollout/*``: the rollout engine's log-probs of the sampled tokens against the actor's
 (absolute difference, importance ratio; `shardwise.rl.algorithms.rollout_mismatch`);
 with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
@@ -340,6 +343,14 @@ class Controller:
                 metrics.update(self.group_of("critic").update_critic(batch))
         with timer("update_actor"):
             metrics.update(g.update_actor(batch))
+        # The update's real tokens, the share of its rows' padded (B, T) layout that is
+        # padding (what forwards without rl.packing compute for nothing), and its speed.
+        real = int(batch.tensors["attention_mask"].sum())
+        metrics["batch/tokens"] = float(real)
+        metrics["batch/padding_share"] = 1.0 - real / max(batch.tensors["attention_mask"].numel(), 1)
+        seconds = timer.as_dict().get("time/update_actor", 0.0)
+        if seconds > 0:
+            metrics["perf/update_tokens_per_s"] = real * rl.actor.ppo_epochs / seconds
         if self.step < rl.record_batches:
             folder = self.run_dir / "batches"
             folder.mkdir(exist_ok=True)

@@ -161,16 +161,18 @@ class ActorWorker:
         # are the largest over micro-batches and ranks.
         out = mean_over_ranks({k: v for k, v in metrics.items() if not _is_share(k) and k not in _MISMATCH_MAXES},
                               device)
-        shares = {k: v for k, v in metrics.items() if _is_share(k)}
+        # One all-reduce for all the shares, one for all the maxima.
+        shares = sorted(k for k in metrics if _is_share(k))
         steps = a.ppo_epochs * n_mini
-        for k, v in sorted(shares.items()):
-            total = torch.tensor(sum(v) / steps, dtype=torch.float64, device=device)
-            dist.all_reduce(total)
-            out[k] = float(total)
-        for k in sorted(set(metrics) & set(_MISMATCH_MAXES)):
-            top = torch.tensor(max(metrics[k], default=0.0), dtype=torch.float64, device=device)
+        if shares:
+            totals = torch.tensor([sum(metrics[k]) / steps for k in shares], dtype=torch.float64, device=device)
+            dist.all_reduce(totals)
+            out.update(zip(shares, totals.tolist()))
+        tops = sorted(set(metrics) & set(_MISMATCH_MAXES))
+        if tops:
+            top = torch.tensor([max(metrics[k], default=0.0) for k in tops], dtype=torch.float64, device=device)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-            out[k] = float(top)
+            out.update(zip(tops, top.tolist()))
         return out
 
     def _ppo_loss(self, tokens: float, seqs: float, metrics: dict[str, list[float]],
