@@ -113,7 +113,9 @@ def test_actor_update_with_packing_and_token_budgets_equals_the_padded_fixed_one
                                        "rl.log_prob_max_tokens_per_micro_batch=40"], split, timeout=180)
     for r in range(2):
         torch.testing.assert_close(packed[r]["before"], padded[r]["before"], rtol=0, atol=1e-5)
-        torch.testing.assert_close(packed[r]["after"], padded[r]["after"], rtol=0, atol=1e-5)
+        # after 4 AdamW steps whose params agree as assert_trained_params_close allows: a
+        # log-prob of magnitude ~4 then to a relative 1e-5
+        torch.testing.assert_close(packed[r]["after"], padded[r]["after"], rtol=1e-5, atol=1e-5)
         assert packed[r]["same_as_ref"]
     m1, m2 = padded[0]["metrics"], packed[0]["metrics"]
     for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "actor/grad_norm"):
