@@ -16,7 +16,12 @@ Everything else (sampling, advantages, the loss, the optimizer) is TRL's.
 Rank 0 writes one JSON line per optimizer step to SPEC["steps_path"]: ``step``,
 ``reward`` (TRL's logged mean reward of the step's completions), ``time`` (wall clock at
 the step's end, seconds since the epoch) and ``train_start`` (wall clock at the first
-step's start), plus TRL's other logged numbers.
+step's start), plus TRL's other logged numbers and rank 0's own count of the step
+(`Phases`): ``time/generate`` (`_generate`), ``time/reward`` (`_calculate_rewards`),
+``time/log_probs`` (the forwards without gradient: old / reference log-probs),
+``time/update`` (the loss forwards and backwards, and the optimizer step), and
+``update/tokens`` / ``update/padded_tokens``: the real (attention-mask) tokens of the
+loss forwards and all the tokens they ran on, padding included.
 """
 
 from __future__ import annotations
@@ -40,13 +45,38 @@ from shardwise.data.collate import tokenize_prompt
 from shardwise.data.rewards import decode_responses, resolve_reward_fn
 
 
+class Phases:
+    """This rank's seconds per phase and update-forward token counts since the last log."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def take(self) -> dict[str, float]:
+        out, self.totals = self.totals, {}
+        return out
+
+
+PHASES = Phases()
+
+
 class StepLog(TrainerCallback):
-    """Wall clock of each optimizer step's end, joined with the step's logged metrics."""
+    """Wall clock of each optimizer step's end, joined with the step's logged metrics and
+    `PHASES`; times the optimizer step into ``time/update``."""
 
     def __init__(self, path: Path):
         self.path = path
         self.train_start: float | None = None
         self.ends: dict[int, float] = {}
+        self.opt_start = 0.0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.opt_start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        PHASES.add("time/update", time.perf_counter() - self.opt_start)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.train_start is None:
@@ -60,7 +90,7 @@ class StepLog(TrainerCallback):
             return
         step = state.global_step
         line = {"step": step, "time": self.ends.get(step, time.time()), "train_start": self.train_start,
-                **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+                **{k: v for k, v in logs.items() if isinstance(v, (int, float))}, **PHASES.take()}
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -94,6 +124,50 @@ def main() -> int:
         # tokenizer(text) (which adds no bos with this tokenizer)
         def _tokenize_prompts(self, prompts: list):
             return [tokenize_prompt(self.processing_class, p, max_length) for p in prompts], None, {}
+
+        # Rank 0's phases (`Phases`): generation, reward, the no-grad log-prob forwards and
+        # the update (training_step less the generation it triggers; the optimizer step is
+        # timed by StepLog), and the update forwards' real and padded tokens.
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                PHASES.add("time/generate", time.perf_counter() - t0)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super()._calculate_rewards(*args, **kwargs)
+            finally:
+                PHASES.add("time/reward", time.perf_counter() - t0)
+
+        def _prepare_inputs(self, generation_batch):
+            t0 = time.perf_counter()
+            try:
+                return super()._prepare_inputs(generation_batch)
+            finally:
+                self._prepare_s += time.perf_counter() - t0
+
+        def training_step(self, model, inputs, num_items_in_batch):
+            self._prepare_s = 0.0
+            t0 = time.perf_counter()
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                PHASES.add("time/update", time.perf_counter() - t0 - self._prepare_s)
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+            t0 = time.perf_counter()
+            grad = torch.is_grad_enabled()
+            try:
+                return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+            finally:
+                if grad:
+                    PHASES.add("update/tokens", float(attention_mask.sum()))
+                    PHASES.add("update/padded_tokens", float(attention_mask.numel()))
+                else:
+                    PHASES.add("time/log_probs", time.perf_counter() - t0)
 
         # shardwise's schedule, step for step (HF's warmup starts at 0, shardwise's at 1/warmup)
         def create_scheduler(self, num_training_steps: int, optimizer=None):

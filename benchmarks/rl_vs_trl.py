@@ -13,14 +13,30 @@ coefficient and loss aggregation, each with `--nproc` CPU processes:
   script creates with pip on its first run: torch first (the version shardwise runs on),
   then TRL (pinned below) with the transformers shardwise runs on.
 
-Every setting is read from the shardwise config (``--config``), so both sides follow it.
+Every setting is read from the shardwise config (``--config``, or ``--task``'s), so both
+sides follow it. ``--task reverse`` (the default) is the demo's short answers (~5 tokens);
+``--task long`` is examples/grpo_long.yaml, builtin:count: answers of 8 to 98 tokens (36 on
+average), RL at real lengths, where padding and the update's token throughput matter.
+
+Besides the reward curves, each side's time is taken apart: seconds per phase (shardwise's
+``time/*`` metrics; TRL's generation, reward, no-grad log-prob forwards and update, timed in
+the worker), the padding share of the update forwards (tokens run on that are padding:
+shardwise's from its recorded batches, ``rl.record_batches``, every micro-batch as wide as
+the step's batch; TRL's counted in its loss forwards) and the update's real tokens per second.
 
     python benchmarks/rl_vs_trl.py                  # 60 steps each, 3-4 minutes on 2 CPU cores
     python benchmarks/rl_vs_trl.py --steps 5        # a quick check that both sides run
+    python benchmarks/rl_vs_trl.py --task long      # the long-answer task (`shardwise train
+                                                    # examples/sft_long.yaml --nproc 2` first)
 
 Writes rl_vs_trl.{json,md,png} to --out (default results/rl_vs_trl) and prints the table.
-Needs the config's SFT model (its model.path; the demo's: `make demo`) unless --model names
-another. --config defaults to the demo's RL config, examples/grpo_reverse.yaml.
+Needs the config's SFT model (its model.path; the demo's: `make demo`; the long task's:
+`shardwise train examples/sft_long.yaml --nproc 2`) unless --model names another.
+
+TRL's best settings here: GRPOTrainer has no padding-free option (TRL 1.16's GRPOConfig has
+none; padding_free is SFTConfig's), so its forwards run padded; its vLLM generation
+(use_vllm, colocate or server) would need vLLM in the TRL venv, so both sides generate with
+HF generate (shardwise's rollout.engine=hf).
 """
 
 from __future__ import annotations
@@ -52,6 +68,8 @@ REPO = HERE.parent
 WORKER = HERE / "_trl_grpo_worker.py"
 TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0", "datasets==5.2.0")
 """What the TRL venv gets after torch, with shardwise's own transformers version."""
+TASKS = {"reverse": REPO / "examples" / "grpo_reverse.yaml", "long": REPO / "examples" / "grpo_long.yaml"}
+"""--task: the RL config each names (--config overrides)."""
 TARGET_TIME_RATIO = 0.5
 """The issue's target: shardwise reaches TRL's final mean reward in at most this share of TRL's wall time."""
 
@@ -207,8 +225,10 @@ def step_records(cfg: Config, steps: int) -> list[dict[str, str]]:
 
 def trl_requirements() -> list[str]:
     """torch (installed first, alone: the version shardwise runs on, so a CPU build stays
-    one), then TRL's pins and shardwise's transformers."""
-    return [f"torch=={version('torch').split('+')[0]}", *TRL_PINS, f"transformers=={version('transformers')}"]
+    one), then TRL's pins, shardwise's transformers and its pillow (the worker's import of
+    shardwise.data.tasks loads the built-in image tasks' module, shardwise.data.visual)."""
+    return [f"torch=={version('torch').split('+')[0]}", *TRL_PINS, f"transformers=={version('transformers')}",
+            f"pillow=={version('pillow')}"]
 
 
 def ensure_venv(venv: Path, skip_install: bool) -> Path:
@@ -276,7 +296,10 @@ def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     lines = [json.loads(x) for x in steps_path.read_text().splitlines()]
     start = lines[0]["train_start"]
     return {"name": "trl", "wall_s": wall, "startup_s": start - launched,
-            "steps": [{"step": m["step"], "reward": m["reward"], "t": m["time"] - start} for m in lines]}
+            "steps": [{"step": m["step"], "reward": m["reward"], "t": m["time"] - start,
+                       "phases": {k: v for k, v in m.items() if k.startswith("time/")},
+                       "update_s": m.get("time/update"), "update_tokens": m.get("update/tokens"),
+                       "update_padded_tokens": m.get("update/padded_tokens")} for m in lines]}
 
 
 def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -284,18 +307,42 @@ def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace
     `run_trl`'s. Its clock starts at the first step's start (``time`` of step 1's metrics
     line minus its ``time/step``), after Ray, the workers and the held-out evaluation."""
     launched = time.time()
-    job = run_rl(cfg_path, args.out / "runs" / "shardwise_hf",
+    run_dir = args.out / "runs" / "shardwise_hf"
+    job = run_rl(cfg_path, run_dir,
                  [f"train.max_steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
-                  "rl.rollout.engine=hf", *overrides],
+                  "rl.rollout.engine=hf", f"rl.record_batches={args.steps}", *overrides],
                  nproc=args.nproc, log=args.out / "logs" / "shardwise_hf.log", timeout=args.timeout)
     if "error" in job:
         return {"name": "shardwise", "error": job["error"], "wall_s": job["wall_s"]}
     lines = job["steps"]
     start = lines[0]["time"] - lines[0]["time/step"]
-    accuracy = [ln.strip() for ln in job["stdout"].splitlines() if "held-out accuracy" in ln]
+    accuracy = [ln.strip() for ln in job["stdout"].splitlines() if "held-out" in ln]
+    tokens = update_tokens(run_dir / "batches")
+    steps = []
+    for m in lines:
+        real, padded = tokens.get(m["step"], (None, None))
+        # per rank, as TRL's rank-0 counts: the rows split evenly over the ranks
+        per_rank = (lambda x: None if x is None else x / args.nproc)
+        steps.append({"step": m["step"], "reward": m["reward/mean"], "t": m["time"] - start,
+                      "phases": {k: v for k, v in m.items() if k.startswith("time/")},
+                      "update_s": m["time/update_actor"], "update_tokens": per_rank(real),
+                      "update_padded_tokens": per_rank(padded)})
     return {"name": "shardwise", "wall_s": job["wall_s"], "startup_s": start - launched,
-            "accuracy_line": accuracy[0] if accuracy else "",
-            "steps": [{"step": m["step"], "reward": m["reward/mean"], "t": m["time"] - start} for m in lines]}
+            "accuracy_line": " / ".join(accuracy), "steps": steps}
+
+
+def update_tokens(folder: Path) -> dict[int, tuple[float, float]]:
+    """Step -> (real tokens, tokens run on) of the actor update's forwards, from the batches
+    `shardwise rl` recorded (``rl.record_batches``): every micro-batch is a slice of rows of
+    the step's batch at its full width, so the forwards run on rows x width tokens, of which
+    the attention mask's are real."""
+    from shardwise.data.batch import Batch
+
+    out = {}
+    for f in sorted(folder.glob("step_*.batch")):
+        mask = Batch.from_bytes(f.read_bytes()).tensors["attention_mask"]
+        out[int(f.stem.removeprefix("step_"))] = (float(mask.sum()), float(mask.numel()))
+    return out
 
 
 # ---------------------------------------------------------------------- the numbers
@@ -332,6 +379,16 @@ def summarise(r: dict[str, Any], window: int) -> None:
     r.update(step_s=statistics.fmean(timed), steps_per_s=1.0 / statistics.fmean(timed), train_s=t[-1],
              first_reward=statistics.fmean(rewards[:window]), final_reward=statistics.fmean(rewards[-window:]),
              mean_reward=statistics.fmean(rewards))
+    # where the time goes: the steps after the first (which warms up), as for s / step
+    later = r["steps"][1:] if len(r["steps"]) > 1 else r["steps"]
+    keys = sorted({k for s in later for k in s.get("phases", {})})
+    r["phase_s"] = {k: statistics.fmean(s["phases"].get(k, 0.0) for s in later) for k in keys}
+    counted = [s for s in later if s.get("update_tokens") is not None and s.get("update_s")]
+    real = sum(s["update_tokens"] for s in counted)
+    padded = sum(s["update_padded_tokens"] for s in counted)
+    r["update_padding_share"] = 1.0 - real / padded if padded else None
+    r["update_tokens_per_s"] = real / sum(s["update_s"] for s in counted) if counted else None
+    r["update_tokens_per_step"] = real / len(counted) if counted else None
 
 
 def compare(runs: dict[str, dict[str, Any]], window: int) -> dict[str, Any]:
@@ -386,6 +443,18 @@ def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: l
                    f"(mean reward over all steps {sw['mean_reward']:.3f} vs {runs['trl']['mean_reward']:.3f}): "
                    f"**{'met' if cmp['curve_target_met'] else 'not met'}**.")
         lines += ["", verdict]
+    lines += ["", "Where the time goes (steps after the first; shardwise: its `time/*` metrics, TRL: rank 0's "
+              "phases timed in the worker; update: loss forwards, backwards and optimizer step; padding share: "
+              "padding tokens / all tokens of the update forwards; tokens/s: real tokens of the update per rank / "
+              "its seconds):", "",
+              "| system | padding share, update | update tokens / step / rank | update tokens / s / rank | s / phase |",
+              "|---|--:|--:|--:|---|"]
+    for name, r in runs.items():
+        if "error" in r:
+            continue
+        phases = ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r["phase_s"].items())
+        lines.append(f"| {name} | {fmt(r['update_padding_share'])} | {fmt(r['update_tokens_per_step'], '.0f')} | "
+                     f"{fmt(r['update_tokens_per_s'], '.0f')} | {phases} |")
     lines += ["", "| setting | shardwise key | value | TRL GRPOConfig | value | note |", "|---|---|---|---|---|---|"]
     for s in setting_rows:
         lines.append(f"| {s.what} | `{s.key}` | {s.value} | `{s.field}` | {s.trl_value} | {s.note} |")
@@ -423,7 +492,9 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--config", type=Path, default=REPO / "examples" / "grpo_reverse.yaml", help="the shardwise RL config")
+    p.add_argument("--task", choices=sorted(TASKS), default="reverse",
+                   help="reverse: the demo's short answers; long: builtin:count, answers of 8-98 tokens")
+    p.add_argument("--config", type=Path, default=None, help="the shardwise RL config (default: --task's)")
     p.add_argument("--model", default=None, help="the SFT model folder (default: the config's model.path)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", type=Path, default=REPO / "results" / "rl_vs_trl")
@@ -435,13 +506,14 @@ def main() -> int:
     args = p.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    config = args.config.resolve()
+    config = (args.config or TASKS[args.task]).resolve()
     # The model folder as an absolute path (the config's is relative to the repository,
     # where the shardwise run starts; --model to the working directory), one metrics line
     # per step, and the length; the rest is the config's, for both runs.
     model = Path(args.model).resolve() if args.model else REPO / (load_config(config).model.path or "")
     if not (model / "config.json").is_file():
-        raise SystemExit(f"rl_vs_trl: no model folder at {model}: run `make demo` or pass --model")
+        first = "`make demo`" if args.task == "reverse" else "`shardwise train examples/sft_long.yaml --nproc 2`"
+        raise SystemExit(f"rl_vs_trl: no model folder at {model}: run {first} or pass --model")
     overrides = [f"model.path={model}", "train.log_every=1"]
     cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}", "rl.rollout.engine=hf"])
     setting_rows = settings(cfg, args.nproc, args.steps)

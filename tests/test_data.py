@@ -22,6 +22,7 @@ from shardwise.data.sources import load_records
 from shardwise.data.tasks import (
     BUILTIN_TASKS,
     arithmetic_examples,
+    count_examples,
     get_builtin_task,
     score_arithmetic,
 )
@@ -148,6 +149,35 @@ def test_builtin_task_registry():
         get_builtin_task("arithmetc")
     with pytest.raises(ShardwiseError, match=r"'builtin:poetry'.*builtin:arithmetic"):
         get_builtin_task("builtin:poetry")
+
+
+def test_count_task_has_long_answers_of_varied_length(tokenizer):
+    """builtin:count is the long-answer task (RL at real lengths): over its training rows the
+    built-in tokenizer's response tokens average >= 32 with a longest >= 96, the lengths
+    spread several-fold, and the held-out generation budget fits the longest answer and its
+    eos. The rows are deterministic in the seed, right, and scored by exact answer."""
+    count, mixed = get_builtin_task("builtin:count"), get_builtin_task("builtin:count_mixed")
+    rows = count.make_examples(2048, 0)
+    assert rows == count_examples(2048, 0) and rows != count.make_examples(2048, 1)
+    assert count.make_examples(10, 0) == rows[:10]
+    lengths = [len(tokenizer(r["response"], add_special_tokens=False)["input_ids"]) for r in rows]
+    mean = sum(lengths) / len(lengths)
+    assert mean >= 32 and max(lengths) >= 96, (mean, max(lengths))
+    assert min(lengths) <= 11 and sorted(lengths)[len(lengths) // 2] < mean  # varied, a long tail
+    assert count.max_new_tokens >= max(lengths) + 1 and mixed.max_new_tokens == count.max_new_tokens
+    for r in rows:
+        a, b = (int(x) for x in r["prompt"].removesuffix("=").split(":"))
+        assert 10 <= a < b <= 99 and r["response"] == ",".join(str(x) for x in range(a, b + 1))
+        assert count.score(r["prompt"], r["response"] + "<eos><pad>", r["response"]) == 1.0
+        assert count.score(r["prompt"], r["response"][:-1], r["response"]) == 0.0
+    # count_mixed: the same prompts; about 60% of the answers count down, the rest are right
+    demos = mixed.make_examples(2048, 0)
+    assert demos == mixed.make_examples(2048, 0)
+    assert [d["prompt"] for d in demos] == [r["prompt"] for r in rows]
+    down = [d["response"] == ",".join(reversed(r["response"].split(","))) for d, r in zip(demos, rows)]
+    assert all(dn or d["response"] == r["response"] for dn, d, r in zip(down, demos, rows))
+    assert 0.55 < sum(down) / len(down) < 0.65
+    assert mixed.heldout_examples(50, 7) == count_examples(50, 7)
 
 
 # ---------------------------------------------------------------- sources

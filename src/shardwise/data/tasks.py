@@ -12,6 +12,14 @@ truth the task's scorer compares a generated response with. A task's held-out pr
   word, 60% copy it unchanged. A model trained on them can reverse (sampling finds the
   reversal) but greedily copies: the gap between pass@k and pass@1 that RL with the
   ``reverse`` reward closes (the demo, examples/sft_reverse.yaml and grpo_reverse.yaml).
+- ``count``: ``"23:27="`` -> ``"23,24,25,26,27"``: count from one two-digit number to a
+  larger one, 3 to 33 numbers (how many: log-uniform), so answers run from 8 to 98 tokens,
+  36 on average with a long tail, and a batch's answers differ in length several-fold as
+  sampled answers do: the task for RL at real lengths;
+- ``count_mixed``: SFT rows for ``count`` from two writers: 40% count up, 60% count down
+  from the larger number (``"27,26,25,24,23"``), the ``reverse_mixed`` design with long
+  answers (the long-answer demo, examples/sft_long.yaml and grpo_long.yaml, and
+  ``benchmarks/rl_vs_trl.py --task long``).
 - ``colours`` / ``colours_mixed``: for vision-language models, an image of a coloured
   shape -> its colour (`shardwise.data.visual`); records carry an ``image``.
 """
@@ -98,6 +106,48 @@ def reverse_mixed_demonstrations(n: int, seed: int, copy_share: float = REVERSE_
             for r in reverse_examples(n, seed)]
 
 
+COUNT_MIN_NUMBERS = 3
+COUNT_MAX_NUMBERS = 33
+"""Numbers in a ``count`` answer: 3 to 33, each two digits and a comma, so 8 to 98 tokens."""
+COUNT_DOWN_SHARE = 0.6
+"""Share of ``count_mixed`` demonstrations that count down instead of up."""
+
+
+def count_examples(n: int, seed: int, min_numbers: int = COUNT_MIN_NUMBERS,
+                   max_numbers: int = COUNT_MAX_NUMBERS) -> list[dict[str, str]]:
+    """`n` problems ``{"prompt": "23:27=", "response": "23,24,25,26,27"}``, the same for the
+    same seed (``random.Random(seed)``): how many numbers, k in [`min_numbers`,
+    `max_numbers`], is log-uniform (as many answers of 3-6 numbers as of 17-33: about 12
+    numbers, 36 tokens on average for 3-33), the first number uniform among the two-digit
+    ones that leave room for k."""
+    if n < 0:
+        raise DataError(f"count_examples: n must be >= 0, got {n}")
+    if not 1 <= min_numbers <= max_numbers <= 90:
+        raise DataError(f"count_examples: need 1 <= min_numbers <= max_numbers <= 90, got {min_numbers}, "
+                        f"{max_numbers}")
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        k = min(max_numbers, int(min_numbers * ((max_numbers + 1) / min_numbers) ** rng.random()))
+        a = rng.randint(10, 100 - k)
+        examples.append({"prompt": f"{a}:{a + k - 1}=", "response": ",".join(str(x) for x in range(a, a + k))})
+    return examples
+
+
+def count_mixed_demonstrations(n: int, seed: int, down_share: float = COUNT_DOWN_SHARE) -> list[dict[str, str]]:
+    """The prompts of `count_examples(n, seed)`, each answered by one of two writers: with
+    probability `down_share` one who counts down from the larger number, else one who counts
+    up (the writer drawn per row from its own ``random.Random`` stream, as
+    `reverse_mixed_demonstrations` does)."""
+    if not 0.0 <= down_share <= 1.0:
+        raise DataError(f"count_mixed_demonstrations: down_share must be in [0, 1], got {down_share}")
+    writer = random.Random(f"writer-{seed}")
+    return [{"prompt": r["prompt"],
+             "response": ",".join(reversed(r["response"].split(","))) if writer.random() < down_share
+             else r["response"]}
+            for r in count_examples(n, seed)]
+
+
 def first_answer(response: str) -> str:
     """The answer part of a generated response: the text before the first ``<eos>``,
     with leading whitespace removed, up to the first whitespace (newline included)."""
@@ -162,6 +212,23 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
                     "held-out prompts and the reward are builtin:reverse's",
         max_new_tokens=8,
         make_heldout=reverse_examples,
+    ),
+    "count": BuiltinTask(
+        name="count",
+        make_examples=count_examples,
+        score=score_exact,
+        description=f"count from one two-digit number up to another ({COUNT_MIN_NUMBERS} to {COUNT_MAX_NUMBERS} "
+                    "numbers, comma-separated: 8 to 98 tokens); exact-answer reward",
+        max_new_tokens=3 * COUNT_MAX_NUMBERS,  # the longest answer (3k - 1 tokens) and its eos
+    ),
+    "count_mixed": BuiltinTask(
+        name="count_mixed",
+        make_examples=count_mixed_demonstrations,
+        score=score_exact,
+        description=f"builtin:count demonstrated by two writers ({COUNT_DOWN_SHARE:.0%} count down); "
+                    "held-out prompts and the reward are builtin:count's",
+        max_new_tokens=3 * COUNT_MAX_NUMBERS,
+        make_heldout=count_examples,
     ),
     "colours": BuiltinTask(
         name="colours",
