@@ -21,8 +21,8 @@ average), RL at real lengths, where padding and the update's token throughput ma
 Besides the reward curves, each side's time is taken apart: seconds per phase (shardwise's
 ``time/*`` metrics; TRL's generation, reward, no-grad log-prob forwards and update, timed in
 the worker), the padding share of the update forwards (tokens run on that are padding:
-shardwise's from its recorded batches, ``rl.record_batches``, every micro-batch as wide as
-the step's batch; TRL's counted in its loss forwards) and the update's real tokens per second.
+shardwise's from its recorded batches, ``rl.record_batches``, laid out as its update lays
+them out: packed rows with rl.packing, its default; TRL's counted in its loss forwards) and the update's real tokens per second.
 
     python benchmarks/rl_vs_trl.py                  # 60 steps each, 3-4 minutes on 2 CPU cores
     python benchmarks/rl_vs_trl.py --steps 5        # a quick check that both sides run
@@ -317,7 +317,7 @@ def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace
     lines = job["steps"]
     start = lines[0]["time"] - lines[0]["time/step"]
     accuracy = [ln.strip() for ln in job["stdout"].splitlines() if "held-out" in ln]
-    tokens = update_tokens(run_dir / "batches")
+    tokens = update_tokens(run_dir / "batches", load_config(cfg_path, overrides), args.nproc)
     steps = []
     for m in lines:
         real, padded = tokens.get(m["step"], (None, None))
@@ -331,17 +331,42 @@ def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace
             "accuracy_line": " / ".join(accuracy), "steps": steps}
 
 
-def update_tokens(folder: Path) -> dict[int, tuple[float, float]]:
+def update_tokens(folder: Path, cfg: Config, nproc: int) -> dict[int, tuple[float, float]]:
     """Step -> (real tokens, tokens run on) of the actor update's forwards, from the batches
-    `shardwise rl` recorded (``rl.record_batches``): every micro-batch is a slice of rows of
-    the step's batch at its full width, so the forwards run on rows x width tokens, of which
-    the attention mask's are real."""
+    `shardwise rl` recorded (``rl.record_batches``), laid out as the update lays them out:
+    the rows split evenly over the ranks in order, each rank's into ppo_mini_batches equal
+    parts, each into micro-batches (train.micro_batch_size rows, or by
+    rl.actor.max_tokens_per_micro_batch); a micro-batch runs on its rows at the batch's full
+    width (padded), each row's real tokens right-padded to the longest (compact), or its
+    sequences packed into rows as wide as the longest (rl.packing, `shardwise.engine.packing`)."""
     from shardwise.data.batch import Batch
+    from shardwise.engine import packing
 
+    packed = cfg.rl.packing is not False  # None: on for the text models benchmarked here
+    budget = cfg.rl.actor.max_tokens_per_micro_batch
+    layout = "packed" if packed else ("compact" if budget else "padded")
+    n_mini = cfg.rl.actor.ppo_mini_batches
     out = {}
     for f in sorted(folder.glob("step_*.batch")):
         mask = Batch.from_bytes(f.read_bytes()).tensors["attention_mask"]
-        out[int(f.stem.removeprefix("step_"))] = (float(mask.sum()), float(mask.numel()))
+        lengths = mask.sum(-1).tolist()
+        width = mask.shape[1]
+        run_on = 0
+        share = len(lengths) // nproc
+        for rank in range(nproc):
+            mine = lengths[rank * share:(rank + 1) * share]
+            size = len(mine) // n_mini
+            for k in range(n_mini):
+                part = mine[k * size:(k + 1) * size]
+                for group in packing.micro_batch_rows(part, cfg.train.micro_batch_size, budget, packed, "budget"):
+                    ls = [part[i] for i in group]
+                    if layout == "padded":
+                        run_on += len(ls) * width
+                    elif layout == "compact":
+                        run_on += len(ls) * max(ls)
+                    else:
+                        run_on += len(packing.pack_rows(ls)) * max(ls)
+        out[int(f.stem.removeprefix("step_"))] = (float(sum(lengths)), float(run_on))
     return out
 
 
