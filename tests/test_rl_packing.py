@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, assert_trained_params_close
+from dist.common import FP32, TINY_LLAMA, TINY_QWEN3, assert_trained_params_close, full_params
 from dist.launcher import REPO_ROOT, run_ranks
-from test_rl_actor import BASE, actor_body, shares
+from test_rl_actor import BASE, shares
 
 EXAMPLES = REPO_ROOT / "examples"
 
@@ -103,27 +103,93 @@ def test_token_budget_groups_hold_every_row_once_within_the_budget():
     assert packing.micro_batch_rows(lengths, 3, None, True, "k") == [[0, 1, 2], [3, 4, 5], [6, 7]]
 
 
+def spread_batch():
+    """Worker-layout rows whose lengths spread from 3 to 16 tokens (prompts of 3-4, answers
+    of 1-12), so packed rows hold several sequences each; advantages of both signs, old
+    log-probs off-policy enough to clip."""
+    from shardwise.data.batch import Batch
+
+    ids, attn, pos, mask = rl_rows(rows=8, prompt=4, resp=12, seed=9)
+    for r, n in enumerate([12, 1, 2, 10, 1, 3, 11, 2]):
+        attn[r] = 0
+        attn[r, r % 2:4 + n] = 1
+        mask[r] = 0
+        mask[r, 4:4 + n] = 1
+    ids[attn == 0] = 0
+    from shardwise.engine.infer import default_position_ids
+
+    g = torch.Generator().manual_seed(2)
+    adv = torch.randn(ids.shape, generator=g) * mask
+    noise = 0.3 * torch.randn(ids.shape, generator=g)
+    return Batch.from_dict({"input_ids": ids, "attention_mask": attn, "position_ids": default_position_ids(attn),
+                            "response_mask": mask, "advantages": adv}), noise
+
+
+def spread_actor_body(rank: int, world: int, overrides: list[str], split: tuple[int, ...] | None) -> dict:
+    """Score, reference-score, update (off-policy old log-probs, KL loss) and score again
+    `spread_batch`'s rows: rank r's share of `split`, or all of them on every rank (None:
+    one sequence-parallel group)."""
+    import os
+
+    from shardwise.config import load_config
+    from shardwise.data.batch import Batch
+    from shardwise.distributed import ulysses
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.rl.workers.actor import ActorWorker, ReferenceWorker
+
+    runtime = init_distributed(timeout_s=60)
+    cfg = load_config(None, overrides)
+    if os.environ.get("SHARDWISE_TEST_ONE_SEGMENT"):  # a control: packed sequences attend to each other
+        ulysses._segments = lambda pos: torch.zeros_like(pos)
+    actor = ActorWorker(cfg, runtime)
+    init = full_params(actor.model)
+    batch, noise = spread_batch()
+    if split is not None:
+        batch, noise = batch[shares(split)[rank]], noise[shares(split)[rank]]
+    scored = actor.compute_log_prob(batch)
+    reference = ReferenceWorker(cfg, runtime)
+    ref = reference.compute_ref_log_prob(batch)
+    split_seq = [actor.engine.sp_group is not None, reference.engine.sp_group is not None]
+    t = batch.tensors
+    infer = reference.engine.log_probs(t["input_ids"], t["attention_mask"], t["response_mask"],
+                                       layout="packed", max_tokens_per_micro_batch=30)["log_probs"]
+    mask = batch.tensors["response_mask"].bool()
+    old = (scored.tensors["old_log_probs"] + noise).masked_fill(~mask, 0.0)
+    batch = batch.union(Batch.from_dict({"old_log_probs": old,
+                                         "ref_log_probs": ref.tensors["ref_log_probs"] - 0.2 * noise}))
+    metrics = actor.update_actor(batch)
+    after = actor.compute_log_prob(batch)
+    params = full_params(actor.model)  # collective
+    teardown()
+    return {"metrics": metrics, "init": init if rank == 0 else None, "params": params if rank == 0 else None,
+            "split": split_seq, "before": scored.tensors["old_log_probs"], "entropy": scored.tensors["entropy"],
+            "ref": ref.tensors["ref_log_probs"], "infer": infer, "after": after.tensors["old_log_probs"]}
+
+
 def test_actor_update_with_packing_and_token_budgets_equals_the_padded_fixed_one():
     """2 ranks holding 6 and 2 rows (2 mini-batches, 2 epochs, KL and entropy terms):
     packed forwards with token budgets (so the ranks hold different numbers of
-    micro-batches) against padded rows one per micro-batch."""
+    micro-batches, packed rows several sequences) against padded rows one per micro-batch."""
+    from shardwise.engine import packing
+
     split = (6, 2)
-    padded = run_ranks(actor_body, 2, [*BASE, "rl.packing=false"], split, timeout=180)
-    packed = run_ranks(actor_body, 2, [*BASE, "rl.packing=true", "rl.actor.max_tokens_per_micro_batch=24",
-                                       "rl.log_prob_max_tokens_per_micro_batch=40"], split, timeout=180)
+    lengths = spread_batch()[0].tensors["attention_mask"].sum(-1).tolist()
+    assert len(packing.pack_rows(lengths[:6])) < 6  # rows that share a packed row
+    padded = run_ranks(spread_actor_body, 2, [*BASE, "rl.packing=false"], split, timeout=180)
+    packed = run_ranks(spread_actor_body, 2, [*BASE, "rl.packing=true", "rl.actor.max_tokens_per_micro_batch=24",
+                                              "rl.log_prob_max_tokens_per_micro_batch=40"], split, timeout=180)
     for r in range(2):
         torch.testing.assert_close(packed[r]["before"], padded[r]["before"], rtol=0, atol=1e-5)
         # after 4 AdamW steps whose params agree as assert_trained_params_close allows: a
         # log-prob of magnitude ~4 then to a relative 1e-5
         torch.testing.assert_close(packed[r]["after"], padded[r]["after"], rtol=1e-5, atol=1e-5)
-        assert packed[r]["same_as_ref"]
+        torch.testing.assert_close(packed[r]["ref"], packed[r]["before"], rtol=0, atol=1e-6)
     m1, m2 = padded[0]["metrics"], packed[0]["metrics"]
     for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "actor/grad_norm"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
     # 2 epochs x 2 mini-batches of AdamW at lr 1e-2 (see assert_trained_params_close)
     assert_trained_params_close(packed[0]["params"], padded[0]["params"], padded[0]["init"], lr=1e-2, steps=4)
     assert float((padded[0]["after"] - padded[0]["before"]).abs().max()) > 1e-2  # the update moved the policy
-    assert len(shares(split)[0]) == 6
 
 
 @pytest.mark.parametrize("overrides,fragment", [

@@ -16,10 +16,20 @@ Limits (checked by `check_model`, errors name the config key): causal decoder mo
 whose attention goes through transformers' attention interface (Qwen3, Llama, ...);
 ``num_attention_heads`` divisible by sp (key/value heads that are not are repeated);
 rows right-padded or unpadded (causal attention over the whole slice-gathered sequence
-then equals the padded model's for every real token), no packing, no sliding window.
+then equals the padded model's for every real token), no sliding window.
+
+Packed rows (the RL roles under ``rl.packing``, `packed_forward`): several sequences per
+row, positions restarting at each; each rank runs its slice of every row, and the attention
+masks by the whole rows' sequence ids (`_SEGMENTS`, set for the forward) as well as
+causally. The per-position results are gathered over the group (`gather_seq`: every rank
+then computes the same loss from the whole rows, and its backward keeps the gradient of its
+own slice), so the group's sp ranks hold the same rows and the RL roles count each once.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,9 +45,10 @@ from shardwise.models.chunked_head import per_token_log_probs
 
 ATTN_IMPLEMENTATION = "shardwise_ulysses"
 _GROUP_ATTR = "_shardwise_sp_group"
+_BEFORE_ATTR = "_shardwise_attn_before_ulysses"
 
-__all__ = ["ATTN_IMPLEMENTATION", "check_model", "enable", "seq_all_to_all", "slice_batch", "sp_group",
-           "train_only"]
+__all__ = ["ATTN_IMPLEMENTATION", "check_model", "enable", "gather_seq", "packed_forward", "seq_all_to_all",
+           "slice_batch", "sp_group", "train_only", "whole_sequences"]
 
 
 def sp_group(sp: int, device_type: str) -> dist.ProcessGroup:
@@ -90,8 +101,11 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                            "build the model through shardwise's engines")
     # attention_mask is ignored: it describes the local slice only (transformers builds it
     # from the slice's length); `slice_batch` admits only right-padded rows, for which plain
-    # causal attention over the gathered sequence is exact for every real token.
+    # causal attention over the gathered sequence is exact for every real token. Packed rows
+    # (`packed_log_probs`) attend within their own sequence: `_SEGMENTS` holds the whole
+    # rows' sequence ids.
     del attention_mask
+    segments = _SEGMENTS[0]
     if sliding_window is not None:
         raise RuntimeError("Ulysses attention does not support sliding-window attention")
     sp = dist.get_world_size(group)
@@ -101,11 +115,81 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     # sequence split -> head split: (B, H, s, D) -> (B, H/sp, S, D)
     q, k, v = (seq_all_to_all(t, 1, 2, group) for t in (query, key, value))
     k, v = _repeat_heads(k, q.shape[1] // k.shape[1]), _repeat_heads(v, q.shape[1] // v.shape[1])
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if module.training else 0.0,
-                                         is_causal=True, scale=scaling)
+    if segments is None:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if module.training else 0.0,
+                                             is_causal=True, scale=scaling)
+    else:
+        n = segments.shape[1]
+        if q.shape[2] != n:
+            raise RuntimeError(f"Ulysses attention over {q.shape[2]} tokens, but the packed rows hold {n}")
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        mask = (segments[:, :, None] == segments[:, None, :]) & causal
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scaling,
+                                             dropout_p=dropout if module.training else 0.0)
     # head split -> sequence split: (B, H/sp, S, D) -> (B, H, s, D) -> (B, s, H, D)
     out = seq_all_to_all(out, 2, 1, group)
     return out.transpose(1, 2).contiguous(), None
+
+
+_SEGMENTS: list[torch.Tensor | None] = [None]
+"""The sequence id of every token of the packed rows a forward runs on, ``(rows, S)``, the
+whole rows (not this rank's slice): set by `packed_log_probs` for its forward."""
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather `x` ``(rows, s, ...)`` along dim 1 over `group` (rank order); backward
+    gives each rank its own slice of the gradient. Every rank of the group then computes
+    the same loss from the same gathered tensor, so the slice of that gradient is the
+    gradient of the loss with respect to this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.s = group, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        r = dist.get_rank(ctx.group)
+        return grad[:, r * ctx.s:(r + 1) * ctx.s].contiguous(), None
+
+
+def gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`_GatherSeq`: this rank's slice ``(rows, s, ...)`` -> the whole ``(rows, s x sp, ...)``."""
+    return _GatherSeq.apply(x, group)
+
+
+def _segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Sequence ids of packed rows from their position ids (a new sequence wherever the
+    position does not go up by one), as transformers' ``find_packed_sequence_indices``."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def packed_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   group: dist.ProcessGroup, fn):
+    """One forward of `model` (its attention routed through Ulysses, `enable`) on packed rows
+    ``(rows, S)`` split over the sequence-parallel `group`: each rank runs its slice of every
+    row (the rows padded to a multiple of sp with a sequence of their own), attention within
+    each packed sequence over the whole rows. ``fn(model, ids, pos, targets)`` runs the
+    slice (targets: the token each position predicts, -100 past a row's end) and returns a
+    dict of ``(rows, s, ...)`` per-position tensors; they come back gathered over the group
+    and cut to ``(rows, S, ...)`` (differentiable, see `gather_seq`). Collective over the group."""
+    sp = dist.get_world_size(group)
+    rows, seq = input_ids.shape
+    pad = -seq % sp
+    ids = F.pad(input_ids, (0, pad), value=0)
+    pos = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).expand(rows, pad)], dim=1)
+    targets = F.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+    s = (seq + pad) // sp
+    cut = slice(dist.get_rank(group) * s, (dist.get_rank(group) + 1) * s)
+    _SEGMENTS[0] = _segments(pos)
+    try:
+        out = fn(model, ids[:, cut], pos[:, cut], targets[:, cut])
+    finally:
+        _SEGMENTS[0] = None
+    return {k: gather_seq(v, group)[:, :seq] for k, v in out.items()}
 
 
 def _register() -> None:
@@ -149,8 +233,24 @@ def enable(model: nn.Module, group: dist.ProcessGroup) -> int:
     if n == 0:
         raise ConfigError("parallel.ulysses_size", f"{type(model).__name__} has no attention module Ulysses "
                           "knows (HF decoder attention)", "set it to 1")
+    setattr(model, _BEFORE_ATTR, model.config._attn_implementation)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return n
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[None]:
+    """`model`'s attention back to what it was before `enable` for the block (generation
+    runs whole sequences on every rank, with a KV cache); a no-op for a model without Ulysses."""
+    before = getattr(model, _BEFORE_ATTR, None)
+    if before is None or model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        yield
+        return
+    model.set_attn_implementation(before)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def slice_batch(batch: dict[str, torch.Tensor], sp_rank: int, sp: int) -> dict[str, torch.Tensor]:

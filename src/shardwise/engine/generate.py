@@ -52,6 +52,7 @@ from shardwise.data.tasks import (
     get_builtin_task,
 )
 from shardwise.data.tokenizer import pad_token_id
+from shardwise.distributed import ulysses
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids
 from shardwise.errors import ConfigError, did_you_mean
@@ -236,6 +237,9 @@ class HFGenerator(GenerationEngine):
         self.runtime = runtime
         self.pad_id = int(pad_id)
         self.eos_id = int(eos_id)
+        self.seed_rank = runtime.rank
+        """The rank the sampling seed mixes in: sequence-parallel peers, which get the same
+        prompts, set their group's data-parallel rank so they draw the same samples."""
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to load: the engine samples with the model's own parameters. The iterable
@@ -299,8 +303,8 @@ class HFGenerator(GenerationEngine):
         )
         rng_devices = [torch.cuda.current_device()] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=rng_devices), _eval_mode(self.model), \
-                _own_generation_config(self.model):
-            s = sampling_seed(int(seed), self.runtime.rank)
+                _own_generation_config(self.model), ulysses.whole_sequences(self.model):
+            s = sampling_seed(int(seed), self.seed_rank)
             torch.default_generator.manual_seed(s)
             if device.type == "cuda":
                 torch.cuda.manual_seed(s)  # this device only: fork_rng restores only it

@@ -41,7 +41,7 @@ from shardwise.config.validate import mesh_spec
 from shardwise.data.collate import IGNORE_INDEX
 from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
-from shardwise.distributed.ulysses import train_only
+from shardwise.distributed import ulysses
 from shardwise.engine import packing
 from shardwise.engine.losses import loss_chunk_tokens
 from shardwise.fsdp.build import build_sharded_model
@@ -90,7 +90,7 @@ def log_probs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
 def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor | None = None,
                       with_entropy: bool = False, temperature: float = 1.0,
-                      chunk_tokens: int | None = None, layout: str = "padded",
+                      chunk_tokens: int | None = None, layout: str = "padded", sp_group=None,
                       **images: torch.Tensor) -> dict[str, torch.Tensor]:
     """One forward of `model` and its per-token log-probs, in the module's convention.
 
@@ -116,7 +116,20 @@ def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     runs their real tokens as one row (``rl.packing``), "compact" each row's real tokens
     right-padded to the longest (token-budget micro-batches); both give the results back
     in the rows' layout, 0 on padding. Text rows only.
+
+    `sp_group` (``parallel.ulysses_size`` > 1, the model's attention routed through Ulysses):
+    the packed rows are split over the sequence-parallel group, each rank running its slice
+    (`shardwise.distributed.ulysses.packed_forward`); every rank of the group gets the whole
+    result. Collective over the group; packed layout only.
     """
+    if sp_group is not None:
+        if layout != "packed" or images:
+            raise ValueError("compute_log_probs: Ulysses sequence parallel runs packed text rows only")
+        lay = packing.compact(input_ids, attention_mask, position_ids, packed=True)
+        res = ulysses.packed_forward(model, lay.input_ids, lay.position_ids, sp_group,
+                                     _next_token_terms(with_entropy, temperature, chunk_tokens))
+        # position t's terms are of the token it predicts (t + 1): align them with input_ids
+        return {k: lay.unpack(F.pad(v[:, :-1], (1, 0))) for k, v in res.items()}
     if layout != "padded":
         if images:
             raise ValueError(f"compute_log_probs: layout {layout!r} takes text rows only, not images")
@@ -143,6 +156,25 @@ def compute_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     return log_probs_from_logits(logits, input_ids, with_entropy)
 
 
+def _next_token_terms(with_entropy: bool, temperature: float, chunk_tokens: int | None):
+    """``fn(model, ids, pos, targets)`` for `ulysses.packed_forward`: the log-prob of each
+    position's target (0 where it is -100) and, `with_entropy`, the entropy of its
+    distribution, at `temperature`, full logits or the chunked head."""
+    def fn(model: nn.Module, ids: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        if chunk_tokens is not None:
+            return chunked_head.per_token_log_probs(model, targets, chunk_tokens, temperature=temperature,
+                                                    with_entropy=with_entropy, input_ids=ids, position_ids=pos)
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        pred = (logits if temperature == 1.0 else logits / temperature).float()
+        lse = torch.logsumexp(pred, dim=-1)
+        picked = pred.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        out = {"log_probs": (picked - lse).masked_fill(targets == IGNORE_INDEX, 0.0)}
+        if with_entropy:
+            out["entropy"] = torch.special.entr(torch.softmax(pred, dim=-1)).sum(-1)
+        return out
+    return fn
+
+
 class InferEngine:
     """The sharded model, built like the TrainEngine's (same plan, same weights), in eval
     mode and without an optimizer; every call runs under ``torch.no_grad()``.
@@ -160,10 +192,14 @@ class InferEngine:
         self.runtime = runtime
         self.task = task
         self.spec = mesh_spec(cfg.parallel, runtime.world_size)
-        train_only(self.spec.ulysses, "the infer engine (fsdp2_infer)")  # its forwards take whole sequences
         self.mesh = build_mesh(self.spec, runtime.device.type)
         self.model, self.plan = build_sharded_model(cfg, runtime, self.spec, self.mesh, task, planned,
                                                     **config_extra)
+        # Ulysses: `log_probs` splits packed rows over the sequence-parallel group
+        self.sp_group = None
+        if self.spec.ulysses > 1:
+            self.sp_group = ulysses.sp_group(self.spec.ulysses, runtime.device.type)
+            ulysses.enable(self.model, self.sp_group)
         self.model.eval()
         # `log_probs` runs the LM head over chunks of this many tokens (train.chunked_loss);
         # None: full logits. Other tasks (a reward head) have no LM head to chunk.
@@ -179,6 +215,9 @@ class InferEngine:
 
         position_ids default to `default_position_ids(attention_mask)`.
         """
+        if self.sp_group is not None:
+            raise ValueError("InferEngine.logits does not split sequences (Ulysses); use log_probs")
+
         def run(ids, mask, pos):
             if pos is None:
                 pos = default_position_ids(mask)
@@ -220,10 +259,13 @@ class InferEngine:
 
         if layout not in packing.LAYOUTS:
             raise ValueError(f"layout must be one of {packing.LAYOUTS}, got {layout!r}")
+        if self.sp_group is not None and layout != "packed":
+            raise ValueError("InferEngine.log_probs: under Ulysses sequence parallel the rows run packed "
+                             "(layout='packed')")
 
         def run(ids, mask, pos):
             return compute_log_probs(self.model, ids, mask, pos, with_entropy, chunk_tokens=self.chunk_tokens,
-                                     layout=layout)
+                                     layout=layout, sp_group=self.sp_group)
 
         self.model.eval()
         groups = None

@@ -25,7 +25,7 @@ from shardwise.data.chat import export_template, use_chat_template
 from shardwise.data.collate import truncation_note
 from shardwise.data.rewards import RewardFn, check_data_sources, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
-from shardwise.distributed.ulysses import train_only
+from shardwise.distributed import ulysses
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.jobs.inputs import (
@@ -62,12 +62,12 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     nothing, writes nothing. The workers build their own models; the meta model and plan
     built here only check the plan."""
     spec = mesh_spec(cfg.parallel, world_size)
-    train_only(spec.ulysses, "`shardwise rl`")
     check_causal_task(cfg, "`shardwise rl`")
     rows = check_rl_rows(cfg, spec.dp_size)
     check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
     check_token_budgets(cfg)
     check_model(cfg)
+    check_rl_ulysses(cfg, spec.ulysses)
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
     check_tokenizer(cfg)
@@ -77,6 +77,24 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_data_sources(fn, records)
     plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     return Prepared(cfg, spec, world_size, rows, records, fn)
+
+
+def check_rl_ulysses(cfg: Config, sp: int) -> None:
+    """ConfigError naming the key when Ulysses (``parallel.ulysses_size`` > 1) meets what it
+    cannot split in RL: rows not packed, a rollout engine other than HF's (whose generation
+    runs whole sequences on every rank of a group), a head count sp does not divide."""
+    if sp == 1:
+        return
+    if cfg.rl.packing is False:
+        raise ConfigError("rl.packing", "Ulysses sequence parallel in RL splits packed rows",
+                          "leave rl.packing unset (or true), or set parallel.ulysses_size=1")
+    if cfg.rl.rollout.engine != "hf":
+        raise ConfigError("rl.rollout.engine", f"the {cfg.rl.rollout.engine} engine is not run under Ulysses "
+                          "sequence parallel yet", "use hf, or set parallel.ulysses_size=1")
+    if cfg.rl.reward.model is not None:
+        raise ConfigError("rl.reward.model", "a reward model is not run under Ulysses sequence parallel yet",
+                          "use a rule-based reward (rl.reward.function), or set parallel.ulysses_size=1")
+    ulysses.check_model(load_hf_config(cfg.model), sp)
 
 
 def check_token_budgets(cfg: Config) -> None:

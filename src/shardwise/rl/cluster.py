@@ -132,7 +132,7 @@ class RayWorkerGroup:
     as one rank of a fresh process group. See the module docstring."""
 
     def __init__(self, worker_cls: type, world_size: int, *args: Any, name: str = "workers",
-                 use_gpu: bool | None = None, setup_timeout_s: float = 900.0, **kwargs: Any):
+                 use_gpu: bool | None = None, setup_timeout_s: float = 900.0, sp: int = 1, **kwargs: Any):
         ray = _ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -169,9 +169,13 @@ class RayWorkerGroup:
         except BaseException:
             self.shutdown(graceful=False)
             raise
-        # Every worker is its own data-parallel rank (sequence-parallel rollouts would set
-        # peers that share a rank; none exist yet).
-        self.layout = Layout.data_parallel(world_size)
+        # Every worker is its own data-parallel rank, or with Ulysses (`sp` > 1) the sp
+        # consecutive ranks of a group share one: they get the same rows, the first returns.
+        if sp == 1:
+            self.layout = Layout.data_parallel(world_size)
+        else:
+            self.layout = Layout(tuple(r // sp for r in range(world_size)),
+                                 tuple(r % sp == 0 for r in range(world_size)))
 
     # -- calling worker methods
     def __getattr__(self, name: str) -> Any:

@@ -128,7 +128,7 @@ class Controller:
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         for name, roles in plan.items():
             self.groups[name] = RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id,
-                                               self.eos_id, name=name)
+                                               self.eos_id, name=name, sp=self.cfg.parallel.ulysses_size)
 
     @property
     def group(self) -> RayWorkerGroup:

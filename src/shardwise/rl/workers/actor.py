@@ -71,7 +71,7 @@ def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.devic
 
     def run(ids, mask, pos, **images):
         return compute_log_probs(model, ids, mask, pos, with_entropy, temperature, chunk_tokens=chunk_tokens,
-                                 layout=layout, **images)
+                                 layout=layout, sp_group=None if shape is None else shape.sp_group, **images)
 
     with torch.no_grad():
         if shape is not None and not images:
@@ -91,8 +91,10 @@ class ActorWorker:
         self.cfg = cfg
         self.runtime = runtime
         self.engine = TrainEngine(rl_engine_config(cfg), runtime)
-        self.forward_shape = forward_shape(cfg, self.engine.model)
-        self.update_shape = update_shape(cfg, self.engine.model)
+        self.forward_shape = forward_shape(cfg, self.engine.model, self.engine.sp_group)
+        self.update_shape = update_shape(cfg, self.engine.model, self.engine.sp_group)
+        # Ulysses: the sp peers of a group hold the same rows and compute the same loss
+        self.replicas = self.engine.spec.ulysses
 
     @property
     def model(self) -> torch.nn.Module:
@@ -143,15 +145,16 @@ class ActorWorker:
         shape = self.update_shape
         for _ in range(a.ppo_epochs):
             for mini in (batch.split(mini_size) if mini_size else [batch] * n_mini):
-                tokens, seqs = global_counts(mini.tensors["response_mask"], device)
+                tokens, seqs = global_counts(mini.tensors["response_mask"], device, replicas=self.replicas)
                 mask = mini.tensors["attention_mask"]
                 micro = [mini[g] for g in shape.groups(mask)] if not _has_images(mini) else \
                     mini.split(self.cfg.train.micro_batch_size)
-                # FSDP averages gradients over dp ranks; the loss is already over the
-                # global mini-batch, so undo that average.
+                # FSDP averages gradients over all ranks; the loss is already over the
+                # global mini-batch, so undo that average (under Ulysses each rank's
+                # gradient is that of its slice of the rows: the sp peers' add up).
                 local = self.engine.accumulate(micro, self._ppo_loss(tokens, seqs, metrics, on_policy),
-                                               self.engine.dp_size, dummy_seq_len=shape.dummy_len(mask))
-                res = self.engine.finish_step(local, 1)
+                                               self.engine.grad_average_size, dummy_seq_len=shape.dummy_len(mask))
+                res = self.engine.finish_step(local / self.replicas, 1)
                 metrics["actor/loss"].append(res.loss)
                 metrics["actor/grad_norm"].append(res.grad_norm)
                 metrics["actor/lr"].append(res.lr)
@@ -165,7 +168,8 @@ class ActorWorker:
         shares = sorted(k for k in metrics if _is_share(k))
         steps = a.ppo_epochs * n_mini
         if shares:
-            totals = torch.tensor([sum(metrics[k]) / steps for k in shares], dtype=torch.float64, device=device)
+            totals = torch.tensor([sum(metrics[k]) / steps / self.replicas for k in shares], dtype=torch.float64,
+                                  device=device)
             dist.all_reduce(totals)
             out.update(zip(shares, totals.tolist()))
         tops = sorted(set(metrics) & set(_MISMATCH_MAXES))
@@ -198,7 +202,8 @@ class ActorWorker:
             images = vision.forward_kwargs(t)
             out = compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"],
                                     with_entropy=a.entropy_coef != 0 or on_policy, temperature=temperature,
-                                    chunk_tokens=chunk_tokens, layout="padded" if images else layout, **images)
+                                    chunk_tokens=chunk_tokens, layout="padded" if images else layout,
+                                    sp_group=self.update_shape.sp_group, **images)
             logp = out["log_probs"]
             old = logp.detach() if on_policy else t["old_log_probs"]
             if on_policy:
@@ -285,7 +290,7 @@ class ReferenceWorker:
         self.cfg = cfg
         self.runtime = runtime
         self.engine = InferEngine(cfg, runtime)
-        self.shape = forward_shape(cfg, self.engine.model)
+        self.shape = forward_shape(cfg, self.engine.model, self.engine.sp_group)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         out = sequence_log_probs(self.engine.model, batch, self.runtime.device, self.cfg.train.micro_batch_size,

@@ -15,16 +15,18 @@ from shardwise.errors import ConfigError
 from shardwise.models import vision
 
 
-def global_counts(mask: torch.Tensor, device: torch.device, group=None) -> tuple[float, float]:
+def global_counts(mask: torch.Tensor, device: torch.device, group=None, replicas: int = 1) -> tuple[float, float]:
     """(masked tokens, sequences with at least one masked token) summed over all ranks.
 
     Collective over `group` (default: the whole world). These are the denominators that
     make micro-batch losses add up to the loss of the whole (global) mini-batch.
+    `replicas`: ranks holding each row (the sequence-parallel peers of a group hold the
+    same rows), counted once.
     """
     m = mask.bool()
     counts = torch.tensor([float(m.sum()), float(m.any(-1).sum())], dtype=torch.float64, device=device)
     dist.all_reduce(counts, group=group)
-    tokens, seqs = (float(c) for c in counts.tolist())
+    tokens, seqs = (float(c) / replicas for c in counts.tolist())
     return max(tokens, 1.0), max(seqs, 1.0)
 
 
@@ -70,9 +72,14 @@ class PassShape:
     budgets): `layout` is the `shardwise.engine.packing` layout each forward uses, and
     `groups` the row indices of each micro-batch of a pass."""
 
-    def __init__(self, cfg, model, budget: int | None, key: str):
+    def __init__(self, cfg, model, budget: int | None, key: str, sp_group=None):
         packed = cfg.rl.packing if cfg.rl.packing is not None else vision.vl_config(model) is None
         self.layout = "packed" if packed else ("compact" if budget is not None else "padded")
+        # Ulysses: packed rows split over the sequence-parallel group (`compute_log_probs`)
+        self.sp_group = sp_group
+        if sp_group is not None and self.layout != "packed":
+            raise ConfigError("rl.packing", "Ulysses sequence parallel in RL runs packed rows",
+                              "leave rl.packing unset (or true), or set parallel.ulysses_size=1")
         self.budget = budget
         self.key = key
         self.micro_batch_size = cfg.train.micro_batch_size
@@ -91,15 +98,16 @@ class PassShape:
         return int(attention_mask.sum(-1).max())
 
 
-def forward_shape(cfg, model) -> PassShape:
+def forward_shape(cfg, model, sp_group=None) -> PassShape:
     """The forward-only passes' shape: their token budget is
     ``rl.log_prob_max_tokens_per_micro_batch``, else the update's."""
     if cfg.rl.log_prob_max_tokens_per_micro_batch is not None:
         return PassShape(cfg, model, cfg.rl.log_prob_max_tokens_per_micro_batch,
-                         "rl.log_prob_max_tokens_per_micro_batch")
-    return update_shape(cfg, model)
+                         "rl.log_prob_max_tokens_per_micro_batch", sp_group)
+    return update_shape(cfg, model, sp_group)
 
 
-def update_shape(cfg, model) -> PassShape:
+def update_shape(cfg, model, sp_group=None) -> PassShape:
     """The update passes' shape (actor and critic): ``rl.actor.max_tokens_per_micro_batch``."""
-    return PassShape(cfg, model, cfg.rl.actor.max_tokens_per_micro_batch, "rl.actor.max_tokens_per_micro_batch")
+    return PassShape(cfg, model, cfg.rl.actor.max_tokens_per_micro_batch, "rl.actor.max_tokens_per_micro_batch",
+                     sp_group)

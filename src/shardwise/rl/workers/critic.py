@@ -23,6 +23,7 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids, forward_by_micro_batch
 from shardwise.engine.train import TrainEngine
 from shardwise.rl.algorithms import value_loss
+from shardwise.distributed import ulysses
 from shardwise.engine import packing
 from shardwise.rl.workers.common import (
     check_mini_batches,
@@ -90,8 +91,9 @@ class CriticWorker:
             torch.manual_seed(cfg.run.seed)
             self.engine = TrainEngine(without_lora(rl_engine_config(cfg, lr=cfg.rl.critic.lr)), runtime,
                                       task="token_classification", **VALUE_HEAD)
-        self.forward_shape = forward_shape(cfg, self.engine.model)
-        self.update_shape = update_shape(cfg, self.engine.model)
+        self.forward_shape = forward_shape(cfg, self.engine.model, self.engine.sp_group)
+        self.update_shape = update_shape(cfg, self.engine.model, self.engine.sp_group)
+        self.replicas = self.engine.spec.ulysses  # sp peers hold the same rows
 
     # ------------------------------------------------------------------ values
 
@@ -150,7 +152,7 @@ class CriticWorker:
                 steps.append(step)
                 sums.append(local)
         # One collective for the token-weighted means of every step.
-        totals = torch.stack(sums)
+        totals = torch.stack(sums) / self.replicas
         dist.all_reduce(totals)
         for step, (clipped, value_sum) in zip(steps, totals.tolist(), strict=True):
             tokens = step.pop("tokens")
@@ -167,7 +169,7 @@ class CriticWorker:
         device = self.runtime.device
         critic = self.cfg.rl.critic
         mode = self.cfg.rl.actor.loss_agg_mode
-        tokens, seqs = global_counts(mini.tensors["response_mask"], device)
+        tokens, seqs = global_counts(mini.tensors["response_mask"], device, replicas=self.replicas)
         local = torch.zeros(2, dtype=torch.float64, device=device)
         shape = self.update_shape
 
@@ -183,12 +185,12 @@ class CriticWorker:
             local.add_(torch.stack([clipped.double(), value_sum]))
             return loss
 
-        # FSDP averages gradients over dp ranks; the loss is already over the global
-        # mini-batch, so undo that average.
+        # FSDP averages gradients over all ranks; the loss is already over the global
+        # mini-batch, so undo that average (Ulysses: each rank's gradient is its slice's).
         mask = mini.tensors["attention_mask"]
         loss_sum = self.engine.accumulate([mini[g] for g in shape.groups(mask)], loss_fn,
-                                          self.engine.dp_size, dummy_seq_len=shape.dummy_len(mask))
-        result = self.engine.finish_step(loss_sum, 1)  # the sum over ranks is the loss
+                                          self.engine.grad_average_size, dummy_seq_len=shape.dummy_len(mask))
+        result = self.engine.finish_step(loss_sum / self.replicas, 1)  # the sum over ranks is the loss
         step = {"critic/vf_loss": result.loss, "critic/grad_norm": result.grad_norm, "critic/lr": result.lr,
                 "tokens": tokens}
         return step, local
@@ -216,6 +218,11 @@ class CriticWorker:
         if layout == "padded":
             return values_from_head(self._forward(input_ids, attention_mask, position_ids))
         lay = packing.compact(input_ids, attention_mask, position_ids, packed=layout == "packed")
+        group = self.engine.sp_group
+        if group is not None:  # Ulysses: each rank runs its slice of the packed rows
+            head = ulysses.packed_forward(self.engine.model, lay.input_ids, lay.position_ids, group,
+                                          lambda model, ids, pos, _: {"head": self._forward(ids, None, pos)})
+            return lay.unpack(values_from_head(head["head"]))
         return lay.unpack(values_from_head(self._forward(lay.input_ids, lay.attention_mask, lay.position_ids)))
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

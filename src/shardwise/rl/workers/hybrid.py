@@ -61,6 +61,9 @@ class RLWorker:
                                            runtime, pad_id, eos_id,
                                            compute_dtype=self.cfg.fsdp.mixed_precision.param_dtype)
             self.weight_sync = WeightSync(self.actor.model, self.rollout)
+            # Ulysses: the sp peers of a group get the same prompts and must draw the same samples
+            if hasattr(self.rollout, "seed_rank"):
+                self.rollout.seed_rank = runtime.rank // self.cfg.parallel.ulysses_size
         if "ref" in roles:
             # LoRA: the actor with its adapters disabled is the initial policy, for free
             lora_ref = self.cfg.model.lora.enabled and self.actor is not None
