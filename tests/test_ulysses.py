@@ -107,7 +107,9 @@ def test_train_cli_with_ulysses_logs_the_losses_of_one_process(tmp_path):
       .replace("num_key_value_heads: 2", "num_key_value_heads: 1").replace("head_dim: 8", "head_dim: 8"),
       "model.path=null"], "parallel.ulysses_size", "2 does not divide the model's 3 attention heads"),
     (["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "parallel.ulysses_size=2", "model.path=null",
-      TINY_QWEN3], "parallel.ulysses_size", "`shardwise rl` does not split sequences yet"),
+      TINY_QWEN3.replace("num_attention_heads: 4", "num_attention_heads: 3").replace("num_key_value_heads: 2",
+                                                                                      "num_key_value_heads: 1")],
+     "parallel.ulysses_size", "2 does not divide the model's 3 attention heads"),
     (["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"), "parallel.ulysses_size=2",
       "model.path=null", TINY_QWEN3], "parallel.ulysses_size", "`shardwise infer` does not split sequences yet"),
 ])

@@ -284,21 +284,22 @@ def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids
                            images: dict[str, torch.Tensor] | None = None,
                            vl_config=None, groups: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Run `fn(ids, mask, pos)` (one forward of a sharded model, returning ``(rows, ...)``
-    tensors) over row chunks of `micro_batch_size` and concatenate. Collective: every rank
-    runs the same number of forwards (each forward all-gathers parameters), padding with a
-    throw-away one-row forward where it has fewer chunks than the busiest rank, so ranks
-    may hold different numbers of rows, zero included. Results come back on the device of
-    `input_ids`.
+    tensors) over micro-batches of rows and put the results back in the rows' order.
+    Collective: every rank runs the same number of forwards (each forward all-gathers
+    parameters), padding with a throw-away one-row forward where it has fewer micro-batches
+    than the busiest rank, so ranks may hold different numbers of rows, zero included.
+    Results come back on the device of `input_ids`.
+
+    The micro-batches: `groups` (the rows of each, by index, every row in exactly one:
+    `shardwise.engine.packing.micro_batch_rows`, e.g. by a token budget), else runs of
+    `micro_batch_size` rows, else (None) all rows in one forward with no agreement between
+    ranks. A throw-away forward takes one row of the rows' width (one as long as this
+    rank's longest real row with `groups`, which keep within a budget).
 
     VL models: `images` holds the rows' ``pixel_values`` ``(B, N, D)`` and
-    ``image_grid_thw`` ``(B, 3)``; each chunk's go to `fn` as keyword arguments, flattened
-    (`shardwise.models.vision.forward_kwargs`), and with `vl_config` (the model's HF
-    config) a throw-away forward carries a one-token image (`vision.dummy_image`).
-
-    `groups`: the rows of each micro-batch, by index (`shardwise.engine.packing.micro_batch_rows`,
-    e.g. by a token budget), instead of runs of `micro_batch_size`; every row in exactly one
-    group. The results come back in the rows' order. A throw-away forward then takes one
-    row as long as this rank's longest real row (within any budget the groups keep)."""
+    ``image_grid_thw`` ``(B, 3)``; each micro-batch's go to `fn` as keyword arguments,
+    flattened (`shardwise.models.vision.forward_kwargs`), and with `vl_config` (the model's
+    HF config) a throw-away forward carries a one-token image (`vision.dummy_image`)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
@@ -310,57 +311,45 @@ def forward_by_micro_batch(fn: Callable[..., dict[str, torch.Tensor]], input_ids
     if micro_batch_size is not None and micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
     rows, seq = input_ids.shape
+    dummy_len = seq
     if groups is not None:
-        order = [i for g in groups for i in g]
-        if sorted(order) != list(range(rows)):
+        if sorted(i for g in groups for i in g) != list(range(rows)):
             raise ValueError(f"forward_by_micro_batch: groups {groups} do not hold each of the {rows} rows once")
-        n_local = len(groups)
-        n = torch.tensor(n_local, dtype=torch.int64, device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        n_all = max(int(n), 1)
         dummy_len = int(attention_mask.sum(-1).max()) if rows else 1
-        chunks = []
-        for i in range(n_all):
-            if i < n_local:
-                index = torch.tensor(groups[i], dtype=torch.long, device=input_ids.device)
-                pos = position_ids[index].to(device) if position_ids is not None else None
-                chunks.append(fn(input_ids[index].to(device), attention_mask[index].to(device), pos))
-            else:
-                dummy = torch.zeros((1, max(dummy_len, 1)), dtype=torch.long, device=device)
-                template = fn(dummy, torch.ones_like(dummy), None)
-        if not chunks:
-            return {k: v.new_zeros((0, seq, *v.shape[2:])).to(input_ids.device) for k, v in template.items()}
-        back = torch.empty(rows, dtype=torch.long)
-        back[torch.tensor(order, dtype=torch.long)] = torch.arange(rows)
-        return {k: torch.cat([c[k] for c in chunks]).to(input_ids.device)[back.to(input_ids.device)]
-                for k in chunks[0]}
-    if micro_batch_size is None:
-        size, n_local, n_all = max(rows, 1), 1 if rows else 0, 1
-    else:
-        size = micro_batch_size
-        n_local = math.ceil(rows / size)
-        n = torch.tensor(n_local, dtype=torch.int64, device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        n_all = int(n)
-    n_all = max(n_all, 1)  # every rank's rows empty: still one (throw-away) forward, for shapes
+    elif micro_batch_size is not None:
+        groups = [list(range(i, min(i + micro_batch_size, rows))) for i in range(0, rows, micro_batch_size)]
+    n_local = len(groups) if groups is not None else int(rows > 0)
+    # every rank's rows empty: still one (throw-away) forward, for shapes
+    n_all = max(agreed_count(n_local, device) if groups is not None else 1, 1)
 
     chunks: list[dict[str, torch.Tensor]] = []
     template = None
     for i in range(n_all):
         if i < n_local:
-            sl = slice(i * size, (i + 1) * size)
-            ids = input_ids[sl].to(device)
-            mask = attention_mask[sl].to(device)
-            pos = position_ids[sl].to(device) if position_ids is not None else None
-            extra = vision.forward_kwargs({k: v[sl].to(device) for k, v in (images or {}).items()})
-            chunks.append(fn(ids, mask, pos, **extra))
+            index = (torch.tensor(groups[i], dtype=torch.long, device=input_ids.device) if groups is not None
+                     else slice(None))
+            pos = position_ids[index].to(device) if position_ids is not None else None
+            extra = vision.forward_kwargs({k: v[index].to(device) for k, v in (images or {}).items()})
+            chunks.append(fn(input_ids[index].to(device), attention_mask[index].to(device), pos, **extra))
         elif vl_config is not None:
             d = vision.dummy_image(vl_config, seq, device)
             template = fn(d.pop("input_ids"), d.pop("attention_mask"), None, **d)
         else:
-            dummy = torch.zeros((1, max(seq, 1)), dtype=torch.long, device=device)
+            dummy = torch.zeros((1, max(dummy_len, 1)), dtype=torch.long, device=device)
             template = fn(dummy, torch.ones_like(dummy), None)
     if not chunks:
         assert template is not None
-        return {k: v[:0, :seq].to(input_ids.device) for k, v in template.items()}
-    return {k: torch.cat([c[k] for c in chunks]).to(input_ids.device) for k in chunks[0]}
+        return {k: v.new_zeros((0, seq, *v.shape[2:])).to(input_ids.device) for k, v in template.items()}
+    out = {k: torch.cat([c[k] for c in chunks]).to(input_ids.device) for k in chunks[0]}
+    if groups is None:
+        return out
+    back = torch.empty(rows, dtype=torch.long)
+    back[torch.tensor([i for g in groups for i in g], dtype=torch.long)] = torch.arange(rows)
+    return {k: v[back.to(v.device)] for k, v in out.items()}
+
+
+def agreed_count(n_local: int, device: torch.device) -> int:
+    """The most of `n_local` over all ranks (one all-reduce): how many forwards each runs."""
+    n = torch.tensor(n_local, dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n)

@@ -42,7 +42,7 @@ from shardwise.config.validate import mesh_spec
 from shardwise.distributed import ulysses
 from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
-from shardwise.engine.infer import default_position_ids
+from shardwise.engine.infer import agreed_count, default_position_ids
 from shardwise.engine.losses import (
     causal_lm_loss_sum,
     chunked_causal_lm_loss_sum,
@@ -90,9 +90,7 @@ def dummy_inputs(seq: int, device: torch.device) -> dict[str, torch.Tensor]:
 def agreed_micro_batches(n_local: int, device: torch.device) -> int:
     """The most micro-batches any rank has, given this rank's `n_local`; collective over
     the whole world (one all-reduce)."""
-    n = torch.tensor(n_local, dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return int(n)
+    return agreed_count(n_local, device)
 
 
 @dataclass

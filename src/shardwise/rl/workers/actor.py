@@ -64,22 +64,19 @@ def sequence_log_probs(model: torch.nn.Module, batch: Batch, device: torch.devic
     outside ``response_mask``; collective (ranks may hold different numbers of rows).
     `chunk_tokens`: the LM head over chunks of tokens (`compute_log_probs`). `shape`: the
     layout and micro-batches of the pass (``rl.packing``, token budgets); None: padded rows,
-    `micro_batch_size` at a time (always so for rows with images)."""
+    `micro_batch_size` at a time."""
     t = batch.tensors
-    images = {k: t[k] for k in vision.IMAGE_KEYS if k in t}
-    layout = "padded" if shape is None or images else shape.layout
+    layout = "padded" if shape is None else shape.layout
+    groups = None if shape is None else shape.groups(t["attention_mask"])
 
     def run(ids, mask, pos, **images):
         return compute_log_probs(model, ids, mask, pos, with_entropy, temperature, chunk_tokens=chunk_tokens,
                                  layout=layout, sp_group=None if shape is None else shape.sp_group, **images)
 
     with torch.no_grad():
-        if shape is not None and not images:
-            out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
-                                         None, device, groups=shape.groups(t["attention_mask"]))
-        else:
-            out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
-                                         micro_batch_size, device, images=images, vl_config=vision.vl_config(model))
+        out = forward_by_micro_batch(run, t["input_ids"], t["attention_mask"], t.get("position_ids"),
+                                     micro_batch_size, device, images={k: t[k] for k in vision.IMAGE_KEYS if k in t},
+                                     vl_config=vision.vl_config(model), groups=groups)
     keep = t["response_mask"].bool().to(out["log_probs"].device)
     return {k: v.masked_fill(~keep, 0.0).cpu() for k, v in out.items()}
 
@@ -147,8 +144,7 @@ class ActorWorker:
             for mini in (batch.split(mini_size) if mini_size else [batch] * n_mini):
                 tokens, seqs = global_counts(mini.tensors["response_mask"], device, replicas=self.replicas)
                 mask = mini.tensors["attention_mask"]
-                micro = [mini[g] for g in shape.groups(mask)] if not _has_images(mini) else \
-                    mini.split(self.cfg.train.micro_batch_size)
+                micro = [mini[g] for g in shape.groups(mask)]
                 # FSDP averages gradients over all ranks; the loss is already over the
                 # global mini-batch, so undo that average (under Ulysses each rank's
                 # gradient is that of its slice of the rows: the sp peers' add up).
@@ -199,11 +195,10 @@ class ActorWorker:
         def loss_fn(model: nn.Module, mb: Batch) -> torch.Tensor:
             t = {k: v.to(device) for k, v in mb.tensors.items()}
             mask = t["response_mask"].bool()
-            images = vision.forward_kwargs(t)
             out = compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"],
                                     with_entropy=a.entropy_coef != 0 or on_policy, temperature=temperature,
-                                    chunk_tokens=chunk_tokens, layout="padded" if images else layout,
-                                    sp_group=self.update_shape.sp_group, **images)
+                                    chunk_tokens=chunk_tokens, layout=layout, sp_group=self.update_shape.sp_group,
+                                    **vision.forward_kwargs(t))
             logp = out["log_probs"]
             old = logp.detach() if on_policy else t["old_log_probs"]
             if on_policy:
@@ -253,10 +248,6 @@ def _policy_metrics(metrics: dict[str, list[float]], logp: torch.Tensor, entropy
             metrics[share].append(float(alg.aggregate_loss(x, mask, "token-mean", tokens)))
             if bool(mask.any()):
                 metrics[top].append(float(x.max()))
-
-
-def _has_images(batch: Batch) -> bool:
-    return any(k in batch.tensors for k in vision.IMAGE_KEYS)
 
 
 def _is_share(key: str) -> bool:

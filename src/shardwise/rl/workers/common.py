@@ -73,7 +73,11 @@ class PassShape:
     `groups` the row indices of each micro-batch of a pass."""
 
     def __init__(self, cfg, model, budget: int | None, key: str, sp_group=None):
-        packed = cfg.rl.packing if cfg.rl.packing is not None else vision.vl_config(model) is None
+        is_vl = vision.vl_config(model) is not None
+        packed = cfg.rl.packing if cfg.rl.packing is not None else not is_vl
+        if is_vl and (packed or budget is not None):  # (`shardwise rl` refuses both before launch)
+            raise ConfigError("rl.packing" if packed else key, "a vision-language model's rows run padded, "
+                              "by rows (3-D positions, one image per row)", "leave it unset")
         self.layout = "packed" if packed else ("compact" if budget is not None else "padded")
         # Ulysses: packed rows split over the sequence-parallel group (`compute_log_probs`)
         self.sp_group = sp_group
