@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist.common import FP32, TINY_QWEN3, full_params
+from dist.common import FP32, TINY_QWEN3, full_params, worker_rows
 from dist.launcher import run_ranks
 
 ROWS, PROMPT, RESP = 8, 5, 6
@@ -43,17 +43,7 @@ def rollout_batch():
 
     g = torch.Generator().manual_seed(7)
     T = PROMPT + RESP
-    ids = torch.randint(3, 64, (ROWS, T), generator=g)
-    attn = torch.ones(ROWS, T, dtype=torch.long)
-    resp = torch.zeros(ROWS, T, dtype=torch.long)
-    for r in range(ROWS):
-        pad = r % 3
-        attn[r, :pad] = 0
-        ids[r, :pad] = 0
-        n = 2 + r % (RESP - 1)
-        resp[r, PROMPT:PROMPT + n] = 1
-        attn[r, PROMPT + n:] = 0
-        ids[r, PROMPT + n:] = 0
+    ids, attn, resp = worker_rows(g, ROWS, PROMPT, RESP)
     adv = torch.randn(ROWS, T, generator=g) * resp
     noise = 0.3 * torch.randn(ROWS, T, generator=g)
     return Batch.from_dict({"input_ids": ids, "attention_mask": attn, "position_ids": default_position_ids(attn),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist.common import FP32, TINY_QWEN3, assert_trained_params_close, full_params
+from dist.common import FP32, TINY_QWEN3, assert_trained_params_close, full_params, worker_rows
 from dist.launcher import at_once, run_ranks
 
 from shardwise.config.validate import rl_update_groups
@@ -135,19 +135,10 @@ def grpo_rollout() -> Batch:
     a fixed off-policy shift of the old log-probs (``noise``, travels with its row)."""
     g = torch.Generator().manual_seed(11)
     rows, T = G * N, PROMPT + RESP
-    ids = torch.randint(3, 64, (rows, T), generator=g)
-    attn = torch.ones(rows, T, dtype=torch.long)
-    resp = torch.zeros(rows, T, dtype=torch.long)
+    ids, attn, resp = worker_rows(g, rows, PROMPT, RESP)
     scores = torch.zeros(rows, T)
     for r in range(rows):
-        pad = r % 3
-        attn[r, :pad] = 0
-        ids[r, :pad] = 0
-        n = 2 + r % (RESP - 1)
-        resp[r, PROMPT:PROMPT + n] = 1
-        attn[r, PROMPT + n:] = 0
-        ids[r, PROMPT + n:] = 0
-        scores[r, PROMPT + n - 1] = SCORES[r]
+        scores[r, PROMPT + 1 + r % (RESP - 1)] = SCORES[r]  # the last response token
     noise = 0.3 * torch.randn(rows, T, generator=g)
     return Batch.from_dict({"input_ids": ids, "attention_mask": attn, "position_ids": default_position_ids(attn),
                             "response_mask": resp, "token_level_scores": scores, "noise": noise},

@@ -205,6 +205,24 @@ def reference_run(overrides: list[str], steps: int, global_batch: int, micro: in
     return {"losses": losses, "params": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
 
 
+def worker_rows(g: torch.Generator, rows: int, prompt: int, resp: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """RL worker-layout rows drawn from `g`: ``input_ids``, ``attention_mask`` and
+    ``response_mask`` ``(rows, prompt + resp)``; row r's prompt is left-padded by r % 3,
+    its response has 2 + r % (resp - 1) tokens, right-padded; padding holds token 0."""
+    width = prompt + resp
+    ids = torch.randint(3, 64, (rows, width), generator=g)
+    attn = torch.ones(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for r in range(rows):
+        n = 2 + r % (resp - 1)
+        attn[r, :r % 3] = 0
+        attn[r, prompt + n:] = 0
+        mask[r, prompt:prompt + n] = 1
+    ids[attn == 0] = 0
+    return ids, attn, mask
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) state dict, on every rank, as fp32 CPU tensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
