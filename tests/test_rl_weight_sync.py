@@ -79,3 +79,41 @@ def test_sync_sends_a_tied_weight_once_llama():
     assert "lm_head.weight" not in out["names"] and "model.embed_tokens.weight" in out["names"]
     assert torch.equal(out["got"]["lm_head.weight"], out["want"]["model.embed_tokens.weight"])
     assert out["logits_diff"] < 1e-5
+
+
+def bucket_body(rank: int, world: int, extra: tuple[str, ...]) -> dict:
+    from shardwise.config import load_config
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.train import TrainEngine
+    from shardwise.fsdp.gather import full_tensor, gather_full, iter_full_tensors
+
+    runtime = init_distributed(timeout_s=60)
+    cfg = load_config(None, [TINY_QWEN3, *FP32, "train.optimizer.lr=1e-2", *extra])
+    engine = TrainEngine(cfg, runtime)
+    rows = make_global_batch(0, 4)
+    engine.train_step(micro_batches_of(rows, rank, world, 2), loss_tokens(rows))  # LoRA: B is no longer 0
+    sd = engine.model.state_dict()
+    want = {k: full_tensor(v) for k, v in sd.items()}  # DTensor's own gather, one tensor at a time
+    got = gather_full(sd)
+    out = {"state_mismatch": [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])],
+           "uneven": sum(v.shape[0] % world != 0 for v in want.values() if v.dim()), "mismatch": {}}
+    one_by_one = list(iter_full_tensors(engine.model))
+    out["names"] = [n for n, _ in one_by_one]
+    for bucket in (1000, 1 << 30):  # a bucket smaller than most tensors (each goes alone), and all at once
+        got = list(iter_full_tensors(engine.model, bucket_bytes=bucket))
+        out["mismatch"][bucket] = [n for (n, t), (m, u) in zip(one_by_one, got, strict=True)
+                                   if n != m or t.dtype != u.dtype or not torch.equal(t, u)]
+    teardown()
+    return out
+
+
+def test_bucketed_gather_equals_one_tensor_at_a_time():
+    """`gather_full` (one all-gather per bucket, shards padded to the chunk size) gives the
+    tensors `DTensor.full_tensor` gives, bitwise: uneven shards (3 ranks: 32 rows as 11, 11,
+    10) with LoRA's merge, and HSDP (2 replicas x 2 shards: gathered over the shard group)."""
+    lora = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[all-linear]")
+    for world, extra in ((3, lora), (4, ("parallel.fsdp_size=2",))):
+        for out in run_ranks(bucket_body, world, extra, timeout=120):
+            assert out["state_mismatch"] == [] and out["names"], (world, out["state_mismatch"])
+            assert out["mismatch"] == {1000: [], 1 << 30: []}, (world, out["mismatch"])
+            assert out["uneven"] > 0 or world == 4

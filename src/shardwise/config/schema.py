@@ -387,6 +387,10 @@ class VLLMConfig(Section):
     free_cache_engine: bool = True
     """CUDA: release the KV cache and move the engine's weights to host memory while the
     actor trains (sleep / wake up)."""
+    sync_bucket_mb: Annotated[float, Field(ge=0)] = 256
+    """Weight push: full tensors gathered from the shards together, up to this many MiB per
+    all-gather (one collective per bucket instead of one per tensor; the bucket is the
+    push's extra memory per rank). 0: one tensor at a time."""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """A LoRA actor's weights to the engine (model.lora): merged (base + adapters, streamed
     one layer at a time after every update) or adapter (the base once, then only the

@@ -380,8 +380,8 @@ class VLLMGenerator(GenerationEngine):
     ``tensor_parallel_size``, ``gpu_memory_utilization``, ``max_model_len`` (None: the
     model's), ``enforce_eager``, ``enable_prefix_caching``, ``dtype`` (bf16 / fp16 / fp32 /
     auto), ``free_cache_engine`` (CUDA: sleep after generating, so the KV cache and the
-    weights' memory are free while training) and ``sync_bucket_mb`` (unused: see
-    `sync_weights`). On CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 GiB when
+    weights' memory are free while training) and ``sync_bucket_mb`` (read by
+    `shardwise.rl.weight_sync`: how many full tensors are gathered at once). On CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 GiB when
     unset.
 
     Construction, `sync_weights`, `generate_sequences` and `shutdown` are collective over
@@ -508,14 +508,17 @@ class VLLMGenerator(GenerationEngine):
         prefix cache (its KV was computed with the old weights).
 
         One ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``
-        over a lazy iterator: vLLM consumes it in-process, so a tensor gathered from the
-        FSDP shards is copied into the engine (each TP rank slicing its part) before the
-        next is gathered; peak extra memory is one full tensor plus the pieces of one fused
-        layer (q/k/v, gate/up) waiting for the rest. Not in buckets (``sync_bucket_mb``):
-        each ``reload_weights`` call puts every layer of the model on the meta device and
-        back, and a fused layer only partly present in a call is post-processed (repacked)
-        with the missing part undefined (one call per tensor gives wrong tokens; calls cut
-        at whole-layer boundaries are right), so buckets would only add cost and a hazard.
+        over a lazy iterator: vLLM consumes it in-process, so tensors gathered from the
+        FSDP shards (a bucket at a time, see `shardwise.rl.weight_sync`) are copied into the
+        engine (each TP rank slicing its part) before the next bucket is gathered; peak
+        extra memory is one bucket plus the pieces of one fused layer (q/k/v, gate/up)
+        waiting for the rest. One call for the whole model, never one per bucket: each
+        ``reload_weights`` call puts every layer of the model on the meta device and back,
+        and a fused layer only partly present in a call is post-processed (repacked) with
+        the missing part undefined (one call per tensor gives wrong tokens; calls cut at
+        whole-layer boundaries are right), so more calls would only add cost and a hazard.
+        On CPU that call is most of a small model's push: vLLM's layer-by-layer reload and
+        the oneDNN repacking of every linear weight (about 12 ms for the long task's model).
 
         `named_tensors` is consumed to the end on every rank (a lazy FSDP gather is
         collective). Tied weights: an ``lm_head.weight`` of a tied model is skipped (vLLM's

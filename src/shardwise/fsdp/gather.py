@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwise.models import lora
 from shardwise.models.layout import checkpoint_entries, tied_aliases
 
-__all__ = ["full_tensor", "gathered_for_generation", "iter_adapter_tensors", "iter_full_tensors"]
+__all__ = ["full_tensor", "gather_full", "gathered_for_generation", "iter_adapter_tensors", "iter_full_tensors"]
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -36,41 +37,113 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     are moved to the mesh's device for the collective (NCCL gathers CUDA tensors only)."""
     if not isinstance(value, DTensor):
         return value.detach()
-    mesh_type = value.device_mesh.device_type
-    if value.to_local().device.type != mesh_type:
-        module = getattr(torch, mesh_type)
-        device = torch.device(mesh_type, module.current_device()) if mesh_type != "cpu" else torch.device("cpu")
+    device = _mesh_device(value)
+    if value.to_local().device != device:
         value = DTensor.from_local(value.to_local().to(device), value.device_mesh, value.placements,
                                    run_check=False, shape=value.shape, stride=value.stride())
     return value.full_tensor()
 
 
-def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None,
-                      merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, full tensor)`` for every state-dict entry of `model` (sharded or plain),
-    one at a time: peak extra memory is one full tensor, not the model. Tied aliases are
-    skipped and fused MoE experts cut per expert (`shardwise.models.layout`); a LoRA
-    model's base weights come merged with their adapters, under the base names (with
-    `merge_lora` False: the base weights as they are, the adapters left out). Collective:
-    every rank iterates to the end, in the same order. Floating tensors are cast to `dtype`
-    when given."""
+def _mesh_device(value: DTensor) -> torch.device:
+    mesh_type = value.device_mesh.device_type
+    if mesh_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh_type, getattr(torch, mesh_type).current_device())
+
+
+def _row_sharded(value: torch.Tensor) -> bool:
+    """FSDP's own layout: sharded on dim 0 over the mesh's last dimension, replicated over
+    the others (HSDP), uneven shards as ``torch.chunk`` cuts them. Anything else (a
+    strided shard of FSDP + TP, a scalar) is gathered by `full_tensor`."""
+    if not isinstance(value, DTensor) or value.dim() == 0:
+        return False
+    *outer, last = value.placements
+    return last == Shard(0) and all(p == Replicate() for p in outer)
+
+
+def gather_full(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`full_tensor` of each value, with one all-gather per (mesh, dtype) instead of one per
+    tensor: each rank lays its row shards end to end (every shard padded to the chunk size
+    ``ceil(rows / world)``), one ``all_gather_into_tensor`` over the shard dimension moves
+    them all, and each full tensor is cut back out (padding dropped). Equal bitwise to
+    `full_tensor` (a copy). Collective like it: every rank passes the same keys, in the
+    same order. Peak extra memory: the full tensors returned plus one padded buffer."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[tuple[int, torch.dtype], list[str]] = {}
+    for key, value in values.items():
+        if _row_sharded(value):
+            groups.setdefault((id(value.device_mesh), value.dtype), []).append(key)
+        else:
+            out[key] = full_tensor(value)
+    for keys in groups.values():
+        first = values[keys[0]]
+        mesh, device = first.device_mesh, _mesh_device(first)
+        world = mesh.size(mesh.ndim - 1)
+        chunks = [-(-values[k].shape[0] // world) for k in keys]  # rows per rank, padded
+        sizes = [c * (values[k].numel() // max(values[k].shape[0], 1)) for k, c in zip(keys, chunks)]
+        send = torch.zeros(sum(sizes), dtype=first.dtype, device=device)
+        offset = 0
+        for k, size in zip(keys, sizes):
+            local = values[k].to_local().detach().reshape(-1)
+            send[offset:offset + local.numel()].copy_(local)
+            offset += size
+        recv = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
+        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(mesh.ndim - 1))
+        per_rank = recv.view(world, send.numel())
+        offset = 0
+        for k, c, size in zip(keys, chunks, sizes):
+            shape = values[k].shape
+            rows = per_rank[:, offset:offset + size].reshape(world * c, *shape[1:])
+            out[k] = rows[:shape[0]].clone()
+            offset += size
+    return {k: out[k] for k in values}
+
+
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None, merge_lora: bool = True,
+                      bucket_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` for every state-dict entry of `model` (sharded or plain).
+    Tied aliases are skipped and fused MoE experts cut per expert
+    (`shardwise.models.layout`); a LoRA model's base weights come merged with their
+    adapters, under the base names (with `merge_lora` False: the base weights as they are,
+    the adapters left out). Collective: every rank iterates to the end, in the same order.
+    Floating tensors are cast to `dtype` when given.
+
+    With `bucket_bytes` 0 the tensors are gathered one at a time (peak extra memory: one
+    full tensor); else consecutive tensors up to that many full bytes are gathered
+    together (`gather_full`: one all-gather per bucket; peak extra memory about one bucket).
+    The fixed cost of a gather is what a weight push of a small model is made of."""
     aliases = tied_aliases(model)
     sd = model.state_dict()
     merges = lora.merge_sources(model) if merge_lora else {}  # LoRA: base merged with its adapters, layer by layer
     entries = checkpoint_entries(model, [(lora.hf_name(k), k, tuple(v.shape), v.dtype) for k, v in sd.items()
                                          if k not in aliases and not lora.is_lora_key(k)])
-    full, gathered = None, None
+    sources = list(dict.fromkeys(e.source for e in entries))
+    needs = {s: [s, *merges[s][:2]] if s in merges else [s] for s in sources}
+    full: dict[str, torch.Tensor] = {}
+    i = 0
     for e in entries:
-        if gathered != e.source:  # one gather per source (the cuts of fused experts follow it)
-            full = None
-            full, gathered = full_tensor(sd[e.source]), e.source
-            if e.source in merges:
-                a, b, scale = merges[e.source]
-                full = lora.merge(full, full_tensor(sd[a]), full_tensor(sd[b]), scale)
-        t = e.take(full)
+        if e.source not in full:  # gather this source and the next ones, up to the bucket
+            full.clear()
+            bucket, size = [], 0
+            while i < len(sources) and (not bucket or size + _full_bytes(sd, needs[sources[i]]) <= bucket_bytes):
+                bucket.append(sources[i])
+                size += _full_bytes(sd, needs[sources[i]])
+                i += 1
+            gathered = gather_full({k: sd[k] for s in bucket for k in needs[s]})
+            for s in bucket:
+                full[s] = gathered[s]
+                if s in merges:
+                    a, b, scale = merges[s]
+                    full[s] = lora.merge(full[s], gathered[a], gathered[b], scale)
+            del gathered
+        t = e.take(full[e.source])
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         yield e.name, t
+
+
+def _full_bytes(sd: dict[str, torch.Tensor], keys: list[str]) -> int:
+    return sum(sd[k].numel() * sd[k].element_size() for k in keys)
 
 
 def iter_adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

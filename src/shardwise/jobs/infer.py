@@ -62,7 +62,7 @@ from shardwise.jobs.inputs import (
     vision_inputs,
 )
 from shardwise.models.loading import load_hf_config
-from shardwise.rl.weight_sync import WeightSync
+from shardwise.rl.weight_sync import WeightSync, bucket_bytes
 from shardwise.telemetry import Progress, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     records = prepared.records
     run_dir = Path(cfg.run.dir)
     vision = vision_inputs(cfg, tokenizer)  # a VL model: each prompt's image (prepare checked the files)
-    WeightSync(engine.model, generator).sync()  # an engine with its own weights (vllm) gets the model's
+    WeightSync(engine.model, generator, bucket_bytes=bucket_bytes(icfg)).sync()  # an engine with its own weights (vllm) gets the model's
 
     dp_size = engine.spec.dp_size
     mine = _my_prompts(len(records), runtime.rank, dp_size)

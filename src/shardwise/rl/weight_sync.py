@@ -1,8 +1,8 @@
 """Moving the FSDP actor's weights into the rollout's generation engine.
 
-`WeightSync.sync` hands the actor's full tensors, streamed one at a time under their HF
-names (`shardwise.fsdp.gather.iter_full_tensors`: peak extra memory one tensor, tied
-aliases once), to the engine before each generation when the engine keeps its own copy of
+`WeightSync.sync` hands the actor's full tensors, streamed under their HF names
+(`shardwise.fsdp.gather.iter_full_tensors`, tied aliases once; gathered in buckets of
+`bucket_bytes`, one all-gather each: a small model's push is one collective), to the engine before each generation when the engine keeps its own copy of
 the weights; with `HFGenerator`, which generates with the actor's parameters, it does
 nothing. A LoRA actor's weights go merged (base + adapters), unless the engine takes
 adapters (`GenerationEngine.takes_adapters`: vLLM with ``lora_sync: adapter``): then the
@@ -21,16 +21,24 @@ from torch import nn
 from shardwise.engine.generate import GenerationEngine
 from shardwise.fsdp.gather import iter_adapter_tensors, iter_full_tensors
 
-__all__ = ["WeightSync"]
+__all__ = ["WeightSync", "bucket_bytes"]
+
+
+def bucket_bytes(sampling_cfg) -> int:
+    """The push's gather bucket in bytes (``vllm.sync_bucket_mb``; 0 without that section)."""
+    vllm = getattr(sampling_cfg, "vllm", None)
+    return int(getattr(vllm, "sync_bucket_mb", 0) * 2**20)
 
 
 class WeightSync:
     """Keeps a rollout engine's weights equal to the actor's."""
 
-    def __init__(self, actor_model: nn.Module, engine: GenerationEngine, dtype: torch.dtype | None = None):
+    def __init__(self, actor_model: nn.Module, engine: GenerationEngine, dtype: torch.dtype | None = None,
+                 bucket_bytes: int = 0):
         self.actor_model = actor_model
         self.engine = engine
         self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
         self.syncs = 0
         self.changed = True  # the engine starts without the actor's weights
         self.seconds = 0.0
@@ -53,11 +61,13 @@ class WeightSync:
         if self.engine.takes_adapters:
             if not self.base_pushed:  # the frozen base, once
                 self.engine.sync_weights(self._counted(iter_full_tensors(self.actor_model, self.dtype,
-                                                                         merge_lora=False)))
+                                                                         merge_lora=False,
+                                                                         bucket_bytes=self.bucket_bytes)))
                 self.base_pushed = True
             self.engine.sync_adapter(self._counted(iter_adapter_tensors(self.actor_model)))
         else:
-            self.engine.sync_weights(self._counted(iter_full_tensors(self.actor_model, self.dtype)))
+            self.engine.sync_weights(self._counted(iter_full_tensors(self.actor_model, self.dtype,
+                                                                     bucket_bytes=self.bucket_bytes)))
         self.seconds = time.perf_counter() - start
         self.syncs += 1
         self.changed = False

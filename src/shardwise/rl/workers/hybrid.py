@@ -27,7 +27,7 @@ from shardwise.engine.generate import build_generator
 from shardwise.errors import ConfigError
 from shardwise.models.loading import load_hf_config
 from shardwise.rl.dispatch import Dispatch, register
-from shardwise.rl.weight_sync import WeightSync
+from shardwise.rl.weight_sync import WeightSync, bucket_bytes
 from shardwise.rl.workers.actor import ActorWorker, LoraReference, ReferenceWorker
 from shardwise.rl.workers.critic import CriticWorker
 from shardwise.rl.workers.reward import RewardModelWorker
@@ -60,7 +60,8 @@ class RLWorker:
             self.rollout = build_generator(self.cfg.rl.rollout.engine, self.actor.model, self.cfg.rl.rollout,
                                            runtime, pad_id, eos_id,
                                            compute_dtype=self.cfg.fsdp.mixed_precision.param_dtype)
-            self.weight_sync = WeightSync(self.actor.model, self.rollout)
+            self.weight_sync = WeightSync(self.actor.model, self.rollout,
+                                          bucket_bytes=bucket_bytes(self.cfg.rl.rollout))
             # Ulysses: the sp peers of a group get the same prompts and must draw the same samples
             if hasattr(self.rollout, "seed_rank"):
                 self.rollout.seed_rank = runtime.rank // self.cfg.parallel.ulysses_size
