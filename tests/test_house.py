@@ -84,6 +84,16 @@ def test_no_import_runs_back_up():
     assert not upward, "imports that run back up:\n" + "\n".join(upward)
 
 
+def test_inference_needs_nothing_of_rl():
+    """Generation and the weight push into an engine are the engines' (`shardwise.engine`),
+    not RL's: `shardwise infer` and the engines import nothing from `shardwise.rl`."""
+    for name, path in _modules():
+        if name == "shardwise.jobs.infer" or name.startswith("shardwise.engine."):
+            for node, mods in _imports(ast.parse(path.read_text())):
+                assert not any(m == "shardwise.rl" or m.startswith("shardwise.rl.") for m in mods), \
+                    f"{name}:{node.lineno} imports {mods}"
+
+
 def test_imports_sit_at_the_top_of_each_module():
     """Inside a function only optional dependencies are imported, so a module's
     dependencies are read at its top."""

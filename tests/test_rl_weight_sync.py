@@ -24,7 +24,7 @@ def sync_body(rank: int, world: int, model_override: str) -> dict:
     from shardwise.engine.train import TrainEngine
     from shardwise.fsdp.gather import iter_full_tensors
     from shardwise.models.loading import build_full_model
-    from shardwise.rl.weight_sync import WeightSync
+    from shardwise.engine.weight_sync import WeightSync
 
     class OwnCopyEngine(GenerationEngine):
         """An engine with its own plain copy of the model (as vLLM would have)."""

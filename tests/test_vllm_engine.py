@@ -124,7 +124,7 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
     from shardwise.engine.train import TrainEngine
     from shardwise.engine.vllm_engine import VLLMGenerator
     from shardwise.fsdp.gather import iter_adapter_tensors, iter_full_tensors
-    from shardwise.rl.weight_sync import WeightSync
+    from shardwise.engine.weight_sync import WeightSync
 
     runtime = init_distributed(timeout_s=120)
     cfg = load_config(None, [model_override, *OVERRIDES, *extra])

@@ -381,8 +381,8 @@ class VLLMGenerator(GenerationEngine):
     model's), ``enforce_eager``, ``enable_prefix_caching``, ``dtype`` (bf16 / fp16 / fp32 /
     auto), ``free_cache_engine`` (CUDA: sleep after generating, so the KV cache and the
     weights' memory are free while training) and ``sync_bucket_mb`` (read by
-    `shardwise.rl.weight_sync`: how many full tensors are gathered at once). On CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 GiB when
-    unset.
+    `shardwise.engine.weight_sync`: how many full tensors are gathered at once). On CPU the
+    KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 GiB when unset.
 
     Construction, `sync_weights`, `generate_sequences` and `shutdown` are collective over
     the world (construction, shutdown) or the TP group (the others): every rank calls them.
@@ -509,7 +509,7 @@ class VLLMGenerator(GenerationEngine):
 
         One ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``
         over a lazy iterator: vLLM consumes it in-process, so tensors gathered from the
-        FSDP shards (a bucket at a time, see `shardwise.rl.weight_sync`) are copied into the
+        FSDP shards (a bucket at a time, see `shardwise.engine.weight_sync`) are copied into the
         engine (each TP rank slicing its part) before the next bucket is gathered; peak
         extra memory is one bucket plus the pieces of one fused layer (q/k/v, gate/up)
         waiting for the rest. One call for the whole model, never one per bucket: each

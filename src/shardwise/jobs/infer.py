@@ -62,7 +62,7 @@ from shardwise.jobs.inputs import (
     vision_inputs,
 )
 from shardwise.models.loading import load_hf_config
-from shardwise.rl.weight_sync import WeightSync, bucket_bytes
+from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.telemetry import Progress, peak_memory_bytes
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from shardwise.engine.generate import build_generator
 from shardwise.errors import ConfigError
 from shardwise.models.loading import load_hf_config
 from shardwise.rl.dispatch import Dispatch, register
-from shardwise.rl.weight_sync import WeightSync, bucket_bytes
+from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.rl.workers.actor import ActorWorker, LoraReference, ReferenceWorker
 from shardwise.rl.workers.critic import CriticWorker
 from shardwise.rl.workers.reward import RewardModelWorker
