@@ -81,11 +81,21 @@ def _truncated_weights(folder: Path) -> None:
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+def _weights_of_another_shape(folder: Path) -> None:
+    """config.json says intermediate_size 48; the weights were saved with 64 (issue 22: this
+    passed the checks and failed on rank 0 after launch)."""
+    save_tiny_model(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 48
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.mark.parametrize("make,words,real", [
     (_pickle_only, ["model.path", "pickled weights", "pytorch_model.bin", "save_pretrained"], False),
     (_config_only, ["model.path", "no weights"], False),
     (_truncated_weights, ["model.path", "truncated"], True),
-], ids=["pickle_only", "config_only", "truncated_safetensors"])
+    (_weights_of_another_shape, ["model.path", "model.layers.0.mlp.gate_proj.weight", "[64, 32]", "[48, 32]"], False),
+], ids=["pickle_only", "config_only", "truncated_safetensors", "weights_of_another_shape"])
 def test_bad_model_folder_exits_2_before_launch(make, words, real, tmp_path, capsys, monkeypatch):
     # These hung for 10 minutes: rank 0 failed alone while rank 1 waited for its weights.
     # One row runs as a real subprocess, the others in-process through the CLI's own entry

@@ -15,6 +15,7 @@ from shardwise.fsdp.plan import ShardingPlan, build_plan, warn_plan
 from shardwise.models.loading import (
     build_full_model,
     build_meta_model,
+    check_weight_shapes,
     freeze,
     load_full_weights,
 )
@@ -26,6 +27,8 @@ def plan_for(cfg: Config, spec: MeshSpec, task: str = "causal_lm", **config_extr
     """The meta model (with its LoRA adapters, frozen as configured) and its plan; no
     process group needed."""
     model = patch_model(build_meta_model(cfg.model, task, **config_extra), cfg)
+    if cfg.model.path is not None:
+        check_weight_shapes(model, cfg.model.path)
     config = lora.inject(model, cfg.model.lora)
     if config is not None:
         _check_lora(model, config, cfg, task)

@@ -28,6 +28,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from shardwise.config.dtypes import to_torch_dtype
 from shardwise.config.schema import ModelConfig
 from shardwise.errors import ConfigError, did_you_mean
+from shardwise.models.layout import checkpoint_entries
 from shardwise.models.patterns import match_pattern
 from shardwise.models.vision import is_vision_language
 
@@ -100,6 +101,36 @@ def _check_safetensors_header(file: Path, key: str) -> None:
     if 8 + n + end > size:
         raise ConfigError(key, f"{str(file)!r} is truncated: its header promises {8 + n + end} bytes, the file has "
                           f"{size}", "copy or write the folder again")
+
+
+def safetensors_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """``{tensor name: (shape, file)}`` from the headers of checked safetensors files
+    (`check_weights_folder`); no weight is read."""
+    out: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, v in header.items():
+            if name != "__metadata__":
+                out[name] = (tuple(int(d) for d in v.get("shape", ())), f)
+    return out
+
+
+def check_weight_shapes(model: nn.Module, path: str | os.PathLike[str], key: str = "model.path") -> None:
+    """ConfigError on `key` when a tensor of the folder's weights has another shape than the
+    model its config.json builds (`model`, on the meta device): transformers would stop on
+    rank 0 after launch. Compared under the checkpoint's names (fused MoE experts cut per
+    expert); tensors whose names the model does not use are left to transformers' own
+    renaming rules."""
+    shapes = safetensors_shapes(check_weights_folder(path, key))
+    sd = model.state_dict()
+    for e in checkpoint_entries(model, [(k, k, tuple(v.shape), v.dtype) for k, v in sd.items()]):
+        if e.name in shapes and shapes[e.name][0] != e.shape:
+            got, file = shapes[e.name]
+            raise ConfigError(key, f"{e.name} in {str(file)!r} has shape {list(got)}, but the model its config.json "
+                              f"builds wants {list(e.shape)}",
+                              "the weights belong to another config: copy the folder's own config.json, or "
+                              "write the folder again with save_pretrained")
 
 
 def _auto_class(task: str, cfg=None):
