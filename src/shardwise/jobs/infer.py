@@ -50,8 +50,10 @@ from shardwise.data.tasks import BUILTIN_PREFIX, HELDOUT_PROMPTS, HELDOUT_SEED_O
 from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
 from shardwise.distributed.runtime import Runtime, env_world
 from shardwise.distributed.ulysses import train_only
+from shardwise.engine import vllm_engine
 from shardwise.engine.generate import build_generator, prompt_batch
 from shardwise.engine.infer import InferEngine
+from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import (
@@ -62,7 +64,6 @@ from shardwise.jobs.inputs import (
     vision_inputs,
 )
 from shardwise.models.loading import load_hf_config
-from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.telemetry import Progress, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     check_causal_task(cfg, "`shardwise infer`")
     check_generation_engine(cfg.infer, world, "infer")
     check_model(cfg)
+    if cfg.infer.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
+        vllm_engine.check_supported(load_hf_config(cfg.model), "infer", "model.config")
     check_tokenizer(cfg)
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None

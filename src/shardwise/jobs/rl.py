@@ -26,6 +26,7 @@ from shardwise.data.collate import truncation_note
 from shardwise.data.rewards import RewardFn, check_data_sources, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
+from shardwise.engine import vllm_engine
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.jobs.inputs import (
@@ -67,6 +68,8 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
     check_token_budgets(cfg)
     check_model(cfg)
+    if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
+        vllm_engine.check_supported(load_hf_config(cfg.model), "rl.rollout", "model.config")
     check_rl_ulysses(cfg, spec.ulysses)
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")

@@ -24,10 +24,10 @@ from shardwise.config.load import config_from_dict
 from shardwise.data.batch import Batch
 from shardwise.distributed.runtime import Runtime, seed_everything
 from shardwise.engine.generate import build_generator
+from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.errors import ConfigError
 from shardwise.models.loading import load_hf_config
 from shardwise.rl.dispatch import Dispatch, register
-from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.rl.workers.actor import ActorWorker, LoraReference, ReferenceWorker
 from shardwise.rl.workers.critic import CriticWorker
 from shardwise.rl.workers.reward import RewardModelWorker
