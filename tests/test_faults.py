@@ -227,7 +227,13 @@ def test_rl_resume_from_a_missing_folder_through_the_real_command(tmp_path):
 # ------------------------------------------------------------ failures inside ranks
 
 
-def test_a_user_error_on_one_rank_ends_the_job_in_seconds(tmp_path):
+@pytest.mark.parametrize("fn,extra,words", [
+    ("score", [], ["picky.score raised ValueError: cannot score"]),
+    # issue 22: a function that never returns (and swallows exceptions) blocked the job forever
+    ("stuck", ["infer.reward_timeout_s=1"], ["picky.stuck did not return within 1 s on row 0",
+                                            "infer.reward_timeout_s"]),
+], ids=["raises", "never_returns"])
+def test_a_user_error_on_one_rank_ends_the_job_in_seconds(fn, extra, words, tmp_path):
     # A reward function that fails on rank 1's prompts only: rank 0 has gone on to gather
     # the results and would wait there for the process group's timeout.
     model = tmp_path / "model"
@@ -235,16 +241,26 @@ def test_a_user_error_on_one_rank_ends_the_job_in_seconds(tmp_path):
     from transformers import AutoTokenizer  # noqa: F401  (the char tokenizer is built by the job)
 
     (tmp_path / "picky.py").write_text(
-        "import os\n"
+        "import os, time\n"
         "def score(prompt, response, ground_truth):\n"
         "    if os.environ['RANK'] == '1':\n"
         "        raise ValueError('cannot score ' + prompt)\n"
+        "    return 0.0\n"
+        "def stuck(prompt, response, ground_truth):\n"
+        "    while os.environ['RANK'] == '1':\n"
+        "        try:\n"
+        "            time.sleep(3600)\n"
+        "        except Exception:\n"
+        "            pass\n"
         "    return 0.0\n")
+    t0 = time.monotonic()
     res = run_cli(["infer", INFER, "--nproc", "2", f"run.dir={tmp_path / 'run'}", f"model.path={model}",
-                   "infer.reward=picky:score", "infer.num_prompts=8", "infer.max_new_tokens=2"],
+                   f"infer.reward=picky:{fn}", "infer.num_prompts=8", "infer.max_new_tokens=2", *extra],
                   timeout=180, cwd=tmp_path)
     line = one_line(res, code=2)
-    assert "picky.score raised ValueError: cannot score" in line, line
+    for w in words:
+        assert w in line, line
+    assert time.monotonic() - t0 < 120
 
 
 @pytest.mark.parametrize("mode,code,words", [("internal", 1, ["rank 1 failed: RuntimeError: injected failure"]),

@@ -6,8 +6,10 @@ unsharded sequence-classification model read at each row's last real token."""
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import textwrap
+import time
 import uuid
 
 import numpy as np
@@ -331,3 +333,38 @@ def test_reward_model_worker_needs_a_model_folder(value, problem, tmp_path):
         RewardModelWorker(cfg, runtime=None)  # raised before any process group is needed
     assert info.value.key == "rl.reward.model" and problem in info.value.problem
     assert "save_pretrained" in info.value.hint
+
+
+def _never_returns(prompt, response, ground_truth):
+    while True:  # swallows ordinary exceptions, as careless user code does
+        try:
+            time.sleep(3600)
+        except Exception:
+            pass
+
+
+def test_a_reward_call_past_its_timeout_names_the_function_and_row(char_tokenizer):
+    """In the main thread (SIGALRM) and in another thread (a watchdog thread), one line's
+    error within about the timeout; the main thread's alarm handler is put back."""
+    import threading
+
+    before = signal.getsignal(signal.SIGALRM)
+    t0 = time.monotonic()
+    with pytest.raises(RewardFunctionError) as info:
+        score_sequences(text_batch(char_tokenizer), char_tokenizer, _never_returns, timeout_s=0.2)
+    assert "_never_returns did not return within 0.2 s on row 0" in str(info.value)
+    assert "rl.reward.timeout_s" in str(info.value) and time.monotonic() - t0 < 5
+    assert signal.getsignal(signal.SIGALRM) == before
+    caught: list[BaseException] = []
+
+    def in_thread():
+        try:
+            score_sequences(text_batch(char_tokenizer), char_tokenizer, _never_returns, timeout_s=0.2,
+                            timeout_key="infer.reward_timeout_s")
+        except RewardFunctionError as e:
+            caught.append(e)
+
+    worker = threading.Thread(target=in_thread)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and caught and "infer.reward_timeout_s" in str(caught[0])

@@ -510,6 +510,9 @@ class RewardConfig(Section):
     """A sequence-classification model folder; its score at the last token is added."""
     colocated: bool = True
     """Reward model in the actor's worker processes (true) or a worker group of its own."""
+    timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """The longest one call of the reward function may take; past it the job stops with one
+    line naming the function and the row (a function that never returns would block it)."""
 
 
 class KLInRewardConfig(Section):
@@ -631,6 +634,8 @@ class InferConfig(SamplingConfig):
     reward: str | None = None
     """Score responses against data.response_key with builtin:NAME or module:function;
     default: a built-in task's own scorer, no scoring for files."""
+    reward_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """The longest one call of the reward function may take (as rl.reward.timeout_s)."""
     output: str | None = None
     """The JSONL file of generations; default run.dir/generations.jsonl."""
 

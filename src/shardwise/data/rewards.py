@@ -26,8 +26,11 @@ import inspect
 import math
 import numbers
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -43,6 +46,8 @@ RewardFn = Callable[[str, str, str], float]
 """``(prompt, response_text, ground_truth) -> reward``."""
 
 _KEY = "rl.reward.function"
+DEFAULT_TIMEOUT_S = 60.0
+"""How long one reward call may take (``rl.reward.timeout_s``, ``infer.reward_timeout_s``)."""
 _FORMS = "builtin:NAME or module:function (e.g. builtin:arithmetic or my_rewards:score)"
 
 
@@ -230,15 +235,61 @@ def _short(text: str, limit: int = 120) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+class _Timeout(BaseException):
+    """Raised into a reward call that outlived its time (a BaseException: a function's own
+    ``except Exception`` does not swallow it)."""
+
+
+def _within(seconds: float | None, call: Callable[[], Any]) -> Any:
+    """``call()``, or `_Timeout` once it has run `seconds`. In the main thread a SIGALRM
+    timer interrupts it (Python code, sleeps and most blocking calls); elsewhere it runs in
+    a daemon thread that is left behind when it overruns (the job then ends with the error)."""
+    if seconds is None:
+        return call()
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        def alarm(_signum, _frame):
+            raise _Timeout
+
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return call()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name="shardwise-reward")
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise _Timeout
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_source=None,
-          extra_info=None) -> tuple[float, dict[str, float]]:
-    """``(reward, extra metrics)`` of one row; RewardFunctionError naming the row otherwise."""
+          extra_info=None, timeout_s: float | None = None,
+          timeout_key: str = "rl.reward.timeout_s") -> tuple[float, dict[str, float]]:
+    """``(reward, extra metrics)`` of one row; RewardFunctionError naming the row otherwise
+    (also when the call takes longer than `timeout_s`)."""
     where = f"row {row} (prompt {_short(prompt)})"
     try:
         if isinstance(fn, VerlReward):
-            value = fn(prompt, response, truth, data_source=data_source, extra_info=extra_info)
+            value = _within(timeout_s, lambda: fn(prompt, response, truth, data_source=data_source,
+                                                  extra_info=extra_info))
         else:
-            value = fn(prompt, response, truth)
+            value = _within(timeout_s, lambda: fn(prompt, response, truth))
+    except _Timeout:
+        raise RewardFunctionError(f"reward function {_describe(fn)} did not return within {timeout_s:g} s on {where}, "
+                                  f"response {_short(response)}; make it faster or raise {timeout_key}") from None
     except scorers.UnknownDataSource as e:
         raise RewardFunctionError(f"{e} ({where})") from None
     except Exception as e:
@@ -284,7 +335,8 @@ def decode_responses(batch: Batch, tokenizer) -> tuple[list[str], list[int | Non
     return texts, last
 
 
-def score_sequences(batch: Batch, tokenizer, fn: RewardFn) -> Batch:
+def score_sequences(batch: Batch, tokenizer, fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                    timeout_key: str = "rl.reward.timeout_s") -> Batch:
     """Score each row's response text with `fn`; not collective (any rows, any process).
 
     `batch`: ``input_ids`` and ``response_mask`` ``(B, T)``, arrays ``prompt`` and
@@ -298,7 +350,8 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn) -> Batch:
     all rows, and "reward/empty_responses", the rows without a response token (scored,
     but their score has no token to sit on). Raises `RewardFunctionError` naming the
     function and the row's prompt when `fn` raises or returns a non-finite or
-    non-number value.
+    non-number value, or does not return within `timeout_s` seconds (None: no limit;
+    `timeout_key` is the setting the message names).
     """
     optional = [k for k in ("data_source", "extra_info") if k in batch.arrays]
     data = batch.select(tensor_keys=["input_ids", "response_mask"],
@@ -312,7 +365,8 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn) -> Batch:
     row_scores = []
     extras: dict[str, list[float]] = {}
     for row, text in enumerate(texts):
-        s, extra = _call(fn, str(prompts[row]), text, str(truths[row]), row, sources[row], infos[row])
+        s, extra = _call(fn, str(prompts[row]), text, str(truths[row]), row, sources[row], infos[row],
+                         timeout_s, timeout_key)
         row_scores.append(s)
         for k, v in extra.items():
             extras.setdefault(k, []).append(v)

@@ -187,7 +187,8 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
             texts, _ = decode_responses(out, tokenizer)
             scores = None
             if fn is not None and len(out):
-                scores = score_sequences(out, tokenizer, fn).tensors["token_level_scores"].sum(-1).tolist()
+                scores = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s"
+                                         ).tensors["token_level_scores"].sum(-1).tolist()
             resp = out.tensors["responses"]
             lengths = out.tensors["response_mask"].sum(-1).tolist()
             ended = (resp == tokenizer.eos_token_id).any(-1).tolist()

@@ -201,7 +201,7 @@ class Controller:
         last = _last_token_index(mask)
         has = mask.any(-1)
         if self.reward_fn is not None:
-            scored = score_sequences(batch, self.tokenizer, self.reward_fn)
+            scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s)
             rule = scored.tensors["token_level_scores"].sum(-1)
             scores += scored.tensors["token_level_scores"]
             metrics["accuracy"] = float((rule >= 1.0).float().mean())
