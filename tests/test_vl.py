@@ -19,7 +19,9 @@ over twice the pass@1 difference's standard error below it.
 from __future__ import annotations
 
 import json
+import os
 import re
+import zlib
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,15 @@ def test_grpo_on_images_raises_held_out_accuracy_with_the_tower_frozen(vl_sft, t
     assert (run_dir / "hf" / "preprocessor_config.json").is_file()
 
 
+def _png_header(path, width: int, height: int) -> None:
+    """A PNG whose header (IHDR) claims `width` x `height`, without the pixels."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 0, 0, 0, 0])
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b""))
+
+
 def _exit_2_one_line(argv: list[str], capsys, *needles: str) -> None:
     """`shardwise.cli.main` in this process (prepare fails before any process starts)."""
     code = main([str(a) for a in argv])
@@ -151,6 +162,13 @@ def test_bad_vl_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     data.write_text(json.dumps({"prompt": "colour?", "response": "red", "image": "missing.png"}) + "\n")
     base = ["train", SFT, "--nproc", "2", f"run.dir={tmp_path / 'run'}"]
     _exit_2_one_line([*base, f"data.source={data}"], capsys, "data.image_key", "missing.png")
+    # issue 22: a decompression bomb (a PNG header saying 20000 x 20000: a traceback before)
+    # and a FIFO named as an image (blocked the job for minutes) are refused from the header
+    _png_header(tmp_path / "bomb.png", 20000, 20000)
+    os.mkfifo(tmp_path / "fifo.png")
+    for name, words in (("bomb.png", "DecompressionBombError"), ("fifo.png", "not a regular file")):
+        data.write_text(json.dumps({"prompt": "colour?", "response": "red", "image": name}) + "\n")
+        _exit_2_one_line([*base, f"data.source={data}"], capsys, "data.image_key", name, words)
     _exit_2_one_line([*base, "parallel.ulysses_size=2"], capsys, "parallel.ulysses_size")
     _exit_2_one_line([*base, "data.image_size=50"], capsys, "data.image_size", "use 56")
     _exit_2_one_line([*base, "model.config.image_token_id=10"], capsys, "model.config.image_token_id", "'6'")

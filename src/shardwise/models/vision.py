@@ -27,6 +27,7 @@ cast_forward_inputs"): its rotary cos / sin stay fp32.
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,14 +200,42 @@ class VisionInputs:
         self.processor.save_pretrained(str(folder))
 
 
+MAX_IMAGE_PIXELS = 89_478_485
+"""The largest image shardwise decodes (PIL's own bomb limit; a 20000 x 20000 PNG is 400 M)."""
+
+
+def _readable_image(path: Path) -> str | None:
+    """Why `path` cannot be read as an image without decoding it (None: it can): only a
+    regular file is opened (a FIFO would block the job), and its header's size must stay
+    within `MAX_IMAGE_PIXELS` (a decompression bomb)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            if w * h > MAX_IMAGE_PIXELS:
+                return f"{w} x {h} pixels, more than the {MAX_IMAGE_PIXELS:,} shardwise decodes"
+            im.verify()
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _open(image: Any):
     if isinstance(image, Image.Image):
         return image
+    problem = _readable_image(Path(image))
+    if problem is not None:
+        raise DataError(f"cannot read image {str(image)!r}: {problem}")
     try:
         with Image.open(image) as im:
             im.load()
             return im.copy()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise DataError(f"cannot read image {str(image)!r}: {e}") from None
 
 
@@ -227,10 +256,8 @@ def resolve_images(records: list[dict[str, Any]], key: str, source: str) -> None
             raise ConfigError("data.image_key", f"record {i}'s {key!r} is a {type(value).__name__}, not a path",
                               "write the image file's path, relative to the data file")
         path = Path(value) if Path(value).is_absolute() else base / value
-        try:
-            with Image.open(path) as im:
-                im.verify()
-        except (OSError, ValueError) as e:
-            raise ConfigError("data.image_key", f"record {i}'s image {str(path)!r} cannot be read "
-                              f"({type(e).__name__}: {e})", "point it at a PNG / JPEG file") from None
+        problem = _readable_image(path)
+        if problem is not None:
+            raise ConfigError("data.image_key", f"record {i}'s image {str(path)!r} cannot be read ({problem})",
+                              "point it at a PNG / JPEG file")
         r[key] = str(path)
