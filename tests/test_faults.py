@@ -389,3 +389,49 @@ def test_kill_9_of_a_launcher_leaves_no_rank_running(victim, tmp_path):
 # A resumed run logs each step once and the truncation note is reported once: the same
 # CLI run as the SFT job's own resume test, tests/test_sft_job.py
 # (test_train_cli_writes_metrics_checkpoint_export_plot_and_resumes).
+
+
+# ------------------------------------------------------------ resuming another run's state
+
+
+def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tmp_path, capsys, monkeypatch):
+    """Issue 22, items 11-12: `shardwise rl` on an SFT run's folder (it used to load the
+    weights, overwrite config.json and die with KeyError 'step'), `train` on an RL run's
+    folder and a resume with another model are refused before anything is written; a
+    resume with a new learning rate trains with it (it kept the saved one) and says what
+    changed. In-process, one rank."""
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    run = tmp_path / "run"
+    base = ["train", SFT, f"run.dir={run}", *TINY, "checkpoint.every_steps=1", "checkpoint.export_hf=false",
+            "checkpoint.async=false", "train.optimizer.lr=2e-3", "train.scheduler.name=constant",
+            "train.scheduler.warmup_steps=0", "train.log_every=1"]
+    assert main([*base, "train.max_steps=2"]) == 0
+    capsys.readouterr()
+    saved = (run / "config.json").read_text()
+
+    def refused(argv: list[str], *words: str) -> None:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and all(w in lines[0] for w in words), err
+        assert (run / "config.json").read_text() == saved  # nothing written
+
+    refused(["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), f"run.dir={run}", "model.path=null", TINY_QWEN3,
+             "data.max_length=16"], "run.dir", "checkpoint of `shardwise train`", "`shardwise rl`")
+    refused([*base, "train.max_steps=4", "model.config.intermediate_size=48"], "another model's state",
+            "model.config.intermediate_size", "64", "48")
+    latest = sorted((run / "checkpoints").glob("step_*"))[-1]
+    original = (latest / "meta.json").read_text()
+    (latest / "meta.json").write_text(json.dumps(dict(json.loads(original), job="rl")))
+    refused([*base, "train.max_steps=4"], "checkpoint of `shardwise rl`", "`shardwise train`")
+    (latest / "meta.json").write_text(original)  # the bytes its COMMITTED digest covers
+
+    assert main([*base, "train.max_steps=4", "train.optimizer.lr=1e-5"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming" in err and "train.optimizer.lr 0.002 -> 1e-05" in err and "train.max_steps 2 -> 4" in err, err
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m["lr"] for m in steps] == pytest.approx([2e-3, 2e-3, 1e-5, 1e-5])

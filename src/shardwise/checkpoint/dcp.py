@@ -99,8 +99,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINTS_DIR", "COMMITTED", "META_FILE", "CheckpointManager", "SafeFileSystemReader",
-           "SafeLoadPlanner", "file_digest", "incomplete_reason", "is_complete", "read_meta", "step_dir_name",
-           "verify_checkpoint"]
+           "SafeLoadPlanner", "apply_optimizer_settings", "file_digest", "incomplete_reason", "is_complete",
+           "read_meta", "saved_job", "step_dir_name", "verify_checkpoint"]
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMITTED = "COMMITTED"
@@ -130,6 +130,37 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """meta.json of a checkpoint folder."""
     return json.loads((Path(path) / META_FILE).read_text())
+
+
+def saved_job(meta: dict[str, Any]) -> str | None:
+    """The command that wrote a checkpoint: meta.json's ``job``, or for a checkpoint from
+    before it was recorded, what its ``extra`` holds (`shardwise rl`'s controller state has
+    a ``step``; `shardwise train`'s only its sampler)."""
+    if meta.get("job"):
+        return str(meta["job"])
+    extra = meta.get("extra")
+    if isinstance(extra, dict):
+        if "step" in extra and "kl_coef" in extra:
+            return "rl"
+        if "sampler" in extra:
+            return "train"
+    return None
+
+
+def apply_optimizer_settings(engine: TrainEngine) -> None:
+    """After a load: the optimizer's hyperparameters are the config's, not the
+    checkpoint's (a resume with a new ``train.optimizer.lr`` used to keep the old one): each
+    group's betas, eps and weight decay, the scheduler's base LR, and the current LR as the
+    schedule gives it at the restored step."""
+    opt_cfg = engine.cfg.train.optimizer
+    for group in engine.optimizer.param_groups:
+        group.update(betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+                     initial_lr=opt_cfg.lr)
+    sched = engine.scheduler
+    sched.base_lrs = [opt_cfg.lr] * len(engine.optimizer.param_groups)
+    factors = [fn(sched.last_epoch) for fn in sched.lr_lambdas]
+    for group, base, factor in zip(engine.optimizer.param_groups, sched.base_lrs, factors, strict=True):
+        group["lr"] = base * factor
 
 
 def _read_meta_checked(path: Path) -> dict[str, Any]:
@@ -393,10 +424,14 @@ class CheckpointManager:
     shared file system across nodes).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], ckpt_cfg: CheckpointConfig, runtime: Runtime):
+    def __init__(self, run_dir: str | os.PathLike[str], ckpt_cfg: CheckpointConfig, runtime: Runtime,
+                 job: str | None = None):
         self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.cfg = ckpt_cfg
         self.runtime = runtime
+        self.job = job
+        """The command whose state this is (``train``, ``rl``), recorded in meta.json: a
+        checkpoint of another job is refused on resume (`saved_job`)."""
         self._async_group: dist.ProcessGroup | None = None
         self._pending: _PendingSave | None = None
 
@@ -438,6 +473,7 @@ class CheckpointManager:
         if self.runtime.is_main:
             meta = {
                 "format": FORMAT,
+                "job": self.job,
                 "step": step,
                 "world_size": self.runtime.world_size,
                 "config": engine.cfg.model_dump(by_alias=True, mode="json"),
@@ -732,6 +768,7 @@ class CheckpointManager:
                        model_state_dict=app_state["model"], optim_state_dict=app_state["optimizer"],
                        options=_options(engine))
         engine.scheduler.load_state_dict(meta["scheduler"])
+        apply_optimizer_settings(engine)
         engine.step = int(meta["step"])
         if rng is not None:
             _apply_rng(*rng, self.runtime.device)

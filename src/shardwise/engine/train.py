@@ -265,7 +265,7 @@ class TrainEngine:
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
         loss_sum, grad_norm = torch.stack([local_loss_sum.double(), norm.double()]).tolist()
         loss = loss_sum / global_loss_tokens
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # what this step's update uses (also right after a resume)
         skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
         if skipped:
             self.skipped_steps += 1

@@ -9,11 +9,13 @@ keys), and an explicit ``checkpoint.resume`` folder (a complete checkpoint).
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
+from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete, read_meta, saved_job
 from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import tokenize_prompt, tokenize_record
@@ -24,7 +26,7 @@ from shardwise.data.tokenizer import (
     load_tokenizer,
     locate_tokenizer,
 )
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.loading import check_task, check_weights_folder, load_hf_config
 from shardwise.models.vision import VisionInputs, is_vision_language, resolve_images
 
@@ -52,20 +54,105 @@ def check_tokenizer(cfg: Config) -> None:
                           "point it at a folder with tokenizer.json (or vocab files), or leave it unset")
 
 
-def check_resume(cfg: Config) -> None:
+def check_resume(cfg: Config, job: str | None = None) -> None:
     """An explicit ``checkpoint.resume`` folder is a complete checkpoint (auto and never
-    need nothing; the checksums are verified by the ranks when they load)."""
+    need nothing; the checksums are verified by the ranks when they load). With `job`
+    (``train``, ``rl``): the checkpoint to be resumed was written by that command for the
+    same model (`check_same_job`), and the settings that differ from the saved run's are
+    listed in one note (their new values apply)."""
     resume = cfg.checkpoint.resume
-    if resume in ("auto", "never"):
+    if resume == "never":
+        return
+    if resume == "auto":
+        if job is not None:
+            latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).latest()
+            if latest is not None:
+                check_same_job(cfg, job, latest, "run.dir")
         return
     path = Path(resume).expanduser()
     if is_complete(path):
+        if job is not None:
+            check_same_job(cfg, job, path, "checkpoint.resume")
         return
     hint = "use auto, never, or a folder like <run.dir>/checkpoints/step_00000100"
     inner = CheckpointManager(path, cfg.checkpoint, None).latest() if path.is_dir() else None
     if inner is not None:
         hint = f"did you mean {inner}?"
     raise ConfigError("checkpoint.resume", f"{resume!r} {incomplete_reason(path)}", hint)
+
+
+_MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+"""What makes two model configs hold the same tensors (the rest, e.g. dropout, may change)."""
+_NOT_SETTINGS = ("checkpoint.resume",)
+"""Keys whose change on resume is no change of the run."""
+
+
+def check_same_job(cfg: Config, job: str, path: Path, key: str) -> None:
+    """ConfigError on `key` when the checkpoint at `path` was written by another command
+    (``shardwise rl`` resumed an SFT run's state and crashed; ``train`` on an RL run's
+    folder mixed both) or for another model (another architecture or size, task, or LoRA
+    adapters); otherwise one note on stderr listing the settings that changed since it was
+    saved. A meta.json that cannot be read is left to the ranks' verification."""
+    try:
+        meta = read_meta(path)
+        saved_cfg = meta["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    saved = saved_job(meta)
+    if saved is not None and saved != job:
+        raise ConfigError(key, f"{str(path)!r} is a checkpoint of `shardwise {saved}`, and this is `shardwise {job}`",
+                          "give this job a run.dir of its own (an SFT model starts RL as model.path: <its run.dir>/hf)")
+    try:
+        before = Config.model_validate(saved_cfg)
+    except (ValueError, TypeError):
+        return
+    mine, theirs = _model_identity(cfg), _model_identity(before)
+    diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if diff:
+        k = diff[0]
+        raise ConfigError(key, f"{str(path)!r} holds another model's state ({k}: saved {theirs.get(k)!r}, "
+                          f"now {mine.get(k)!r})", "give this model a run.dir of its own, or resume with the "
+                          "saved model settings")
+    changed = [(k, a, b) for k, (a, b) in _changed(saved_cfg, cfg.model_dump(by_alias=True, mode="json")).items()
+               if k not in _NOT_SETTINGS]
+    if changed and os.environ.get("RANK", "0") == "0":
+        shown = "; ".join(f"{k} {_brief(a)} -> {_brief(b)}" for k, a, b in changed[:8])
+        more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
+        print(f"shardwise: note: resuming {path} with changed settings, the new values apply: {shown}{more}",
+              file=sys.stderr)
+
+
+def _model_identity(cfg: Config) -> dict[str, Any]:
+    """The settings that decide which tensors a checkpoint holds."""
+    out: dict[str, Any] = {"model.task": cfg.model.task, "model.lora.enabled": cfg.model.lora.enabled}
+    if cfg.model.lora.enabled:
+        out |= {"model.lora.r": cfg.model.lora.r, "model.lora.target_modules": list(cfg.model.lora.target_modules)}
+    try:
+        hf = load_hf_config(cfg.model).get_text_config()
+    except (ShardwiseError, OSError, ValueError):  # a folder since moved: nothing to compare
+        return out
+    return out | {f"model.config.{k}": getattr(hf, k, None) for k in _MODEL_SHAPE}
+
+
+def _changed(saved: Any, now: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved, now)}`` of the leaves that differ (iteratively, no recursion
+    limit concerns for configs: they are shallow)."""
+    out: dict[str, tuple[Any, Any]] = {}
+    stack = [(prefix, saved, now)]
+    while stack:
+        where, a, b = stack.pop()
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(a.keys() | b.keys(), reverse=True):
+                stack.append((f"{where}.{k}" if where else str(k), a.get(k), b.get(k)))
+        elif a != b:
+            out[where] = (a, b)
+    return dict(sorted(out.items()))
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def check_data(cfg: Config, response_key: str | None, seed: int | None = None,

@@ -74,7 +74,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
     check_tokenizer(cfg)
-    check_resume(cfg)
+    check_resume(cfg, "rl")
     records = check_data(cfg, cfg.data.ground_truth_key or cfg.data.response_key, scoring=True)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
     check_data_sources(fn, records)

@@ -87,7 +87,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     accum = check_sft_batch(cfg.train, spec.dp_size)
     check_model(cfg)
     check_tokenizer(cfg)
-    check_resume(cfg)
+    check_resume(cfg, "train")
     if encoder.is_encoder_task(cfg.model.task):
         records = encoder.prepare_inputs(cfg, spec, load_hf_config(cfg.model))
     else:
@@ -191,7 +191,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         data = encoder.EncoderData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size)
     else:
         data = SFTData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size, vision)
-    ckpt = CheckpointManager(run_dir, cfg.checkpoint, runtime)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint, runtime, job="train")
     start = ckpt.resolve_resume()
     if start is not None:
         extra = ckpt.load(engine, start)

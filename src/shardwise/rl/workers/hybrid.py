@@ -55,7 +55,7 @@ class RLWorker:
         run_dir = Path(self.cfg.run.dir)
         if "actor" in roles:
             self.actor = ActorWorker(self.cfg, runtime)
-            self._ckpt = CheckpointManager(run_dir, self.cfg.checkpoint, runtime)
+            self._ckpt = CheckpointManager(run_dir, self.cfg.checkpoint, runtime, job="rl")
         if "rollout" in roles:
             self.rollout = build_generator(self.cfg.rl.rollout.engine, self.actor.model, self.cfg.rl.rollout,
                                            runtime, pad_id, eos_id,
@@ -71,7 +71,7 @@ class RLWorker:
             self.ref = LoraReference(self.actor) if lora_ref else ReferenceWorker(self.cfg, runtime)
         if "critic" in roles:
             self.critic = CriticWorker(self.cfg, runtime)
-            self._critic_ckpt = CheckpointManager(run_dir / CRITIC_DIR, self.cfg.checkpoint, runtime)
+            self._critic_ckpt = CheckpointManager(run_dir / CRITIC_DIR, self.cfg.checkpoint, runtime, job="rl")
         if "reward_model" in roles:
             self.reward_model = RewardModelWorker(self.cfg, runtime)
 
