@@ -26,6 +26,7 @@ from shardwise.data.tokenizer import (
     load_tokenizer,
     locate_tokenizer,
 )
+from shardwise.distributed.launch import ERROR_DIR_ENV
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.loading import check_task, check_weights_folder, load_hf_config
 from shardwise.models.vision import VisionInputs, is_vision_language, resolve_images
@@ -116,7 +117,9 @@ def check_same_job(cfg: Config, job: str, path: Path, key: str) -> None:
                           "saved model settings")
     changed = [(k, a, b) for k, (a, b) in _changed(saved_cfg, cfg.model_dump(by_alias=True, mode="json")).items()
                if k not in _NOT_SETTINGS]
-    if changed and os.environ.get("RANK", "0") == "0":
+    # said once: by the launching process, or by rank 0 of a torchrun the user started
+    if changed and (os.environ.get("RANK") is None or (os.environ.get("RANK") == "0"
+                                                       and os.environ.get(ERROR_DIR_ENV) is None)):
         shown = "; ".join(f"{k} {_brief(a)} -> {_brief(b)}" for k, a, b in changed[:8])
         more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
         print(f"shardwise: note: resuming {path} with changed settings, the new values apply: {shown}{more}",
