@@ -28,6 +28,7 @@ from dist.launcher import (
     _kill_tree,
     _process_tree,
     at_once,
+    free_port,
     run_cli,
 )
 
@@ -435,3 +436,18 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert [m["lr"] for m in steps] == pytest.approx([2e-3, 2e-3, 1e-5, 1e-5])
+
+
+def test_a_ray_address_where_nothing_answers_fails_in_seconds(tmp_path, capsys, monkeypatch):
+    """Issue 22, item 14: RAY_ADDRESS naming a port nobody listens on made Ray retry for
+    minutes without a word; prepare now probes it and names it."""
+    from shardwise.cli import main
+
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    t0 = time.monotonic()
+    assert main(["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "RAY_ADDRESS" in lines[0] and address in lines[0], err
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "run").exists()

@@ -38,6 +38,7 @@ from shardwise.jobs.inputs import (
     vision_inputs,
 )
 from shardwise.models.loading import check_weights_folder, load_hf_config
+from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, mean_timing
 from shardwise.telemetry import plot_metrics
 
@@ -64,6 +65,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     built here only check the plan."""
     spec = mesh_spec(cfg.parallel, world_size)
     check_causal_task(cfg, "`shardwise rl`")
+    check_ray_address()  # a cluster that is not there fails here, not after minutes of Ray's retries
     rows = check_rl_rows(cfg, spec.dp_size)
     check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
     check_token_budgets(cfg)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -57,6 +58,27 @@ def _ray():
     except ImportError as e:  # pragma: no cover - ray is a declared dependency of the rl extra
         raise ConfigError("rl", "Ray is not installed", "pip install 'shardwise[rl]'") from e
     return ray
+
+
+RAY_PROBE_S = 5.0
+"""How long `check_ray_address` waits for the cluster named by ``RAY_ADDRESS`` to answer."""
+
+
+def check_ray_address(timeout_s: float = RAY_PROBE_S) -> None:
+    """ConfigError naming ``RAY_ADDRESS`` when it is ``host:port`` (or ``ray://host:port``)
+    and nothing accepts a connection there within `timeout_s`: Ray itself would retry for
+    minutes without a word. Other forms (auto, local) are Ray's to resolve."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError("RAY_ADDRESS", f"nothing answers at {address!r} ({e.strerror or type(e).__name__})",
+                          "start the cluster there (ray start --head --port PORT), or unset RAY_ADDRESS to "
+                          "run a local one") from None
 
 
 def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) -> None:
