@@ -40,6 +40,7 @@ from shardwise.config.dtypes import canonical_dtype, dtype_bytes
 from shardwise.config.schema import Config, PrecisionOverride
 from shardwise.config.validate import MeshSpec
 from shardwise.errors import ConfigError, did_you_mean
+from shardwise.fsdp.comm import StepComm
 from shardwise.models.loading import frozen_modules
 from shardwise.models.lora import ADAPTER, is_lora_key, lora_modules, saved_modules
 from shardwise.models.patches.moe import SUPPORTED
@@ -130,6 +131,9 @@ class ShardingPlan:
     warnings: list[str] = field(default_factory=list)
     lora: LoraPlan | None = None
     """The adapters and the memory without them; None when `model.lora` is off."""
+    comm: StepComm | None = None
+    """The collectives of one optimizer step (`shardwise.fsdp.comm.step_comm`); set by
+    `shardwise plan` for an SFT config, None otherwise."""
 
     def unit(self, path: str) -> Unit:
         for u in self.units:
@@ -143,11 +147,18 @@ class ShardingPlan:
         return [u.path for u in self.units if u.compiled]
 
     def to_json(self) -> dict:
+        units = [u.to_json() for u in self.units]
+        comm = {}
+        if self.comm is not None:
+            for u in units:
+                u["comm_bytes"] = self.comm.unit(u["path"]).bytes_by_kind()
+            comm = {"comm_bytes_per_step": self.comm.bytes_per_step(), "comm": self.comm.to_json()}
         return {
             "world_size": self.world_size,
             "mesh": self.mesh.to_json(),
             "model_dtype": self.model_dtype,
-            "units": [u.to_json() for u in self.units],
+            "units": units,
+            **comm,
             "ignored_modules": self.ignored,
             "recompute": self.recompute,
             "use_reentrant": self.use_reentrant,
