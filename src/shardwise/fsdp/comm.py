@@ -49,6 +49,7 @@ from torch import nn
 
 from shardwise.config.dtypes import dtype_bytes
 from shardwise.config.validate import MeshSpec
+from shardwise.fsdp.plan import is_under, owner_unit
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -130,8 +131,6 @@ class StepComm:
 def step_comm(model: nn.Module, plan, mesh: MeshSpec, *, accumulation: int, micro_batch_size: int,
               max_length: int, gpus_per_node: int) -> StepComm:
     """The collectives of one optimizer step of `plan` (see the module docstring)."""
-    from shardwise.fsdp.plan import _owner, is_under  # plan imports nothing from here
-
     S, R, sp = mesh.shard, mesh.replicate, mesh.ulysses
     world = mesh.world_size
     seq = -(-max_length // sp) * sp
@@ -145,7 +144,7 @@ def step_comm(model: nn.Module, plan, mesh: MeshSpec, *, accumulation: int, micr
     for name, p in model.named_parameters():
         if any(is_under(name, ig) for ig in plan.ignored):
             continue
-        owner = _owner(name, unit_paths)
+        owner = owner_unit(name, unit_paths)
         dim0 = p.shape[0] if p.dim() > 0 else 1
         n = -(-dim0 // S) * S * (math.prod(p.shape[1:]) if p.dim() > 1 else 1)
         padded[owner] += n
@@ -192,8 +191,6 @@ def _add_ulysses(model: nn.Module, plan, units: list[UnitComm], sp: int, micro: 
                  seq: int, inter: bool) -> None:
     """Each attention module's all-to-alls, in its unit: per micro-batch two of query size
     (query, output) and two of key size (key, value), forward and backward."""
-    from shardwise.fsdp.plan import _owner, is_under
-
     paths = [u.path for u in plan.units]
     dtype = {u.path: u.param_dtype for u in plan.units}
     by_path = {u.path: u for u in units}
@@ -206,7 +203,7 @@ def _add_ulysses(model: nn.Module, plan, units: list[UnitComm], sp: int, micro: 
         head_dim = getattr(mod, "head_dim", None) or cfg.hidden_size // heads
         if kv % sp:
             kv = heads
-        owner = _owner(f"{name}.x", paths)
+        owner = owner_unit(f"{name}.x", paths)
         esz = dtype_bytes(dtype[owner])
         backward_passes = 2 if any(is_under(name, r) for r in plan.recompute) else 1  # + the recomputed forward
         for h in (heads, kv):
