@@ -5,6 +5,8 @@ CLI (exit 2, one line). No timing is measured or asserted here."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -186,3 +188,13 @@ def test_cli_json_has_comm_bytes_and_projection() -> None:
     assert out["comm_bytes_per_step"] == {k: sum(u["comm_bytes"][k] for u in out["units"]) for k in kinds}
     assert out["comm_bytes_per_step"]["all_gather"] > 0
     assert {"tokens_per_s_per_gpu", "step_s", "compute_s", "exposed_comm_s", "fits"} <= set(out["projection"])
+
+
+def test_plan_vs_published_benchmark_runs_and_passes_its_checks(tmp_path) -> None:
+    """benchmarks/plan_vs_published.py (a few seconds): torchtitan's 8B rows within 25% of
+    the published tokens/s per GPU, the 128 / 8 GPU ratio within 5%."""
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "plan_vs_published.py"), "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads((tmp_path / "plan_vs_published.json").read_text())
+    assert all(out["checks"].values()) and len(out["rows"]) == 6
