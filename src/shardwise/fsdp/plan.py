@@ -22,6 +22,8 @@ Rules (documented for users in README "Sharding plan"):
   forward order: unit i all-gathers units i+1..i+F ahead in forward and i-1..i-B in backward.
 - `train.compile`: every non-root unit's module is compiled (torch.compile, one per unit);
   the root never is (it holds the embeddings, the head and HF's mask / position glue).
+- Communication: `shardwise plan` attaches the collectives of one optimizer step
+  (`ShardingPlan.comm`, computed by `shardwise.fsdp.comm.step_comm` from this plan).
 - `model.lora`: adapters live in the units of the modules they adapt (paths unchanged);
   the plan counts trainable / frozen parameters per unit and, in `LoraPlan`, the per-rank
   memory of the same model trained in full, so the saving shows before anything runs.
