@@ -49,6 +49,10 @@ CONFIGS: dict[str, list[str]] = {
     # all-gathers the last layer, never the first
     "frozen_all_but_head": ["model.freeze=[model.embed_tokens, model.layers, model.norm]"],
     "no_shard": ["parallel.sharding_strategy=no_shard"],
+    # adapters (fp32 in a bf16-storage model) train, the base weights are frozen: the
+    # layers gather base + adapters in bf16 and reduce only the adapters
+    "lora": ["model.dtype=bf16", "model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8",
+             "model.lora.target_modules=[q_proj, v_proj]"],
     "ulysses_2_recompute": ["parallel.ulysses_size=2", "fsdp.recompute.modules=[model.layers.{*}]"],
     "offload_fp32": ["fsdp.offload.enabled=true", "fsdp.mixed_precision.param_dtype=fp32"],
 }
