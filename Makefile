@@ -59,6 +59,7 @@ demo: $(STAMP)
 # TRL's GRPOTrainer, side by side (about 15 minutes): results/
 bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/train_configs.py
+	$(PY) benchmarks/plan_vs_published.py    # the plan's projected step time vs published torchtitan runs (seconds)
 	$(PY) benchmarks/encoder_memory.py    # seed 002's DDP vs FSDP memory table, measured on a BERT (~1.5 min)
 	$(PY) benchmarks/gpu_throughput.py
 	test -d runs/sft_reverse/hf || $(MAKE) demo

@@ -19,15 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from dist.launcher import REPO_ROOT, run_cli
 
 from shardwise.cli import main
+from shardwise.fsdp.projection import profiles
 
 EXAMPLE = "examples/tiny_qwen3.yaml"  # 4 layers, untied, global batch 16, micro 4
 
 TINY_MODEL_YAML = ("model: {config: {model_type: qwen3, hidden_size: 32, intermediate_size: 64, "
                    "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
                    "vocab_size: 64, max_position_embeddings: 64, tie_word_embeddings: false}}\n")
+
+
+PROFILE_WITHOUT_INTER_NODE_BANDWIDTH = yaml.safe_dump(
+    {k: v for k, v in profiles()["h100"].items() if k != "inter_node_bandwidth"})
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,16 @@ ROWS = [
     pytest.param(Bad(("model.dtype.x=1",), "model.dtype", "cannot set model.dtype.x"), id="override-into-scalar"),
     pytest.param(Bad(("rl.advantage=gae",), "rl.critic.enabled", "set rl.critic.enabled=true"),
                  id="gae-without-critic"),
+    # ---- the step-time projection (`plan --hardware`)
+    pytest.param(Bad(("--hardware", "h1000"), "--hardware", "known: h100, h200, a100-80gb"), id="unknown-hardware"),
+    pytest.param(Bad(("--hardware", "{tmp}/gpu.yaml"), "--hardware", "the profile lacks inter_node_bandwidth",
+                     files=(("gpu.yaml", PROFILE_WITHOUT_INTER_NODE_BANDWIDTH),)), id="profile-missing-field"),
+    pytest.param(Bad(("--hardware", "h100", "train.global_batch_size=48"), "--world-size",
+                     "use a multiple of 8", world=12), id="world-not-filling-nodes"),
+    pytest.param(Bad(("--hardware", "h100", "--scan", "8,12", "--gpus-per-node", "4", "parallel.fsdp_size=8",
+                      "train.global_batch_size=32"), "parallel.fsdp_size", "or auto"), id="scan-mesh-cannot-tile"),
+    pytest.param(Bad(("--hardware", "h100", "--mfu", "1.5"), "--mfu", "e.g. --mfu 0.35"), id="mfu-above-one"),
+    pytest.param(Bad(("--mfu", "0.4",), "--hardware", "add --hardware h100"), id="mfu-without-hardware"),
 ]
 
 SUBPROCESS_ROWS = {"unknown-key-depth2", "bad-dtype", "fsdp-size-not-dividing-world", "index-out-of-range",

@@ -12,9 +12,10 @@ from dist.launcher import REPO_ROOT, run_cli
 from torch import nn
 
 from shardwise.config import load_config
-from shardwise.config.validate import mesh_spec
+from shardwise.config.validate import check_sft_batch, mesh_spec
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
+from shardwise.fsdp.comm import step_comm
 
 QWEN_LAYERS = ["model.layers.0", "model.layers.1"]
 QWEN_LAYER_PARAMS = 9296   # q 32x32 + k,v 16x32 + o 32x32 + q/k norm 8 + gate/up/down 64x32 + 2 norms 32
@@ -354,7 +355,11 @@ def test_plan_json_from_the_cli() -> None:
 
     # the same object the library computes in-process
     cfg = load_config(REPO_ROOT / example)
-    _, plan = plan_for(cfg, mesh_spec(cfg.parallel, 2))
+    spec = mesh_spec(cfg.parallel, 2)
+    model, plan = plan_for(cfg, spec)
+    # the CLI adds the step's communication (shardwise.fsdp.comm; tests/test_plan_comm.py)
+    plan.comm = step_comm(model, plan, spec, accumulation=check_sft_batch(cfg.train, spec.dp_size),
+                          micro_batch_size=cfg.train.micro_batch_size, max_length=cfg.data.max_length, gpus_per_node=8)
     assert got == json.loads(json.dumps(plan.to_json()))
 
 

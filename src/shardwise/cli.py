@@ -40,6 +40,8 @@ from shardwise.distributed.runtime import (
 )
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.fsdp.build import plan_for
+from shardwise.fsdp.comm import step_comm
+from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
 from shardwise.jobs.rundir import RunDirLock, command_line
 from shardwise.models.loading import local_files_only
@@ -108,9 +110,55 @@ def format_plan(plan) -> str:
                      f"{lo.trainable_params:,} of {lo.total_params:,} parameters "
                      f"({lo.trainable_params / lo.total_params:.1%}); per-rank memory with LoRA "
                      f"{_human_bytes(with_)} vs {_human_bytes(without)} without ({change})")
+    if plan.comm is not None:
+        lines += _comm_lines(plan)
     for note in plan.warnings:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A"}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _comm_lines(plan) -> list[str]:
+    """Per unit: MiB each rank moves per optimizer step by collective, what it sends, and
+    which collectives cross nodes."""
+    c = plan.comm
+    head = ["unit", "AG MiB", "RS MiB", "AR MiB", "A2A MiB", "sent MiB", "network"]
+    rows = []
+    for uc in c.units:
+        by = uc.bytes_by_kind()
+        inter = sorted({_SHORT[x.kind] + {"forward": " fwd", "backward": " bwd"}.get(x.phase, "")
+                        if x.kind == "all_gather" else _SHORT[x.kind] for x in uc.collectives if x.inter_node})
+        net = "-" if not uc.collectives else ("inside nodes" if not inter else "between nodes: " + ", ".join(inter))
+        rows.append([uc.path or "<root>", *[_mib(by[k]) for k in _SHORT], _mib(uc.wire_bytes()), net])
+    total = c.bytes_per_step()
+    rows.append(["total", *[_mib(total[k]) for k in _SHORT], _mib(sum(c.wire_bytes_per_step().values())), ""])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(("{:<%d}" if i in (0, 6) else "{:>%d}") % w for i, w in enumerate(widths))
+    return ["", f"communication per optimizer step, per rank ({c.accumulation} micro-batch(es) of "
+            f"{c.micro_batch_size} x {c.seq_len} tokens; {c.gpus_per_node} GPUs per node; buffer sizes, "
+            "sent = ring wire bytes):",
+            fmt.format(*head), fmt.format(*["-" * w for w in widths]), *[fmt.format(*r) for r in rows]]
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+def format_projection(proj, hw) -> str:
+    """The projected step in two lines."""
+    fits = "fits" if proj.fits else "does NOT fit"
+    return (f"projected on {hw.name} ({hw.description}), MFU {proj.mfu:.3f}: "
+            f"{proj.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, step {_seconds(proj.step_s)} "
+            f"(compute {_seconds(proj.compute_s)}, exposed communication {_seconds(proj.exposed_comm_s)}, "
+            f"optimizer {_seconds(proj.optimizer_s)}; all communication {_seconds(proj.comm_s)})\n"
+            f"memory per rank {_human_bytes(proj.memory_bytes)} (activations {_human_bytes(proj.activation_bytes)}) "
+            f"of {_human_bytes(int(hw.memory_bytes))}: {fits}")
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
@@ -127,20 +175,95 @@ def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
 def cmd_plan(args: argparse.Namespace) -> int:
     local_files_only()
     cfg, ranks = _load(args)
+    hw = load_hardware(args.hardware) if args.hardware is not None else None
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ConfigError("--mfu", f"{args.mfu} is not a fraction in (0, 1]", "e.g. --mfu 0.35")
+    if (args.mfu is not None or args.scan is not None) and hw is None:
+        raise ConfigError("--hardware", "--mfu and --scan project a step time and need a hardware profile",
+                          f"add --hardware {' | '.join(profiles())} or a profile file")
+    gpus_per_node = args.gpus_per_node or (hw.gpus_per_node if hw is not None else 8)
+    if gpus_per_node < 1:
+        raise ConfigError("--gpus-per-node", f"{gpus_per_node} is not a positive number of GPUs", "e.g. 8")
+    if args.scan is not None:
+        return _plan_scan(args, cfg, hw, gpus_per_node)
     world = args.world_size if args.world_size is not None else ranks or env_world()[1]
-    spec = mesh_spec(cfg.parallel, world)
-    if args.rl:  # an RL config: global_batch_size counts prompts, micro_batch_size rows per forward
-        check_rl_rows(cfg, spec.dp_size)
-    else:
-        check_sft_batch(cfg.train, spec.dp_size)
-    _, plan = plan_for(cfg, spec, cfg.model.task)
+    model, plan, projection = _plan_at(args, cfg, world, hw, gpus_per_node)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        out = plan.to_json()
+        if projection is not None:
+            out["projection"] = projection.to_json()
+        print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan))
+        if projection is not None:
+            print("\n" + format_projection(projection, hw))
         if args.rl and cfg.model.lora.enabled and cfg.rl.reference.enabled:
             print("rl: the reference policy is the actor with its LoRA adapters disabled (no reference model "
                   "in memory)")
+    return 0
+
+
+def _plan_at(args: argparse.Namespace, cfg: Config, world: int, hw, gpus_per_node: int,
+             accumulation: int | None = None):
+    """(meta model, plan with its step's communication, projection or None) at `world`
+    ranks. `accumulation`: micro-batches per step to keep (a --scan keeps each rank's
+    step), instead of the config's global batch."""
+    spec = mesh_spec(cfg.parallel, world)
+    if hw is not None and world > gpus_per_node and world % gpus_per_node:
+        raise ConfigError("--world-size", f"{world} ranks do not fill whole nodes of {gpus_per_node} GPUs",
+                          f"use a multiple of {gpus_per_node}, or set --gpus-per-node")
+    if args.rl:  # an RL config: global_batch_size counts prompts, micro_batch_size rows per forward
+        check_rl_rows(cfg, spec.dp_size)
+    elif accumulation is None:
+        accumulation = check_sft_batch(cfg.train, spec.dp_size)
+    model, plan = plan_for(cfg, spec, cfg.model.task)
+    if args.rl:  # an RL step's micro-batches follow its rollouts: no step shape to count
+        if hw is not None:
+            raise ConfigError("--hardware", "the step-time projection covers SFT configs, not --rl ones")
+        return model, plan, None
+    plan.comm = step_comm(model, plan, spec, accumulation=accumulation, micro_batch_size=cfg.train.micro_batch_size,
+                          max_length=cfg.data.max_length, gpus_per_node=gpus_per_node)
+    return model, plan, (project(model, plan, plan.comm, hw, args.mfu) if hw is not None else None)
+
+
+def _scan_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 1 for n in sizes):
+        raise ConfigError("--scan", f"{text!r} is not a comma-separated list of world sizes", "e.g. --scan 8,64,512")
+    return sizes
+
+
+def _plan_scan(args: argparse.Namespace, cfg: Config, hw, gpus_per_node: int) -> int:
+    """One projected row per world size; each rank keeps the step of the first size
+    (micro-batches per step), so the global batch grows with the data-parallel size."""
+    sizes = _scan_sizes(args.scan)
+    accumulation = check_sft_batch(cfg.train, mesh_spec(cfg.parallel, sizes[0]).dp_size)
+    rows = []
+    for world in sizes:
+        _, plan, proj = _plan_at(args, cfg, world, hw, gpus_per_node, accumulation)
+        rows.append((world, plan, proj))
+    if args.json:
+        print(json.dumps({"hardware": hw.name, "scan": [
+            {"world_size": w, "mesh": p.mesh.to_json(), "comm_bytes_per_step": p.comm.bytes_per_step(),
+             "projection": pr.to_json()} for w, p, pr in rows]}, indent=2))
+        return 0
+    head = ["world", "mesh", "tokens/s/GPU", "step", "compute", "exposed comm", "comm MiB/rank",
+            "memory/rank", "fits"]
+    table = [[str(w), "x".join(map(str, p.mesh.shape)), f"{pr.tokens_per_s_per_gpu:,.0f}", _seconds(pr.step_s),
+              _seconds(pr.compute_s), _seconds(pr.exposed_comm_s), _mib(sum(p.comm.bytes_per_step().values())),
+              _human_bytes(pr.memory_bytes), "yes" if pr.fits else "NO"] for w, p, pr in rows]
+    widths = [max(len(r[i]) for r in [head, *table]) for i in range(len(head))]
+    fmt = "  ".join("{:>%d}" % w for w in widths)
+    mfu = rows[0][2].mfu
+    print(f"projected on {hw.name} ({hw.description}); MFU {mfu:.3f}; {accumulation} micro-batch(es) of "
+          f"{cfg.train.micro_batch_size} x {rows[0][1].comm.seq_len} tokens per rank and step")
+    print(fmt.format(*head))
+    print(fmt.format(*["-" * w for w in widths]))
+    for r in table:
+        print(fmt.format(*r))
     return 0
 
 
@@ -375,6 +498,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--rl", action="store_true", help="CONFIG is for `shardwise rl` (its batch rules: "
                     "global_batch_size counts prompts)")
+    sp.add_argument("--hardware", default=None, help="project the step time on this GPU: h100, h200, a100-80gb, "
+                    "or a profile file (fields of shardwise/fsdp/hardware.yaml)")
+    sp.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node, for which collectives cross "
+                    "nodes (default: the hardware profile's, else 8)")
+    sp.add_argument("--mfu", type=float, default=None, help="assumed model FLOPs utilisation (torchtitan's: "
+                    "recompute not counted); default: the profile's for the config's recompute")
+    sp.add_argument("--scan", default=None, help="comma-separated world sizes, one projected row each "
+                    "(each rank keeps the step of the first size), e.g. 8,64,512")
     tp = sub.add_parser("train", parents=[common, dialect], help="supervised fine-tuning (SFT) with the FSDP2 train engine")
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")

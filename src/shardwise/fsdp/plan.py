@@ -22,6 +22,8 @@ Rules (documented for users in README "Sharding plan"):
   forward order: unit i all-gathers units i+1..i+F ahead in forward and i-1..i-B in backward.
 - `train.compile`: every non-root unit's module is compiled (torch.compile, one per unit);
   the root never is (it holds the embeddings, the head and HF's mask / position glue).
+- Communication: `shardwise plan` attaches the collectives of one optimizer step
+  (`ShardingPlan.comm`, computed by `shardwise.fsdp.comm.step_comm` from this plan).
 - `model.lora`: adapters live in the units of the modules they adapt (paths unchanged);
   the plan counts trainable / frozen parameters per unit and, in `LoraPlan`, the per-rank
   memory of the same model trained in full, so the saving shows before anything runs.
@@ -32,7 +34,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import nn
 
@@ -45,6 +47,9 @@ from shardwise.models.lora import ADAPTER, is_lora_key, lora_modules, saved_modu
 from shardwise.models.patches.moe import SUPPORTED
 from shardwise.models.patterns import looks_like_class_name, match_pattern
 from shardwise.models.vision import vision_tower_path
+
+if TYPE_CHECKING:  # comm.py reads plans: the type only, no import cycle at run time
+    from shardwise.fsdp.comm import StepComm
 
 _ORDER = {"fp32": 2, "bf16": 1, "fp16": 1}
 
@@ -130,6 +135,9 @@ class ShardingPlan:
     warnings: list[str] = field(default_factory=list)
     lora: LoraPlan | None = None
     """The adapters and the memory without them; None when `model.lora` is off."""
+    comm: StepComm | None = None
+    """The collectives of one optimizer step (`shardwise.fsdp.comm.step_comm`); set by
+    `shardwise plan` for an SFT config, None otherwise."""
 
     def unit(self, path: str) -> Unit:
         for u in self.units:
@@ -143,11 +151,18 @@ class ShardingPlan:
         return [u.path for u in self.units if u.compiled]
 
     def to_json(self) -> dict:
+        units = [u.to_json() for u in self.units]
+        comm = {}
+        if self.comm is not None:
+            for u in units:
+                u["comm_bytes"] = self.comm.unit(u["path"]).bytes_by_kind()
+            comm = {"comm_bytes_per_step": self.comm.bytes_per_step(), "comm": self.comm.to_json()}
         return {
             "world_size": self.world_size,
             "mesh": self.mesh.to_json(),
             "model_dtype": self.model_dtype,
-            "units": [u.to_json() for u in self.units],
+            "units": units,
+            **comm,
             "ignored_modules": self.ignored,
             "recompute": self.recompute,
             "use_reentrant": self.use_reentrant,
@@ -205,7 +220,7 @@ def is_under(path: str, ancestor: str) -> bool:
     return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
 
 
-def _owner(param: str, unit_paths: list[str]) -> str:
+def owner_unit(param: str, unit_paths: list[str]) -> str:
     """The innermost unit whose module contains `param`."""
     best = ""
     for u in unit_paths:
@@ -306,7 +321,7 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
 
     # -- a tied weight must live in one unit that holds both of its users
     if tied:
-        owner = _owner(f"{emb_path}.weight", list(sources))
+        owner = owner_unit(f"{emb_path}.weight", list(sources))
         from_default = not wrap.classes and all(s.startswith("class:") for s in sources.get(owner, []))
         if owner and not is_under(head_path, owner) and from_default:
             # The model's own _no_split_modules (BERT's: BertEmbeddings) would split the weight
@@ -315,8 +330,8 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
                          f"weight it shares with {head_path!r} (tie_word_embeddings)")
             del sources[owner]
         paths_now = list(sources)
-        owner = _owner(f"{emb_path}.weight", paths_now)
-        splits = (owner and not is_under(head_path, owner)) or _owner(f"{head_path}.weight", paths_now) != owner
+        owner = owner_unit(f"{emb_path}.weight", paths_now)
+        splits = (owner and not is_under(head_path, owner)) or owner_unit(f"{head_path}.weight", paths_now) != owner
         if splits:
             srcs = sources.get(owner) or sources.get(head_path) or ["root"]
             raise ConfigError(_rule_key(srcs[0]), f"unit {owner or head_path!r} would split the weight "
@@ -506,7 +521,7 @@ def _count_params(model: nn.Module, units: list[Unit], ignored: list[str]) -> No
     for name, p in model.named_parameters():
         if any(is_under(name, ig) for ig in ignored):
             continue
-        u = by_path[_owner(name, paths)]
+        u = by_path[owner_unit(name, paths)]
         u.num_params += p.numel()
         if p.requires_grad:
             u.trainable_params += p.numel()
@@ -544,7 +559,7 @@ def _lora_plan(model: nn.Module, units: list[Unit], ignored: list[str],
     config = model.peft_config[ADAPTER]
     targets = list(lora_modules(model))
     paths = [u.path for u in units]
-    owners = {_owner(f"{t}.lora_A.{ADAPTER}.weight", paths) for t in targets
+    owners = {owner_unit(f"{t}.lora_A.{ADAPTER}.weight", paths) for t in targets
               if not any(is_under(t, ig) for ig in ignored)}
     params = list(model.parameters())
     return LoraPlan(r=int(config.r), alpha=float(config.lora_alpha), targets=targets,
@@ -585,7 +600,7 @@ def estimate_memory(model: nn.Module, units: list[Unit], ignored: list[str], mes
                     grads += nbytes
                     optim += 2 * nbytes + 4
                 continue
-            u = by_path[_owner(name, paths)]
+            u = by_path[owner_unit(name, paths)]
             esz = max(dtype_bytes(u.storage_dtype), p.itemsize)
             rest = math.prod(p.shape[1:]) if len(p.shape) > 1 else 1
             dim0 = p.shape[0] if len(p.shape) > 0 else 1
