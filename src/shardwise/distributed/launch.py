@@ -48,6 +48,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal, NoReturn
 
+import torch.distributed as dist
+
 from shardwise.distributed.runtime import free_port
 from shardwise.errors import ConfigError, ShardwiseError
 
@@ -231,8 +233,9 @@ class Failure:
             text = self.message
         elif self.peer:
             lost = next((w for w in PEER_LOSS if w in self.message), self.type)
-            where = "on another node (its output names the cause)" if self.nodes > 1 else "first"
-            text = f"rank {self.rank} lost a peer ({lost}): another process of the job ended {where}"
+            text = (f"the job failed on another node: rank {self.rank} lost a peer ({lost}); that node's output names "
+                    "the cause" if self.nodes > 1 else
+                    f"rank {self.rank} lost a peer ({lost}): another process of the job ended first")
         else:
             where = f"rank {self.rank}" if self.rank is not None else "a process"
             text = f"{where} failed: {self.type}: {self.message}"
@@ -256,8 +259,6 @@ def failure_of(exc: BaseException, rank: int | None) -> Failure:
 def _job_store():
     """A client of the job's rendezvous store (torchrun's, at MASTER_ADDR:MASTER_PORT), or
     None when it cannot be reached within `STORE_TIMEOUT_S`."""
-    import torch.distributed as dist
-
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if not addr or not port.isdigit():
         return None
