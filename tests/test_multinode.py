@@ -201,6 +201,25 @@ def test_a_node_that_never_comes_fails_in_bounded_time_naming_the_endpoint(tmp_p
     assert time.monotonic() - t0 < 90
 
 
+@pytest.mark.parametrize("backend,rank,words", [
+    ("static", 1, ["timed out after 3000ms while trying to connect"]),  # node 0, the store's host, never came
+    ("c10d", None, ["RendezvousTimeoutError"]),
+])
+def test_a_lone_node_of_either_rendezvous_fails_in_bounded_time(backend, rank, words):
+    from shardwise.distributed.launch import RENDEZVOUS_FAILED, Nodes, launch_torchrun
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests" / "dist"), str(SRC_DIR)])}
+    t0 = time.monotonic()
+    res = launch_torchrun(1, ["internal", "1"], env=env, module="fault_job", nodes=Nodes(2, rank, endpoint, backend, 3))
+    assert res.returncode == 1 and res.failure is not None and res.failure.type == RENDEZVOUS_FAILED, res
+    line = res.failure.line()
+    assert line.startswith(f"the job's 2 nodes did not meet at the rendezvous {endpoint} within 3 s"), line
+    for w in words:
+        assert w in line, line
+    assert time.monotonic() - t0 < 60
+
+
 # ------------------------------------------------------------ the lock, bad flags
 
 
