@@ -58,7 +58,8 @@ ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
 DEBUG_ENV = "SHARDWISE_DEBUG"
 """'1': ranks and launcher print full tracebacks (the CLI's ``--debug``)."""
 LAUNCHER_FILE = "launcher.json"
-"""Written by the torchrun wrapper when a rank ended without writing its own file."""
+"""Written by the torchrun wrapper when its rendezvous failed (no rank started); a rank that
+ended without writing its own file is described in ``launcher-rank<r>.json``."""
 
 GRACE_S = 20.0
 """After forwarding SIGINT / SIGTERM, how long torchrun gets to stop the ranks."""

@@ -5,8 +5,9 @@ The same launcher (`torch.distributed.run`), with three differences: it dies wit
 process that started it; its own logging and its multi-line failure report stay off the
 terminal (the `shardwise` process prints one line instead, from the ranks' error files)
 unless ``SHARDWISE_DEBUG=1``; and a rank that died without writing an error file (killed
-by a signal, out of memory) is described in ``launcher.json`` of the error folder, as is a
-rendezvous that did not gather the job's nodes (one of them never came within the timeout).
+by a signal, out of memory) is described in ``launcher-rank<r>.json`` of the error folder,
+a rendezvous that did not gather the job's nodes (one of them never came within the
+timeout) in ``launcher.json``.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from shardwise.distributed.launch import (
 )
 
 
-def _note(folder: str | None, **fields: object) -> None:
+def _note(folder: str | None, name: str, **fields: object) -> None:
     """A failure that no rank wrote, for the launching side (`launch.read_failures`)."""
     if folder:
         note = {"user": False, "time": time.time(), **fields}
-        (Path(folder) / LAUNCHER_FILE).write_text(json.dumps(note))
+        (Path(folder) / name).write_text(json.dumps(note))
 
 
 def _rendezvous_line(args, exc: BaseException) -> str:
@@ -66,9 +67,13 @@ def main(argv: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as e:
+        # Every rank that failed without a word (a signal, the OOM killer): one of them is
+        # likely the cause, and its peers' files only say that they lost it.
+        for r, f in e.failures.items():
+            if not (folder and (Path(folder) / f"rank{r}.json").exists()):
+                _note(folder, f"launcher-rank{r}.json", rank=r, type="ProcessExit", message=describe_exit(f.exitcode),
+                      traceback=str(e))
         rank, failure = e.get_first_failure()
-        if not (folder and (Path(folder) / f"rank{rank}.json").exists()):
-            _note(folder, rank=rank, type="ProcessExit", message=describe_exit(failure.exitcode), traceback=str(e))
         if debug_enabled():
             print(str(e), file=sys.stderr)
         code = failure.exitcode
@@ -76,7 +81,7 @@ def main(argv: list[str]) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     except (RendezvousError, DistError) as e:  # before any rank started: the nodes did not meet
-        _note(folder, rank=None, type=RENDEZVOUS_FAILED, message=_rendezvous_line(args, e),
+        _note(folder, LAUNCHER_FILE, rank=None, type=RENDEZVOUS_FAILED, message=_rendezvous_line(args, e),
               traceback="".join(traceback.format_exception(e)))
         if debug_enabled():
             traceback.print_exception(e)
