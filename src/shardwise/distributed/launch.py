@@ -154,7 +154,8 @@ def nodes_from_args(nnodes: int | None, node_rank: int | None, master_addr: str 
         raise ConfigError("--rdzv-endpoint", "is given with --master-addr: the nodes meet at one of them",
                           "--master-addr HOST --master-port PORT --node-rank I, or --rdzv-endpoint HOST:PORT")
     if master_port is not None and master_addr is None:
-        raise ConfigError("--master-port", "is given without --master-addr", "add --master-addr HOST (node 0's address)")
+        raise ConfigError("--master-port", "is given without --master-addr",
+                          "add --master-addr HOST (node 0's address)")
     if master_addr is None and rdzv_endpoint is None:
         if count > 1:
             raise ConfigError("--nnodes", f"{count} nodes need a place to meet: --master-addr HOST (node 0's "
@@ -398,7 +399,8 @@ class LaunchResult:
 
 
 def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                    grace_s: float = GRACE_S, module: str = "shardwise.cli", nodes: Nodes | None = None) -> LaunchResult:
+                    grace_s: float = GRACE_S, module: str = "shardwise.cli",
+                    nodes: Nodes | None = None) -> LaunchResult:
     """Run ``python -m <module> <argv>`` (``shardwise <argv>``) in `nproc` local processes
     under torchrun and wait. With `nodes`, these are this node's ranks of a multi-node job
     (torchrun meets the other nodes' launchers at `nodes.endpoint`, ``--max-restarts 0``);

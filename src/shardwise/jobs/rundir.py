@@ -89,10 +89,11 @@ class RunDirLock:
             self.peer_holder = holder
             return
         mine = f"; this job is the {self.job}" if self.job else ""
+        nodes = ("; the lock is per job: the nodes of one job share it by naming the same rendezvous and --nnodes"
+                 if self.job or holder.get("job") else "")
         raise ConfigError("run.dir", f"{str(self.run_dir)!r} is in use by another shardwise job "
-                          f"({_describe_holder(holder)}{mine})", "wait for that job to end, or set run.dir to another "
-                          "folder; the lock is per job: the nodes of one job share it by naming the same "
-                          "rendezvous and --nnodes")
+                          f"({_describe_holder(holder)}{mine})",
+                          f"wait for that job to end, or set run.dir to another folder{nodes}") from None
 
     def acquire(self) -> RunDirLock:
         if fcntl is None or self.held_by_launcher or self._fd is not None:
