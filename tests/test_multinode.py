@@ -180,7 +180,7 @@ def test_kill_9_of_one_node_ends_the_other_in_seconds(tmp_path):
         lines = [x for x in out.splitlines() if x.startswith("shardwise: ")]
         assert node0.proc.returncode == 1, out
         assert len(lines) == 1 and "the job failed on another node: rank 0 lost a peer" in lines[0], out
-        assert "Traceback" not in out, out
+        assert "Traceback" not in out and "[c10d]" not in out and "frame #" not in out, out
         assert not [p for p in doomed[1:] if Path(f"/proc/{p}").exists()
                     and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
         print(f"\nnode 0 ended {ended:.1f} s after kill -9 of node 1: {lines[0]}")
@@ -191,18 +191,20 @@ def test_kill_9_of_one_node_ends_the_other_in_seconds(tmp_path):
 
 
 def test_a_node_that_never_comes_fails_in_bounded_time_naming_the_endpoint(tmp_path):
+    # Node 1 alone: torchrun's store client retries node 0, whose C++ logs (an error with a
+    # C++ stack per try) must not reach the terminal: the whole of stderr is one line.
     port = free_port()
     t0 = time.monotonic()
-    res = run_cli(["train", *TRAIN, "--nproc", "1", *static(0, 2, port), "--rdzv-timeout", "3",
+    res = run_cli(["train", *TRAIN, "--nproc", "1", *static(1, 2, port), "--rdzv-timeout", "3",
                    f"run.dir={tmp_path / 'run'}", "train.global_batch_size=8"], timeout=120)
     line = one_line(res, 1)
+    assert res.stderr.strip() == line, res.stderr
     assert f"did not meet at the rendezvous 127.0.0.1:{port} within 3 s" in line, line
-    assert "1/2 clients joined" in line, line
     assert time.monotonic() - t0 < 90
 
 
 @pytest.mark.parametrize("backend,rank,words", [
-    ("static", 1, ["timed out after 3000ms while trying to connect"]),  # node 0, the store's host, never came
+    ("static", 0, ["1/2 clients joined"]),  # node 0 hosts the store, node 1 never came
     ("c10d", None, ["RendezvousTimeoutError"]),
 ])
 def test_a_lone_node_of_either_rendezvous_fails_in_bounded_time(backend, rank, words):

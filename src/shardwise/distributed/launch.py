@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -80,6 +80,11 @@ PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "remote worker crashing")
 """Words of the errors a rank gets when another process of the job ended under it (gloo's
 pair.cc, the c10d store's socket): a consequence, never the cause."""
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+SAVED_CPP_LOG_ENV = "SHARDWISE_SAVED_TORCH_CPP_LOG_LEVEL"
+"""The ranks' own TORCH_CPP_LOG_LEVEL ('' for none), while the torchrun wrapper runs with
+FATAL: c10d's C++ logs of a store it cannot reach (an error with a C++ stack, each retry)
+stay off the terminal; the wrapper gives the ranks theirs back."""
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -271,23 +276,43 @@ def _job_store():
         return None
 
 
+@contextlib.contextmanager
+def _quiet_cpp_logs() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null meanwhile (not with ``--debug``): c10d logs a
+    store that is gone from C++, with a stack, and this rank is on its way out anyway."""
+    if debug_enabled():
+        yield
+        return
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def share_failure(f: Failure) -> Failure:
     """Across the nodes of a job: publish this rank's own failure as the job's first (the
     first to publish wins), or, for a peer loss, adopt the first failure of another node
     (`remote`). `f` as it is on a single node, or when the store is unreachable."""
     if f.nodes <= 1:
         return f
-    store = _job_store()
-    if store is None:
-        return f
-    try:
-        if not f.peer:
-            store.compare_set(FAILURE_KEY, "", json.dumps(f.__dict__))
+    with _quiet_cpp_logs():
+        store = _job_store()
+        if store is None:
             return f
-        store.wait([FAILURE_KEY], timedelta(seconds=STORE_TIMEOUT_S))
-        first = Failure(**json.loads(store.get(FAILURE_KEY)))
-    except Exception:  # noqa: BLE001 - no failure published, or the store is gone
-        return f
+        try:
+            if not f.peer:
+                store.compare_set(FAILURE_KEY, "", json.dumps(f.__dict__))
+                return f
+            store.wait([FAILURE_KEY], timedelta(seconds=STORE_TIMEOUT_S))
+            first = Failure(**json.loads(store.get(FAILURE_KEY)))
+        except Exception:  # noqa: BLE001 - no failure published, or the store is gone
+            return f
     return replace(first, remote=True) if first.node != f.node else f
 
 
@@ -415,6 +440,9 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
     child_env.update(env or {})
     child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env[ERROR_DIR_ENV] = error_dir
+    if not debug_enabled():
+        child_env[SAVED_CPP_LOG_ENV] = child_env.get(CPP_LOG_ENV, "")
+        child_env[CPP_LOG_ENV] = "FATAL"
     where = (["--master-addr=127.0.0.1", f"--master-port={free_port()}"] if nodes is None
              else nodes.torchrun_args())
     cmd = [sys.executable, "-m", "shardwise.distributed.torchrun", f"--nproc-per-node={nproc}", *where,

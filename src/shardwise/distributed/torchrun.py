@@ -2,12 +2,13 @@
 <torchrun arguments>``.
 
 The same launcher (`torch.distributed.run`), with three differences: it dies with the
-process that started it; its own logging and its multi-line failure report stay off the
-terminal (the `shardwise` process prints one line instead, from the ranks' error files)
-unless ``SHARDWISE_DEBUG=1``; and a rank that died without writing an error file (killed
-by a signal, out of memory) is described in ``launcher-rank<r>.json`` of the error folder,
-a rendezvous that did not gather the job's nodes (one of them never came within the
-timeout) in ``launcher.json``.
+process that started it; its own logging (C++ included: the launching side starts it with
+``TORCH_CPP_LOG_LEVEL=FATAL``, and it gives the ranks their own level back) and its
+multi-line failure report stay off the terminal (the `shardwise` process prints one line
+instead, from the ranks' error files) unless ``SHARDWISE_DEBUG=1``; and a rank that died
+without writing an error file (killed by a signal, out of memory) is described in
+``launcher-rank<r>.json`` of the error folder, a rendezvous that did not gather the job's
+nodes (one of them never came within the timeout) in ``launcher.json``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.run import parse_args, run
 
 from shardwise.distributed.launch import (
+    CPP_LOG_ENV,
     ERROR_DIR_ENV,
     LAUNCHER_FILE,
     RENDEZVOUS_FAILED,
+    SAVED_CPP_LOG_ENV,
     debug_enabled,
     describe_exit,
     die_with_parent,
@@ -62,6 +65,12 @@ def main(argv: list[str]) -> int:
             if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
 
+    saved = os.environ.pop(SAVED_CPP_LOG_ENV, None)
+    if saved is not None:  # this process logs C++ at FATAL (read at import); the ranks as they asked
+        if saved:
+            os.environ[CPP_LOG_ENV] = saved
+        else:
+            os.environ.pop(CPP_LOG_ENV, None)
     args = parse_args(argv)
     folder = os.environ.get(ERROR_DIR_ENV)
     try:
