@@ -264,9 +264,14 @@ def test_a_user_error_on_one_rank_ends_the_job_in_seconds(fn, extra, words, tmp_
     assert time.monotonic() - t0 < 120
 
 
-@pytest.mark.parametrize("mode,code,words", [("internal", 1, ["rank 1 failed: RuntimeError: injected failure"]),
-                                             ("user", 2, ["config error at 'data.source': injected user error"])])
-def test_a_failing_rank_ends_its_peers_in_seconds(mode, code, words):
+@pytest.mark.parametrize("mode,codes,words", [
+    ("internal", {1}, ["rank 1 failed: RuntimeError: injected failure"]),
+    ("user", {2}, ["config error at 'data.source': injected user error"]),
+    # The killed rank, not its peer's lost connection (the status is the one torchrun saw
+    # first: the killed rank's, or 1 of its peer when both ended in one of its looks).
+    ("kill", {1, 137}, ["rank 1 failed: ProcessExit: was killed by SIGKILL"]),
+])
+def test_a_failing_rank_ends_its_peers_in_seconds(mode, codes, words):
     from shardwise.distributed.launch import launch_torchrun
 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests" / "dist"), str(SRC_DIR)])}
@@ -276,7 +281,7 @@ def test_a_failing_rank_ends_its_peers_in_seconds(mode, code, words):
     assert res.failure is not None and res.failure.rank == 1 and res.failure.user == (mode == "user")
     for w in words:
         assert w in f"{res.failure.line()}", res.failure
-    assert res.returncode == code
+    assert res.returncode in codes
     assert elapsed < 60, elapsed  # rank 0 waited in a barrier: without the fix, 600 s
 
 

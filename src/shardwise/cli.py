@@ -3,8 +3,9 @@
 Each command is a recipe of `shardwise.jobs`: ``prepare`` (every check the config and its
 files allow; exit status 2 and one line on stderr, before any process group, Ray worker or
 file of the run exists) and ``run``. The CLI parses arguments, takes the run folder's
-lock, launches torchrun for ``--nproc`` (`shardwise.distributed.launch`) and prints the
-summary; the `Prepared` object goes on to ``run`` in the same process.
+lock, launches torchrun for ``--nproc`` (`shardwise.distributed.launch`; with ``--nnodes``
+this node's ranks of a multi-node job) and prints the summary; the `Prepared` object goes on
+to ``run`` in the same process.
 
 ``--dialect roll|mindspeed|rlinf`` reads CONFIG as another system's config
 (`shardwise.config.dialects`): converted first, then the overrides; a device count in it
@@ -281,18 +282,22 @@ def _last_checkpoint_line(cfg: Config) -> str:
 
 def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict], None]) -> int:
     """A job's `prepare` (input errors exit 2 here, before any process starts), then
-    `--nproc` processes through torchrun, or this process under an outer torchrun (or
-    alone): `run` on every rank with what `prepare` built, `report` on rank 0."""
+    `--nproc` processes through torchrun (this node's, with ``--nnodes``), or this process
+    under an outer torchrun (or alone): `run` on every rank with what `prepare` built,
+    `report` on rank 0."""
+    nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                                   args.rdzv_endpoint, args.rdzv_timeout)
     local_files_only()
     cfg, ranks = _load(args)
-    nproc = args.nproc or ranks
+    nproc = _ranks_per_node(args.nproc, ranks, nodes)
     if nproc and not _under_torchrun():
-        RunDirLock(cfg.run.dir, command_line()).check_free()
-        job.prepare(cfg, world_size=nproc)
+        job_key = nodes.job if nodes else None
+        RunDirLock(cfg.run.dir, command_line(), job_key).check_free()
+        job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1))
         dialect = ["--dialect", args.dialect] if args.dialect else []
-        with RunDirLock(cfg.run.dir, command_line()) as lock:
+        with RunDirLock(cfg.run.dir, command_line(), job_key) as lock:
             res = launch.launch_torchrun(nproc, [args.command, args.config, *dialect, *args.overrides],
-                                         env=lock.child_env())
+                                         env=lock.child_env(), nodes=nodes)
         # Messages start on a line of their own: rank 0's progress bar may hold the last one.
         if res.interrupted is not None:
             print(f"\nshardwise: interrupted by {res.interrupted.name}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
@@ -324,6 +329,16 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
         lock.release()
         teardown(graceful=ok)
     return 0
+
+
+def _ranks_per_node(nproc: int | None, dialect_ranks: int | None, nodes: launch.Nodes | None) -> int | None:
+    """``--nproc``; without it, a dialect config's device count (over all nodes)."""
+    if nodes is None or nproc is not None:
+        return nproc or dialect_ranks
+    if dialect_ranks and dialect_ranks % nodes.count == 0:
+        return dialect_ranks // nodes.count
+    raise ConfigError("--nproc", f"is needed with --nnodes {nodes.count}: the number of ranks on each node",
+                      "e.g. --nproc 8 on a node of 8 GPUs")
 
 
 def _lock_on_rank0(lock: RunDirLock, runtime: Runtime) -> None:
@@ -481,6 +496,13 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "convert": cmd_convert, "data": cmd_data}
 
 
+NODES_EPILOG = """several machines: on each of N nodes of K ranks,
+  shardwise train CONFIG --nproc K --nnodes N --node-rank I --master-addr NODE0 --master-port PORT
+(or --rdzv-endpoint HOST:PORT instead of the last three). A rank that fails ends the job on
+every node; run.dir is locked once per job (its nodes share it by naming the same rendezvous).
+parallel.fsdp_size=K shards within nodes and replicates across them (HSDP)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -491,6 +513,17 @@ def build_parser() -> argparse.ArgumentParser:
     dialect.add_argument("--dialect", choices=DIALECTS, default=None,
                          help="CONFIG is a ROLL, MindSpeed or RLinf config: converted first, then the overrides "
                               "(see `shardwise convert`)")
+    nodes = argparse.ArgumentParser(add_help=False)
+    g = nodes.add_argument_group("several machines", "the same command on every node (see the end of this help)")
+    g.add_argument("--nnodes", type=int, default=None, help="number of nodes (machines) of the job (default 1)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes); node 0 hosts the "
+                   "rendezvous at --master-addr")
+    g.add_argument("--master-addr", default=None, help="address of node 0, where the nodes meet (static rendezvous)")
+    g.add_argument("--master-port", type=int, default=None, help=f"its port (default {launch.MASTER_PORT})")
+    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of a c10d rendezvous instead (nodes are "
+                   "numbered as they arrive; --node-rank is not needed)")
+    g.add_argument("--rdzv-timeout", type=int, default=None, help="seconds a node waits for the others at the "
+                   f"rendezvous before the job fails (default {launch.RDZV_TIMEOUT_S})")
     sp = sub.add_parser("plan", parents=[common, dialect], help="print the sharding plan of a config (no process group, no weights)")
     sp.add_argument("config")
     sp.add_argument("overrides", nargs="*", help="key.sub=value")
@@ -506,15 +539,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "recompute not counted); default: the profile's for the config's recompute")
     sp.add_argument("--scan", default=None, help="comma-separated world sizes, one projected row each "
                     "(each rank keeps the step of the first size), e.g. 8,64,512")
-    tp = sub.add_parser("train", parents=[common, dialect], help="supervised fine-tuning (SFT) with the FSDP2 train engine")
+    tp = sub.add_parser("train", parents=[common, dialect, nodes], help="supervised fine-tuning (SFT) with the FSDP2 train engine",
+                        epilog=NODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")
-    tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
-    ip = sub.add_parser("infer", parents=[common, dialect], help="generate (and score) responses to data.source's prompts with the FSDP2 "
-                        "infer engine")
+    tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun (with "
+                    "--nnodes: this node's ranks)")
+    ip = sub.add_parser("infer", parents=[common, dialect, nodes], help="generate (and score) responses to data.source's prompts with the FSDP2 "
+                        "infer engine", epilog=NODES_EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ip.add_argument("config")
     ip.add_argument("overrides", nargs="*", help="key.sub=value")
-    ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
+    ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun (with "
+                    "--nnodes: this node's ranks)")
     rp = sub.add_parser("rl", parents=[common, dialect], help="RL post-training (GRPO, PPO): a single controller over Ray workers")
     rp.add_argument("config")
     rp.add_argument("overrides", nargs="*", help="key.sub=value")
