@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from shardwise.config import safe_yaml
 from shardwise.config.schema import Config
-from shardwise.errors import ConfigError, did_you_mean
+from shardwise.errors import ConfigError, did_you_mean, short_repr
 
 
 def _yaml(text: str) -> Any:
@@ -232,17 +232,50 @@ def translate_error(e: ValidationError, raw: dict[str, Any]) -> ConfigError:
         return ConfigError(key, "unknown key", did_you_mean(str(loc[-1]), fields, prefix))
     if kind == "literal_error" and len([er for er in errors if er["loc"][: len(err["loc"]) - 1] == err["loc"][:-1]]) == 1:
         expected = [s.strip().strip("'\"") for s in err["ctx"]["expected"].replace(" or ", ",").split(",")]
-        return ConfigError(key, f"{value!r} is not a valid choice", did_you_mean(str(value), expected))
+        return ConfigError(key, f"{short_repr(value)} is not a valid choice", did_you_mean(str(value), expected))
     if kind == "value_error":
         msg = str(err["ctx"]["error"]) if err.get("ctx") else err["msg"]
         return ConfigError(key, msg)
+    if kind == "finite_number":
+        return ConfigError(key, f"got {short_repr(value)}: must be a finite number", _finite_hint(loc))
     if kind == "missing":
         return ConfigError(key, "is required")
     if kind in ("model_type", "dict_type"):
-        return ConfigError(key, f"must be a mapping, got {type(value).__name__} {value!r}")
+        return ConfigError(key, f"must be a mapping, got {type(value).__name__} {short_repr(value)}")
     same_key = [er for er in errors if tuple(p for p in er["loc"] if not _is_union_tag(p)) == loc]
     expected = " or ".join(dict.fromkeys(_expected(er) for er in same_key))
-    return ConfigError(key, f"got {value!r} ({type(value).__name__}), expected {expected}")
+    return ConfigError(key, f"got {short_repr(value)} ({type(value).__name__}), expected {expected}")
+
+
+def _finite_hint(loc: tuple) -> str:
+    """The nearest valid choice for an inf / nan given to the float key at `loc`: its
+    default, or null where null is its off switch."""
+    default, nullable = _default_at(loc)
+    if default is None:
+        return "a finite number, or null (leave it unset)"
+    return f"a finite number, e.g. {default!r} (the default)" + ("; null turns it off" if nullable else "")
+
+
+def _default_at(loc: tuple) -> tuple[object, bool]:
+    """The schema's default at `loc` (an index into a tuple default included; None when it
+    is not a number) and whether the key takes null."""
+    cls: Any = Config
+    value: Any = None
+    nullable = False
+    for part in loc:
+        if isinstance(part, int) and isinstance(value, (tuple, list)) and part < len(value):
+            value = value[part]
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None, False
+        field = _field_by_name(cls, part)
+        if field is None:
+            return None, False
+        value = field.default
+        nullable = type(None) in get_args(field.annotation)
+        cls = _model_in(field.annotation)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (value if number else None), nullable
 
 
 def _expected(err: dict) -> str:

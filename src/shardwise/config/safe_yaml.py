@@ -213,6 +213,16 @@ class _Loader(_Parser, SafeConstructor, _Resolver):
                                               "but found another document", event.start_mark)
         return root
 
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        """SafeConstructor's, with a value its tag cannot hold (``!!int x``, an integer of
+        5,000 digits, ``2001-13-45``) refused at its line instead of a bare ValueError."""
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as e:
+            value = node.value if isinstance(node, ScalarNode) else ""
+            raise YamlLimit(node.start_mark.line + 1, f"{_short(repr(value), 80)} cannot be read as "
+                            f"{node.tag.rsplit(':', 1)[-1]}: {_short(str(e), 120)}", "quote it to keep it as text")
+
     @staticmethod
     def _check_anchor(event, anchors: dict[str, Node]) -> None:
         if event.anchor is not None and event.anchor in anchors:
