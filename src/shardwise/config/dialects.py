@@ -105,7 +105,7 @@ from shardwise.config.load import apply_overrides, config_from_dict, read_yaml_m
 from shardwise.config.schema import Config
 from shardwise.errors import ConfigError, did_you_mean, short_repr
 
-__all__ = ["DIALECTS", "Converted", "convert", "load_dialect_config", "parse_device_mapping", "read_dialect"]
+__all__ = ["DIALECTS", "Converted", "check_out_file", "convert", "load_dialect_config", "parse_device_mapping", "read_dialect"]
 
 Key = tuple[str, ...]
 
@@ -273,6 +273,20 @@ class _Ctx:
 def read_dialect(path: str | Path, dialect: str) -> Converted:
     """Read a dialect file (safe YAML loader) and convert it. Raises ConfigError."""
     return convert(read_yaml_mapping(path), dialect, str(path))
+
+
+def check_out_file(out: str | Path, source: str | Path) -> None:
+    """ConfigError on ``--out`` when the converted YAML cannot be written there: a directory,
+    a folder that does not exist, or the dialect file being converted."""
+    o, src = Path(out), Path(source)
+    if o.is_dir():
+        raise ConfigError("--out", f"{str(o)!r} is a directory", f"name a file, e.g. {o / (src.stem + '_shardwise.yaml')}")
+    if not o.parent.is_dir():
+        raise ConfigError("--out", f"the folder of {str(o)!r} does not exist", "create it first, or name a file in "
+                          "an existing folder")
+    if o.exists() and src.exists() and o.resolve() == src.resolve():
+        raise ConfigError("--out", f"{str(o)!r} is the file being converted", f"name another file, e.g. "
+                          f"{o.with_name(o.stem + '_shardwise.yaml')}")
 
 
 def load_dialect_config(path: str | Path, dialect: str,
