@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from shardwise.errors import ConfigError
 
 __all__ = ["RUNTIME_BYTES_PER_RANK", "Capacity", "available_memory", "check_capacity", "check_nproc", "check_plan",
@@ -47,14 +49,8 @@ def cpu_cores() -> int:
 
 
 def available_memory() -> int | None:
-    """Host memory available to new processes (bytes; psutil, else /proc/meminfo's
-    MemAvailable), or None where neither says."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001 - psutil missing or failing: the kernel's own number
-        pass
+    """Host memory available to new processes (bytes: the kernel's MemAvailable in
+    /proc/meminfo), or None where there is no such file (then nothing is refused)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -106,7 +102,7 @@ class Capacity:
 
     def breakdown(self) -> str:
         plan = "plan on the GPU" if self.on_device else f"{_gib(self.plan_bytes)} of the plan"
-        return f"{_gib(self.per_rank)} per rank ({plan} + ~{_gib(RUNTIME_BYTES_PER_RANK)} of runtime)"
+        return f"{_gib(self.per_rank)} per rank: {plan} + ~{_gib(RUNTIME_BYTES_PER_RANK)} of runtime"
 
     def line(self) -> str:
         """The start-up line: processes per core and memory per rank."""
@@ -142,7 +138,5 @@ def check_capacity(nproc: int, plan_bytes: int, on_device: bool = False,
 def check_plan(nproc: int, plan, offload: bool) -> Capacity:
     """`check_capacity` for `nproc` ranks of a job whose `ShardingPlan` is `plan` (None:
     the runtime alone); its bytes are host memory without a GPU or with `offload`."""
-    import torch
-
     plan_bytes = max(r["total"] for r in plan.memory_per_rank_bytes) if plan is not None else 0
     return check_capacity(nproc, plan_bytes, on_device=not offload and torch.cuda.is_available())
