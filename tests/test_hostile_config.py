@@ -118,7 +118,7 @@ ROWS = [
     pytest.param(Row(("convert", "--from", "roll", str(REPO_ROOT / "tests/dialects/roll_train.yaml"), "--out", "{tmp}"),
                      ("--out", "is a directory", "roll_train_shardwise.yaml")), id="convert-out-directory"),
     # ---- item 3: floats that must be finite
-    pytest.param(Row(("plan", TINY, "train.optimizer.lr=inf"), ("train.optimizer.lr", "finite", "0.0001")), id="lr-inf"),
+    pytest.param(Row(("plan", TINY, "train.optimizer.lr=inf"), ("train.optimizer.lr", "finite", "e.g. 0.0001, the default")), id="lr-inf"),
     pytest.param(Row(("plan", TINY, "train.optimizer.lr=.nan"), ("train.optimizer.lr", "finite")), id="lr-nan"),
     pytest.param(Row(("plan", TINY, "train.optimizer.betas=[0.9, .inf]"), ("train.optimizer.betas", "finite", "0.95")),
                  id="beta-inf"),

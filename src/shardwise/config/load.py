@@ -122,7 +122,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         try:
             value = parse_override_value(text)
         except safe_yaml.YamlLimit as e:
-            raise ConfigError(key, f"the value {e.problem}", e.hint) from None
+            raise ConfigError(key, f"the value: {e.problem}", e.hint) from None
         node = out
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -252,8 +252,8 @@ def _finite_hint(loc: tuple) -> str:
     default, or null where null is its off switch."""
     default, nullable = _default_at(loc)
     if default is None:
-        return "a finite number, or null (leave it unset)"
-    return f"a finite number, e.g. {default!r} (the default)" + ("; null turns it off" if nullable else "")
+        return "e.g. null, the default"
+    return f"e.g. {default!r}, the default" + ("; null turns it off" if nullable else "")
 
 
 def _default_at(loc: tuple) -> tuple[object, bool]:
