@@ -132,7 +132,7 @@ class _Loader(_Parser, SafeConstructor, _Resolver):
                                 "expanded (an alias bomb?)",
                                 "write the values out; a config holds a few hundred")
 
-        def attach(node: Node, event) -> str:
+        def attach(node: Node) -> str:
             """Put `node` into the open collection; the label of its place (for a path)."""
             nonlocal root
             if not stack:
@@ -164,7 +164,7 @@ class _Loader(_Parser, SafeConstructor, _Resolver):
                                     "that contains it (a structure without end)",
                                     "write the values out instead of the alias")
                 count(size, event)
-                attach(node, event)
+                attach(node)
             elif isinstance(event, ScalarEvent):
                 self._check_anchor(event, anchors)
                 tag = event.tag
@@ -175,7 +175,7 @@ class _Loader(_Parser, SafeConstructor, _Resolver):
                 if event.anchor is not None:
                     anchors[event.anchor] = node
                     expanded[id(node)] = 1
-                attach(node, event)
+                attach(node)
             elif isinstance(event, (SequenceStartEvent, MappingStartEvent)):
                 self._check_anchor(event, anchors)
                 if len(stack) >= MAX_DEPTH:
@@ -190,7 +190,7 @@ class _Loader(_Parser, SafeConstructor, _Resolver):
                 count(1, event)
                 if event.anchor is not None:
                     anchors[event.anchor] = node  # no size yet: an alias of it now is a cycle
-                label = attach(node, event)
+                label = attach(node)
                 stack.append([node, total - 1, event.anchor, None, label])
             elif isinstance(event, CollectionEndEvent):
                 node, before, anchor, _, _ = stack[-1]
