@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.dcp import CheckpointManager
 from shardwise.config import load_config
-from shardwise.config.dialects import DIALECTS, load_dialect_config, read_dialect
+from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
 from shardwise.config.schema import Config
 from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
 from shardwise.distributed import launch
+from shardwise.distributed.capacity import check_nproc, check_plan
 from shardwise.distributed.runtime import (
     Runtime,
     env_world,
@@ -285,6 +286,7 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
     `--nproc` processes through torchrun (this node's, with ``--nnodes``), or this process
     under an outer torchrun (or alone): `run` on every rank with what `prepare` built,
     `report` on rank 0."""
+    check_nproc(args.nproc)
     nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                                    args.rdzv_endpoint, args.rdzv_timeout)
     local_files_only()
@@ -293,7 +295,8 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
     if nproc and not _under_torchrun():
         job_key = nodes.job if nodes else None
         RunDirLock(cfg.run.dir, command_line(), job_key).check_free()
-        job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1))
+        planned = job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1)).planned
+        print(check_plan(nproc, planned and planned[1], cfg.fsdp.offload.enabled).line(), file=sys.stderr)
         dialect = ["--dialect", args.dialect] if args.dialect else []
         with RunDirLock(cfg.run.dir, command_line(), job_key) as lock:
             res = launch.launch_torchrun(nproc, [args.command, args.config, *dialect, *args.overrides],
@@ -417,13 +420,13 @@ def cmd_infer(args: argparse.Namespace) -> int:
 def cmd_rl(args: argparse.Namespace) -> int:
     """RL post-training: this process is the single controller; `--nproc` Ray workers
     (default 1) form the FSDP process group. See shardwise.jobs.rl."""
+    check_nproc(args.nproc)
     local_files_only()
     cfg, ranks = _load(args)
     nproc = args.nproc or ranks or 1
-    if nproc < 1:
-        raise ConfigError("--nproc", f"{nproc} is not a positive number of processes", "e.g. --nproc 2")
     RunDirLock(cfg.run.dir, command_line()).check_free()
     prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
+    print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
     with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts):
         try:
@@ -458,13 +461,15 @@ def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
 def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint folder as an HF folder; see shardwise.jobs.export."""
     local_files_only()
-    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged))
+    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged, force=args.force))
     print(f"exported {args.checkpoint_dir} -> {out}")
     return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Another system's config as a shardwise YAML; see shardwise.config.dialects."""
+    if args.out is not None:
+        check_out_file(args.out, args.file)
     conv = read_dialect(args.file, args.dialect)
     text = conv.to_yaml()
     for note in conv.notes:
@@ -472,8 +477,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.out is None:
         print(text, end="")
     else:
-        with open(args.out, "w") as f:
-            f.write(text)
+        try:
+            with open(args.out, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise ConfigError("--out", f"{args.out!r} cannot be written: {e.strerror or e}") from None
         print(f"converted {args.file} ({args.dialect}) -> {args.out}", file=sys.stderr)
     return 0
 
@@ -561,6 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("out_dir")
     ep.add_argument("--merged", action="store_true", help="a LoRA checkpoint: write the merged model (base + "
                     "adapters) instead of the PEFT adapter folder")
+    ep.add_argument("--force", action="store_true", help="write into OUT_DIR even if it holds files (another "
+                    "model's config and weights are replaced)")
     dp = sub.add_parser("data", parents=[common, dialect], help="show the first examples of a config's data as the "
                         "job feeds them: chat template applied, trained tokens marked, truncation said")
     dp.add_argument("config")

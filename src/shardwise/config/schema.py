@@ -34,8 +34,13 @@ Pos = Annotated[int, Field(ge=1, strict=True)]
 
 
 class Section(BaseModel):
+    """A config section: unknown keys refused; every float finite (inf and nan are refused
+    for every float key: a learning rate, beta, epsilon, clip, coefficient, temperature or
+    top_p of inf or nan would run and train nothing; a setting that can be switched off
+    says so with null)."""
+
     model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True,
-                              use_attribute_docstrings=True)
+                              use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):

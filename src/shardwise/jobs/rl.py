@@ -29,6 +29,7 @@ from shardwise.distributed import ulysses
 from shardwise.engine import vllm_engine
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
+from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import (
     check_causal_task,
     check_data,
@@ -57,6 +58,8 @@ class Prepared:
     rows_per_step: int
     records: list[dict[str, Any]]
     reward_fn: RewardFn | None
+    plan: ShardingPlan | None = None
+    """The actor's plan on the meta device (its memory per rank, for the launch line)."""
 
 
 def prepare(cfg: Config, world_size: int) -> Prepared:
@@ -80,8 +83,8 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     records = check_data(cfg, cfg.data.ground_truth_key or cfg.data.response_key, scoring=True)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
     check_data_sources(fn, records)
-    plan_for(cfg, spec)  # pattern errors surface here, on the meta device
-    return Prepared(cfg, spec, world_size, rows, records, fn)
+    _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
+    return Prepared(cfg, spec, world_size, rows, records, fn, plan)
 
 
 def check_rl_ulysses(cfg: Config, sp: int) -> None:
