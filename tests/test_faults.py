@@ -437,7 +437,7 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
 
     assert main([*base, "train.max_steps=4", "train.optimizer.lr=1e-5"]) == 0
     err = capsys.readouterr().err
-    assert "resuming" in err and "train.optimizer.lr 0.002 -> 1e-05" in err and "train.max_steps 2 -> 4" in err, err
+    assert "shardwise note: resuming" in err and "train.optimizer.lr 0.002 -> 1e-05" in err and "train.max_steps 2 -> 4" in err, err
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert [m["lr"] for m in steps] == pytest.approx([2e-3, 2e-3, 1e-5, 1e-5])
