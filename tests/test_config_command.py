@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from dist.common import TINY_QWEN3
+from test_hostile_config import DEEP_FLOW, MODEL_BOMB, bomb_lines
 
 from shardwise.cli import main
 from shardwise.config import load_config
@@ -245,6 +246,22 @@ def test_type_text(key: str, text: str) -> None:
     assert type_text(field) == text
 
 
+@pytest.mark.parametrize(("text", "argv", "fragments"), [
+    (MODEL_BOMB, (), ("alias bomb",)),
+    (bomb_lines(), ("--dialect", "roll"), ("alias bomb",)),
+    (DEEP_FLOW, ("--defaults",), ("{cfg}:1", "more than 64 deep")),
+    ("train:\n  optimizer:\n    lr: 1.0e-4\n    lr: 3.0\n", (), ("{cfg}:4", "duplicate key 'train.optimizer.lr'")),
+], ids=["alias-bomb", "alias-bomb-dialect", "deep-flow", "duplicate-key"])
+def test_hostile_files_are_refused_before_any_walk(text, argv, fragments, tmp_path, capsys):
+    cfg = tmp_path / "hostile.yaml"
+    cfg.write_text(text)
+    assert main(["config", str(cfg), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    for fragment in fragments:
+        assert fragment.replace("{cfg}", str(cfg)) in err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["missing.yaml"], "config error: config file 'missing.yaml' does not exist"),
     (["{file}", "train.max_stepz=3"], "config error at 'train.max_stepz': unknown key (did you mean train.max_steps?)"),
@@ -256,6 +273,7 @@ def test_type_text(key: str, text: str) -> None:
      "section (did you mean train.optimizer?)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, config_file, capsys):
+    """Every refusal of the other commands (they load the config the same way) is one line."""
     argv = [a.replace("{file}", str(config_file)) for a in argv]
     assert main(["config", *argv]) == 2
     out, err = capsys.readouterr()
