@@ -124,6 +124,16 @@ def test_an_override_into_a_mapping_of_the_file_names_both(tmp_path, capsys):
     assert (got["origin"], got["where"]) == ("override", f"model.config.hidden_size=32 over file {path}:2")
 
 
+def test_a_key_given_by_its_python_name_still_has_its_origin(tmp_path, capsys):
+    path = tmp_path / "a.yaml"
+    path.write_text("checkpoint:\n  async_save: false\n")
+    got = _lines(_run(capsys, str(path), "checkpoint.keep_last=3"))
+    assert got["checkpoint.async"] == {"key": "checkpoint.async", "value": "false", "origin": "file",
+                                       "where": f"{path}:2"}
+    got = _lines(_run(capsys, "checkpoint.async_save=false"))["checkpoint.async"]
+    assert (got["value"], got["origin"]) == ("false", "override")
+
+
 def test_overrides_alone_resolve_without_a_file(capsys):
     got = _lines(_run(capsys, "train.max_steps=3"))
     assert (got["train.max_steps"]["value"], got["train.max_steps"]["origin"]) == ("3", "override")
@@ -269,8 +279,8 @@ def test_hostile_files_are_refused_before_any_walk(text, argv, fragments, tmp_pa
     (["{file}", "--dialect", "rlinf"], "config error at '{file}:run': unknown RLinf key"),
     ([], "config error at 'CONFIG': name the config file to resolve"),
     (["--defaults", "--dialect", "roll"], "config error at '--dialect': needs CONFIG"),
-    (["--defaults", "--only", "train.optimiser"], "config error at '--only': 'train.optimiser' is no key or "
-     "section (did you mean train.optimizer?)"),
+    (["--defaults", "--only", "train.optimiser"],
+     "config error at '--only': 'train.optimiser' is no key or section (did you mean train.optimizer?)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, config_file, capsys):
     """Every refusal of the other commands (they load the config the same way) is one line."""

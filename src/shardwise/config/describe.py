@@ -57,6 +57,8 @@ class Key:
     name: str
     """Dotted, as a user types it (aliases: ``checkpoint.async``)."""
     path: tuple[str, ...]
+    attr: str
+    """The field's Python name (``async_save``), which a config may also use."""
     field: FieldInfo
     section: bool
     """A nested section (its keys follow it in the walk), not a value."""
@@ -72,7 +74,7 @@ def schema_keys(model: type[BaseModel] = Config, prefix: tuple[str, ...] = ()) -
     for name, field in model.model_fields.items():
         path = (*prefix, field.alias or name)
         sub = _section(field.annotation)
-        yield Key(".".join(path), path, field, sub is not None)
+        yield Key(".".join(path), path, name, field, sub is not None)
         if sub is not None:
             yield from schema_keys(sub, path)
 
@@ -213,7 +215,9 @@ def resolve(path: str | Path | None, overrides: Sequence[str] = (), dialect: str
     for key in schema_keys():
         if key.section:
             continue
-        origin, where = _origin(key.path, merged, raw, kind, sources, set_by, path)
+        spellings = dict.fromkeys([key.path, (*key.path[:-1], key.attr)])  # checkpoint.async / .async_save
+        origin, where = next((o for o in (_origin(p, merged, raw, kind, sources, set_by, path) for p in spellings)
+                              if o[0] != "default"), ("default", None))
         entries.append(Entry(key.name, _get(dumped, key.path), origin, where))
     return Resolved(cfg, entries, notes)
 
