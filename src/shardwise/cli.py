@@ -1,4 +1,4 @@
-"""The `shardwise` command: plan | train | infer | rl | export | convert | data.
+"""The `shardwise` command: plan | train | infer | rl | export | convert | data | config.
 
 Each command is a recipe of `shardwise.jobs`: ``prepare`` (every check the config and its
 files allow; exit status 2 and one line on stderr, before any process group, Ray worker or
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch.distributed as dist
 
 from shardwise.checkpoint.dcp import CheckpointManager
-from shardwise.config import load_config
+from shardwise.config import describe, load_config
 from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
 from shardwise.config.schema import Config
 from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
@@ -499,9 +499,35 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """The resolved config, each value with its origin (default, file, dialect, override),
+    or with --defaults every key with its type, default and doc; see
+    shardwise.config.describe."""
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not os.path.exists(path):  # overrides alone, no file
+        path, overrides = None, [path, *overrides]
+    if path is None and not overrides and not args.defaults:
+        raise ConfigError("CONFIG", "name the config file to resolve",
+                          "or --defaults: every key with its type, default and doc")
+    resolved = None
+    if path is not None or overrides or args.dialect is not None:
+        resolved = describe.resolve(path, overrides, args.dialect)
+        for note in resolved.notes:
+            print(f"shardwise: note: not converted: {note}", file=sys.stderr)
+    keep = describe.keys_under(args.only) if args.only is not None else None
+    if args.defaults:
+        table = {k: v for k, v in describe.defaults(resolved).items() if keep is None or k in keep}
+        print(json.dumps(table, indent=2) if args.json else describe.format_defaults(table))
+        return 0
+    if keep is not None:
+        resolved.entries = [e for e in resolved.entries if e.key in keep]
+    print(json.dumps(resolved.to_json(), indent=2) if args.json else describe.format_resolved(resolved))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": cmd_plan, "train": cmd_train, "infer": cmd_infer, "rl": cmd_rl, "export": cmd_export,
-    "convert": cmd_convert, "data": cmd_data}
+    "convert": cmd_convert, "data": cmd_data, "config": cmd_config}
 
 
 NODES_EPILOG = """several machines: on each of N nodes of K ranks,
@@ -584,6 +610,17 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--from", dest="dialect", choices=DIALECTS, required=True, help="the file's dialect")
     cp.add_argument("file")
     cp.add_argument("--out", default=None, help="write here (default: stdout)")
+    gp = sub.add_parser("config", parents=[common, dialect], help="print the resolved config, each value with its "
+                        "origin (default, file:line, dialect key, override); --defaults: every key with its type, "
+                        "default and doc")
+    gp.add_argument("config", nargs="?", default=None, help="the config file (optional with --defaults)")
+    gp.add_argument("overrides", nargs="*", help="key.sub=value")
+    gp.add_argument("--defaults", action="store_true", help="every key of the schema: type, default and doc (with "
+                    "CONFIG: also its value there, where something set it)")
+    gp.add_argument("--json", action="store_true", help='resolved: {key: {"value", "origin", "where"}}; with '
+                    '--defaults: {key: {"type", "default", "doc"}}')
+    gp.add_argument("--only", default=None, metavar="KEY", help="only this key or section and the keys under it, "
+                    "e.g. rl.rollout.vllm")
     return p
 
 

@@ -40,7 +40,7 @@ from yaml.events import (
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from yaml.resolver import Resolver
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_NODES", "YamlLimit", "loads"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_NODES", "YamlLimit", "key_lines", "loads"]
 
 MAX_FILE_BYTES = 10 * 2**20
 """Largest config file read (10 MiB). A shardwise or dialect config is a few KiB; a bigger
@@ -276,3 +276,28 @@ def loads(text: str) -> Any:
         return None if node is None else loader.construct_document(node)
     finally:
         loader.dispose()
+
+
+def key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """The 1-based line of every mapping key in `text`, by its path of keys from the top
+    (``("train", "optimizer", "lr")``), block and flow mappings alike; keys inside lists and
+    merged (``<<``) keys are left out. Composed with the same bounds as `loads`, whose
+    refusals it raises."""
+    loader = _Loader(text)
+    try:
+        root = loader.compose()
+    finally:
+        loader.dispose()
+    lines: dict[tuple[str, ...], int] = {}
+    todo: list[tuple[tuple[str, ...], Node | None]] = [((), root)]
+    while todo:
+        path, node = todo.pop()
+        if not isinstance(node, MappingNode):
+            continue
+        for key_node, value in node.value:
+            if not isinstance(key_node, ScalarNode) or key_node.tag == MERGE_TAG:
+                continue
+            here = (*path, key_node.value)
+            lines.setdefault(here, key_node.start_mark.line + 1)
+            todo.append((here, value))
+    return lines

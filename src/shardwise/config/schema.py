@@ -388,7 +388,8 @@ class VLLMConfig(Section):
     """Reuse the KV of shared prompt prefixes (n samples of one prompt); reset after every
     weight sync."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """The engine's compute dtype; auto: the model's (model.dtype)."""
+    """The engine's compute dtype; auto: the trainer's fsdp.mixed_precision.param_dtype, the
+    precision the actor scores its log-probs in."""
     free_cache_engine: bool = True
     """CUDA: release the KV cache and move the engine's weights to host memory while the
     actor trains (sleep / wake up)."""
