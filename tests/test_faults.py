@@ -392,6 +392,34 @@ def test_kill_9_of_a_launcher_leaves_no_rank_running(victim, tmp_path):
         job.close()
 
 
+def test_a_rank_killed_by_a_signal_is_named_and_its_report_kept(tmp_path):
+    """kill -9 of rank 1 during `shardwise train`: the line names rank 1 and the signal
+    (not a peer's gloo error), and the report of the failure is kept in run.dir/error.txt
+    without --debug (issue 22)."""
+    job = Job(tmp_path)
+    try:
+        job.wait_for_checkpoint()
+        rank1 = next(p for p in job.pids() if _environ(p).get("RANK") == "1")
+        os.kill(rank1, signal.SIGKILL)
+        job.proc.wait(timeout=60)
+        out = job.output()
+        lines = [x for x in out.splitlines() if x.startswith("shardwise: ")]
+        assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0], out
+        assert f"traceback in {job.run_dir / 'error.txt'}" in lines[0], out
+        report = (job.run_dir / "error.txt").read_text()
+        assert "where:   rank 1" in report and "command: shardwise train" in report, report
+    finally:
+        job.close()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
+
+
 # ------------------------------------------------------------ resume and reports
 # A resumed run logs each step once and the truncation note is reported once: the same
 # CLI run as the SFT job's own resume test, tests/test_sft_job.py

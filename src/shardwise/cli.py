@@ -47,7 +47,7 @@ from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.comm import step_comm
 from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
-from shardwise.jobs.rundir import RunDirLock, command_line
+from shardwise.jobs.rundir import RunDirLock, command_line, write_error_file
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError
 from shardwise.rl.workers.hybrid import CRITIC_DIR
@@ -330,6 +330,12 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
             line = res.failure.line()
             if res.failure.user and res.failure.exit_status == EXIT_DISK_FULL:
                 line = _disk_full_line(cfg, line)
+            elif not res.failure.user:  # a bug: its traceback is kept (a user's error is its line)
+                where = f"rank {res.failure.rank}" + (f" on node {res.failure.node}" if res.failure.node is not None
+                                                       else "")
+                kept = write_error_file(cfg.run.dir, where, res.failure.traceback)
+                if kept is not None:
+                    line += f" (traceback in {kept})"
             print(f"\nshardwise: {line}", file=sys.stderr)
             if launch.debug_enabled() and not res.failure.user:
                 print(res.failure.traceback, file=sys.stderr, end="")
@@ -459,6 +465,11 @@ def cmd_rl(args: argparse.Namespace) -> int:
             sig = interrupts[-1] if interrupts else "SIGINT"
             print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
             return 143 if sig == "SIGTERM" else 130
+        except Exception as e:
+            if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
+                e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)
+                                                else "a worker", "".join(traceback.format_exception(e)))
+            raise
     _report_rl(cfg, summary)
     return 0
 
@@ -645,7 +656,8 @@ def _exit_status(e: BaseException) -> int:
             traceback.print_exception(e)
         return e.exit_status
     if isinstance(e, WorkerError):
-        print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
+        kept = getattr(e, "error_file", None)
+        print(f"shardwise: {' '.join(str(e).split())}" + (f" (traceback in {kept})" if kept else ""), file=sys.stderr)
         if launch.debug_enabled():
             traceback.print_exception(e)
         return 1
