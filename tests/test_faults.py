@@ -11,6 +11,7 @@ catch hangs, not slowness.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -526,3 +527,41 @@ def test_a_full_disk_during_a_checkpoint_names_what_is_intact(small_disk, tmp_pa
     res = run_cli([*argv[:4], f"run.dir={big}", *argv[5:]], timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [json.loads(x)["step"] for x in (big / "metrics.jsonl").read_text().splitlines()][-1] == 3
+
+
+def test_sigterm_to_rl_stops_it_with_143_and_leaves_nothing(tmp_path):
+    """Issue 22, items 4-5: SIGTERM to `shardwise rl` died by SIGABRT with Ray's C++ stack
+    dump (ray.init had replaced the SIGTERM handler), and a second signal during Ray's
+    shutdown crashed it (SIGSEGV) leaving Ray's agents running. Now: exit 143, one line
+    naming the last checkpoint, and a Ctrl-C sent during the shutdown neither crashes it
+    nor leaves a process behind."""
+    run = tmp_path / "run"
+    out = open(tmp_path / "out.txt", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"),
+         "--nproc", "2", f"run.dir={run}", "model.path=null", *TINY, "train.max_steps=100000",
+         "checkpoint.every_steps=1", "checkpoint.async=false", "rl.heldout_eval=false"],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not list((run / "checkpoints").glob("step_*/COMMITTED")):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read()
+            time.sleep(0.5)
+        pids = _process_tree(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)  # a Ctrl-C, most likely during Ray's shutdown
+        code = proc.wait(timeout=90)
+        out.seek(0)
+        text = out.read()
+        lines = [x for x in text.splitlines() if x.startswith("shardwise: ")]
+        assert code == 143, f"exit {code}\n{text[-3000:]}"
+        assert any("interrupted by SIGTERM" in x and "checkpoint" in x for x in lines), text[-3000:]
+        assert "Traceback" not in text and "SIGABRT" not in text and "Aborted" not in text, text[-3000:]
+        _gone_within(pids, 30)
+    finally:
+        _kill_tree(proc.pid)
+        proc.wait()
+        out.close()

@@ -49,7 +49,7 @@ from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
 from shardwise.jobs.rundir import RunDirLock, command_line, write_error_file
 from shardwise.models.loading import local_files_only
-from shardwise.rl.cluster import WorkerError
+from shardwise.rl.cluster import WorkerError, shutdown_ray
 from shardwise.rl.workers.hybrid import CRITIC_DIR
 
 EXIT_USER_ERROR = launch.EXIT_USER_ERROR
@@ -458,7 +458,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
     print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
-    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts):
+    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
         try:
             summary = rl.run(prepared)
         except KeyboardInterrupt:
@@ -472,6 +472,17 @@ def cmd_rl(args: argparse.Namespace) -> int:
             raise
     _report_rl(cfg, summary)
     return 0
+
+
+@contextlib.contextmanager
+def _ray_stopped(interrupts: list[str]) -> Iterator[None]:
+    """Ray is stopped on the way out of the block however it ends (`shutdown_ray`: more
+    signals during the shutdown do not interrupt it, a third kills what is left; after an
+    interrupt, signals until the process ends only say it is ending)."""
+    try:
+        yield
+    finally:
+        shutdown_ray(restore_signals=not interrupts)
 
 
 @contextlib.contextmanager
@@ -490,7 +501,10 @@ def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
         yield
     finally:
         for sig, h in previous.items():
-            signal.signal(sig, h)
+            if not seen:
+                signal.signal(sig, h)
+            elif signal.getsignal(sig) is handler:  # interrupted and ending: more signals change nothing
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -414,6 +414,11 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL every process under `pid` (not `pid` itself)."""
+    _kill_all(_descendants(pid))
+
+
 def _kill_all(pids: Sequence[int]) -> None:
     for p in pids:
         with contextlib.suppress(OSError):
