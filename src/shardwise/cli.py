@@ -18,15 +18,17 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 
-from shardwise.checkpoint.dcp import CheckpointManager
+from shardwise.checkpoint.dcp import CHECKPOINTS_DIR, CheckpointManager
 from shardwise.config import describe, load_config
 from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
 from shardwise.config.schema import Config
@@ -40,14 +42,15 @@ from shardwise.distributed.runtime import (
     seed_everything,
     teardown,
 )
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import EXIT_DISK_FULL, ConfigError, ShardwiseError, as_disk_full
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.comm import step_comm
 from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
-from shardwise.jobs.rundir import RunDirLock, command_line
+from shardwise.jobs.rundir import RunDirLock, command_line, write_error_file
 from shardwise.models.loading import local_files_only
-from shardwise.rl.cluster import WorkerError
+from shardwise.rl.cluster import WorkerError, shutdown_ray
+from shardwise.rl.workers.hybrid import CRITIC_DIR
 
 EXIT_USER_ERROR = launch.EXIT_USER_ERROR
 
@@ -281,6 +284,24 @@ def _last_checkpoint_line(cfg: Config) -> str:
     return f"the last committed checkpoint is {latest} (the same command resumes from it)"
 
 
+def _disk_full_line(cfg: Config, line: str) -> str:
+    """After the ranks of a job stopped on a full disk: the partial checkpoint folders are
+    removed (no save is in flight any more), and a line that does not come from the
+    checkpoint itself gets the free space and the last committed checkpoint."""
+    removed = []
+    for folder in (Path(cfg.run.dir) / CHECKPOINTS_DIR, Path(cfg.run.dir) / CRITIC_DIR / CHECKPOINTS_DIR):
+        for p in sorted(folder.glob("*.tmp-*")) if folder.is_dir() else []:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    if "checkpoint of step" in line:
+        return line
+    free = shutil.disk_usage(cfg.run.dir).free if Path(cfg.run.dir).is_dir() else None
+    extra = [f"{free / 2**20:.1f} MiB free in {cfg.run.dir}" if free is not None else None,
+             _last_checkpoint_line(cfg),
+             f"partial checkpoint folder {', '.join(removed)} removed" if removed else None]
+    return "; ".join([line, *(e for e in extra if e)])
+
+
 def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict], None]) -> int:
     """A job's `prepare` (input errors exit 2 here, before any process starts), then
     `--nproc` processes through torchrun (this node's, with ``--nnodes``), or this process
@@ -306,10 +327,19 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
             print(f"\nshardwise: interrupted by {res.interrupted.name}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
             return launch.EXIT_INTERRUPTED.get(res.interrupted, 1)
         if res.failure is not None:
-            print(f"\nshardwise: {res.failure.line()}", file=sys.stderr)
+            line = res.failure.line()
+            if res.failure.user and res.failure.exit_status == EXIT_DISK_FULL:
+                line = _disk_full_line(cfg, line)
+            elif not res.failure.user:  # a bug: its traceback is kept (a user's error is its line)
+                where = f"rank {res.failure.rank}" + (f" on node {res.failure.node}" if res.failure.node is not None
+                                                       else "")
+                kept = write_error_file(cfg.run.dir, where, res.failure.traceback)
+                if kept is not None:
+                    line += f" (traceback in {kept})"
+            print(f"\nshardwise: {line}", file=sys.stderr)
             if launch.debug_enabled() and not res.failure.user:
                 print(res.failure.traceback, file=sys.stderr, end="")
-            return EXIT_USER_ERROR if res.failure.user else (res.returncode or 1)
+            return res.failure.exit_status if res.failure.user else (res.returncode or 1)
         if res.returncode != 0:
             print(f"\nshardwise: torchrun {launch.describe_exit(res.returncode)}; {_last_checkpoint_line(cfg)}",
                   file=sys.stderr)
@@ -428,15 +458,31 @@ def cmd_rl(args: argparse.Namespace) -> int:
     prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
     print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
-    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts):
+    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
         try:
             summary = rl.run(prepared)
         except KeyboardInterrupt:
             sig = interrupts[-1] if interrupts else "SIGINT"
             print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
             return 143 if sig == "SIGTERM" else 130
+        except Exception as e:
+            if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
+                e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)
+                                                else "a worker", "".join(traceback.format_exception(e)))
+            raise
     _report_rl(cfg, summary)
     return 0
+
+
+@contextlib.contextmanager
+def _ray_stopped(interrupts: list[str]) -> Iterator[None]:
+    """Ray is stopped on the way out of the block however it ends (`shutdown_ray`: more
+    signals during the shutdown do not interrupt it, a third kills what is left; after an
+    interrupt, signals until the process ends only say it is ending)."""
+    try:
+        yield
+    finally:
+        shutdown_ray(restore_signals=not interrupts)
 
 
 @contextlib.contextmanager
@@ -455,7 +501,10 @@ def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
         yield
     finally:
         for sig, h in previous.items():
-            signal.signal(sig, h)
+            if not seen:
+                signal.signal(sig, h)
+            elif signal.getsignal(sig) is handler:  # interrupted and ending: more signals change nothing
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -651,13 +700,15 @@ def _exit_status(e: BaseException) -> int:
     Python's traceback."""
     if _under_torchrun() and not isinstance(e, SystemExit):
         launch.rank_failed(e)
+    e = as_disk_full(e)
     if isinstance(e, ShardwiseError):
         print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
         if launch.debug_enabled():
             traceback.print_exception(e)
-        return EXIT_USER_ERROR
+        return e.exit_status
     if isinstance(e, WorkerError):
-        print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
+        kept = getattr(e, "error_file", None)
+        print(f"shardwise: {' '.join(str(e).split())}" + (f" (traceback in {kept})" if kept else ""), file=sys.stderr)
         if launch.debug_enabled():
             traceback.print_exception(e)
         return 1

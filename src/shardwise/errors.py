@@ -20,8 +20,32 @@ class ShardwiseError(Exception):
     the controller as itself, with its type and message intact.
     """
 
+    exit_status = 2
+    """The command's exit status when this error ends it (README: exit statuses)."""
+
     def __reduce__(self):
         return _rebuild, (type(self), str(self), dict(self.__dict__))
+
+
+EXIT_DISK_FULL = 74
+"""A checkpoint or export could not be written for want of disk space (sysexits' EX_IOERR)."""
+
+
+class DiskFullError(ShardwiseError, OSError):
+    """The disk filled up while the run wrote its state; what was committed before is intact."""
+
+    exit_status = EXIT_DISK_FULL
+
+
+def as_disk_full(exc: BaseException) -> BaseException:
+    """`exc`, or for an OSError of a full disk (ENOSPC, e.g. writing metrics.jsonl once a
+    checkpoint filled the disk) a `DiskFullError` naming the file: its own exit status and
+    one line instead of a traceback."""
+    if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno == 28:
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return DiskFullError(f"no space left on device{where}; checkpoints already committed are intact (free "
+                             "space, or move run.dir to a larger disk, and run the same command to resume)")
+    return exc
 
 
 def _rebuild(cls: type[ShardwiseError], message: str, state: dict) -> ShardwiseError:

@@ -51,7 +51,7 @@ from typing import Literal, NoReturn
 import torch.distributed as dist
 
 from shardwise.distributed.runtime import free_port
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
 
 ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
 """Folder where each failing rank writes ``rank<r>.json`` (set by `launch_torchrun`)."""
@@ -233,6 +233,8 @@ class Failure:
     """How many nodes the job had."""
     remote: bool = False
     """Read from the rendezvous store by a rank of another node: the job's first failure."""
+    exit_status: int = EXIT_USER_ERROR
+    """A user error's exit status (`ShardwiseError.exit_status`: 2, or e.g. 74 for a full disk)."""
 
     def line(self) -> str:
         """The one line the user sees."""
@@ -258,6 +260,7 @@ def failure_of(exc: BaseException, rank: int | None) -> Failure:
     message = " ".join(str(exc).split()) or type(exc).__name__
     node = os.environ.get("GROUP_RANK")
     return Failure(rank=rank, type=type(exc).__name__, message=message, user=isinstance(exc, ShardwiseError),
+                   exit_status=getattr(exc, "exit_status", EXIT_USER_ERROR) if isinstance(exc, ShardwiseError) else 1,
                    traceback="".join(traceback.format_exception(exc)), time=time.time(), peer=is_peer_loss(exc),
                    node=int(node) if node and node.isdigit() else None,
                    nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1))
@@ -343,6 +346,7 @@ def rank_failed(exc: BaseException) -> NoReturn:
     """
     if isinstance(exc, KeyboardInterrupt):
         exit_after_failure(130)
+    exc = as_disk_full(exc)
     rank = int(os.environ.get("RANK", "0"))
     user = isinstance(exc, ShardwiseError)
     recorded = record_failure(exc, rank)
@@ -350,7 +354,7 @@ def rank_failed(exc: BaseException) -> NoReturn:
         traceback.print_exception(exc)
     elif not recorded:
         print(f"shardwise: [rank {rank}] {failure_of(exc, rank).message}", file=sys.stderr)
-    exit_after_failure(EXIT_USER_ERROR if user else 1)
+    exit_after_failure(exc.exit_status if user else 1)
 
 
 def exit_after_failure(code: int) -> NoReturn:
@@ -408,6 +412,11 @@ def _descendants(pid: int) -> list[int]:
             out.append(c)
             stack.append(c)
     return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL every process under `pid` (not `pid` itself)."""
+    _kill_all(_descendants(pid))
 
 
 def _kill_all(pids: Sequence[int]) -> None:
@@ -486,5 +495,5 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
             p.unlink()
         os.rmdir(error_dir)
     if failure is not None and failure.user and not interrupted:
-        code = EXIT_USER_ERROR
+        code = failure.exit_status
     return LaunchResult(returncode=code, failure=failure, interrupted=interrupted[0][0] if interrupted else None)

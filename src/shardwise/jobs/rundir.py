@@ -158,3 +158,26 @@ def command_line() -> str:
     """This process's command line, shortened, for the lock file."""
     text = " ".join(["shardwise", *sys.argv[1:]])
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+ERROR_FILE = "error.txt"
+"""Where a failed run keeps the full report of its first failure (`write_error_file`)."""
+
+
+def write_error_file(run_dir: str | os.PathLike[str], where: str, traceback_text: str,
+                     command: str | None = None) -> Path | None:
+    """``<run.dir>/error.txt``: when, where (the rank or worker), the command and the full
+    traceback of a run's first failure, kept without ``--debug`` so the one-line message
+    can name it. None when the folder is not there (an error before the run wrote
+    anything) or cannot be written (a full disk)."""
+    folder = Path(run_dir)
+    if not folder.is_dir():
+        return None
+    text = (f"time:    {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+            f"where:   {where}\n"
+            f"command: {command or ' '.join(['shardwise', *sys.argv[1:]])}\n\n{traceback_text.rstrip()}\n")
+    try:
+        (folder / ERROR_FILE).write_text(text)
+    except OSError:
+        return None
+    return folder / ERROR_FILE
