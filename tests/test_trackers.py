@@ -20,7 +20,7 @@ from dist.launcher import REPO_ROOT
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.telemetry import MetricsWriter, Tracker, read_metrics
-from shardwise.telemetry.trackers import IDS_FILE, flatten
+from shardwise.telemetry.trackers import IDS_FILE, TensorBoardTracker, TrackerRun, flatten, open_trackers
 
 for _module, _extra in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"),
                         ("sqlalchemy", "mlflow")]:  # make test installs them all (SHARDWISE_REQUIRED_MODULES)
@@ -231,6 +231,35 @@ def test_trackers_end_their_runs_as_failed_when_the_job_raises(tmp_path):
         writer.log(1, {"loss": 1.0})
         raise RuntimeError("a rank died")
     assert tracker.closed == [True]
+
+
+def test_a_tracker_that_cannot_start_is_left_out_with_a_warning(tmp_path, monkeypatch, caplog):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/a_file/mlflow.db")  # a file is no folder
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.trackers"):
+        trackers = open_trackers(["jsonl", "mlflow", "tensorboard"], TrackerRun(tmp_path, "r", None, 0))
+    assert [t.name for t in trackers] == ["tensorboard"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("mlflow could not start") and "metrics.jsonl" in warning
+    for t in trackers:
+        t.close()
+
+
+def test_a_resumed_tensorboard_run_replaces_the_steps_after_its_checkpoint(tmp_path):
+    """A job that crashed after logging step 4 and resumes from the checkpoint of step 2
+    logs 3 and 4 again: TensorBoard shows the new values only, as metrics.jsonl does."""
+    first = TensorBoardTracker(TrackerRun(tmp_path, "r", None, 0))
+    for step in (1, 2, 3, 4):
+        first.log_metrics(step, {"loss": float(step)}, walltime=1000.0 + step)
+    first.close()
+    again = TensorBoardTracker(TrackerRun(tmp_path, "r", None, 2))
+    for step in (3, 4):
+        again.log_metrics(step, {"loss": 10.0 * step}, walltime=2000.0 + step)
+    again.close()
+    assert [(e.step, e.value) for e in _tensorboard(tmp_path).Scalars("loss")] == \
+        [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
 def test_flatten_joins_nested_keys():
