@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from dist.common import TINY_QWEN3, import_optional
-from dist.launcher import REPO_ROOT
+from dist.launcher import REPO_ROOT, run_cli
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
@@ -185,6 +185,33 @@ def test_mlflow_run_holds_the_metrics_params_and_summary_and_resumes_by_id(track
     summary = json.loads(summary_json.read_text())
     assert summary["steps"] == 4 and run.data.metrics["summary/steps"] == 4
     assert math.isclose(run.data.metrics["summary/final/loss"], records[-1]["loss"], rel_tol=1e-9)
+
+
+def test_the_rl_controller_sends_its_steps_and_summary_to_the_trackers(tmp_path):
+    """`shardwise rl`: the controller (not a Ray worker) logs; the summary goes without the
+    per-step history, which the trackers have as metrics."""
+    pytest.importorskip("ray", reason="shardwise rl needs ray: pip install 'shardwise[rl]'")
+    run_dir = tmp_path / "grpo_tiny"
+    res = run_cli(["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "--nproc", "1", f"run.dir={run_dir}",
+                   "model.path=null", TINY_QWEN3, "train.global_batch_size=2", "train.micro_batch_size=8",
+                   "rl.rollout.n=2", "rl.rollout.max_new_tokens=2", "train.max_steps=2", "rl.heldout_eval=false",
+                   "checkpoint.export_hf=false", "checkpoint.async=false", "run.loggers=[mlflow,wandb]"],
+                  timeout=300, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": None,
+                                    "MLFLOW_EXPERIMENT_NAME": None, "WANDB_PROJECT": None})
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    client, run_id = _mlflow(run_dir)
+    for key in ("reward/mean", "actor/pg_loss", "time/step"):
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert got == [(r["step"], pytest.approx(float(r[key]), rel=1e-9)) for r in records], key
+    run = client.get_run(run_id)
+    assert run.data.params["rl.algorithm"] == "grpo" and run.data.metrics["summary/steps"] == 2
+    (summary_json,) = (run_dir / "mlartifacts").rglob("summary.json")
+    assert "history" not in json.loads(summary_json.read_text())
+    (wandb_run,) = _wandb_run(run_dir)
+    assert sorted(wandb_run["history"]) == [1, 2] and wandb_run["summary"]["steps"] == 2
+    assert wandb_run["config"]["rl"]["rollout"]["n"] == 2
 
 
 # --- failures -----------------------------------------------------------------------------
