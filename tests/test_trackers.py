@@ -240,11 +240,11 @@ class _Recording(Tracker):
 def test_a_failing_tracker_is_switched_off_with_one_warning_and_the_run_goes_on(tmp_path, caplog):
     broken, fine = _Recording(fail_at_step=2), _Recording()
     broken.name = "broken"
-    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.metrics"):
-        with MetricsWriter(tmp_path, enabled=True, trackers=[broken, fine]) as writer:
-            for step in range(1, 5):
-                writer.log(step, {"loss": 1.0 / step})
-            writer.log_summary({"steps": 4})
+    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.metrics"), \
+            MetricsWriter(tmp_path, enabled=True, trackers=[broken, fine]) as writer:
+        for step in range(1, 5):
+            writer.log(step, {"loss": 1.0 / step})
+        writer.log_summary({"steps": 4})
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
     assert fine.steps == [1, 2, 3, 4] and fine.summary == {"steps": 4} and fine.closed == [False]
     assert broken.steps == [1] and broken.summary is None and broken.closed == [True]

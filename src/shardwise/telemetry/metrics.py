@@ -19,6 +19,7 @@ with one warning; the file keeps every step and the run goes on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -199,10 +200,8 @@ class MetricsWriter:
                 self.trackers.remove(tracker)
                 logger.warning("%s failed %s (%s: %s); it is off for the rest of this run, %s has every step",
                                tracker.name, when, type(exc).__name__, exc, self.path)
-                try:
+                with contextlib.suppress(Exception):  # it has already failed once, and said so
                     tracker.close(failed=True)
-                except Exception:  # noqa: BLE001 - it has already failed once
-                    pass
 
     def close(self, failed: bool = False) -> None:
         """Flush and close the file, and end the trackers' runs (as failed when `failed`).

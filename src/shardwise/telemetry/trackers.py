@@ -142,10 +142,10 @@ def _missing(*modules: str) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
-@TRACKERS.register("jsonl", missing=lambda: [], extra=None)
+@TRACKERS.register("jsonl", missing=list, extra=None)
 def _jsonl(run: TrackerRun) -> None:
-    """``metrics.jsonl`` is written by `MetricsWriter` itself, listed in run.loggers or not."""
-    return None
+    """No tracker: ``metrics.jsonl`` is written by `MetricsWriter` itself, listed in
+    run.loggers or not."""
 
 
 def tensorboard_writer_class() -> type | None:
