@@ -248,7 +248,8 @@ def test_a_failing_tracker_is_switched_off_with_one_warning_and_the_run_goes_on(
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
     assert fine.steps == [1, 2, 3, 4] and fine.summary == {"steps": 4} and fine.closed == [False]
     assert broken.steps == [1] and broken.summary is None and broken.closed == [True]
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "shardwise.telemetry.metrics"]
     assert len(warnings) == 1 and "broken failed at step 2" in warnings[0] and "server went away" in warnings[0]
 
 
@@ -268,10 +269,30 @@ def test_a_tracker_that_cannot_start_is_left_out_with_a_warning(tmp_path, monkey
     with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.trackers"):
         trackers = open_trackers(["jsonl", "mlflow", "tensorboard"], TrackerRun(tmp_path, "r", None, 0))
     assert [t.name for t in trackers] == ["tensorboard"]
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.WARNING and r.name == "shardwise.telemetry.trackers"]
     assert warning.startswith("mlflow could not start") and "metrics.jsonl" in warning
     for t in trackers:
         t.close()
+
+
+def test_wandb_without_credentials_or_wandb_mode_writes_offline_with_one_warning(tmp_path, monkeypatch, caplog):
+    """A launch never stops at wandb's login prompt: no key, no WANDB_MODE -> offline."""
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.trackers"):
+        (tracker,) = open_trackers(["wandb"], TrackerRun(tmp_path / "run", "r", None, 0))
+    tracker.log_metrics(1, {"loss": 2.0}, walltime=1.0)
+    tracker.close()
+    (warning,) = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.WARNING and r.name == "shardwise.telemetry.trackers"]
+    assert "offline" in warning and "wandb sync" in warning
+    (run,) = _wandb_run(tmp_path / "run")
+    assert run["history"] == {1: {"loss": 2.0}}
 
 
 def test_a_resumed_tensorboard_run_replaces_the_steps_after_its_checkpoint(tmp_path):
