@@ -4,8 +4,9 @@
 (mesh, batch sizes, model folder, tokenizer, data, resume folder, the sharding plan on the
 meta device) and keeps what it built; `run` is the loop, on every rank. Rank 0 shows a
 progress bar and writes ``run.dir/metrics.jsonl`` (and to the trackers of ``run.loggers``:
-each step's scalars, the config, the summary) and a PNG plot at the end. For a built-in task the held-out greedy accuracy of the trained
-model is measured on all ranks (`shardwise.engine.generate.heldout_accuracy`).
+each step's scalars, the config, the summary) and a PNG plot at the end. For a built-in
+task the held-out greedy accuracy of the trained model is measured on all ranks
+(`shardwise.engine.generate.heldout_accuracy`).
 ``model.task`` masked_lm / sequence_classification (encoders) run the same loop on the
 data and losses of `shardwise.data.encoder`, without generation.
 """

@@ -102,8 +102,8 @@ class MetricsWriter:
             the writer owns them from here and closes them in `close`.
 
     The file is opened in append mode, so a resumed run continues the same file; each line
-    is flushed as it is written, so a crash of the process loses no logged line. Use as a context manager
-    (an exception closes the trackers as failed) or call `close`.
+    is flushed as it is written, so a crash of the process loses no logged line. Use as a
+    context manager (an exception closes the trackers as failed) or call `close`.
     """
 
     def __init__(
