@@ -29,9 +29,11 @@ LAYERS = [
 ]
 """Lowest first: a module may import from its own layer and the ones below, never above."""
 
-LAZY_ALLOWED = {"ray", "matplotlib", "tensorboard", "vllm", "torch.utils.tensorboard", "pyarrow"}
+LAZY_ALLOWED = {"ray", "matplotlib", "tensorboard", "vllm", "torch.utils.tensorboard", "pyarrow", "wandb",
+                "mlflow"}
 """Optional dependencies (heavy, or needed by one kind of input: pyarrow reads .parquet
-files), the only imports allowed inside function bodies."""
+files; wandb and mlflow by one value of run.loggers), the only imports allowed inside
+function bodies."""
 
 
 def _layer(module: str) -> int | None:

@@ -24,7 +24,7 @@ from pydantic import (
 
 from shardwise.config.dtypes import canonical_dtype
 from shardwise.errors import ConfigError
-from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, TRACKERS
 
 DType = Annotated[str, BeforeValidator(canonical_dtype)]
 """A dtype name (fp32/float32, bf16/bfloat16, fp16/float16/half, torch names), stored canonical."""
@@ -48,6 +48,29 @@ class RunConfig(Section):
     """Everything a run writes: metrics.jsonl, checkpoints/, hf/, plots. One job at a time."""
     seed: int = 0
     """Seed of model init, data order and sampling."""
+    loggers: list[Annotated[str, AfterValidator(TRACKERS.check)]] = ["jsonl"]
+    """Where rank 0 (the controller in RL) sends every logged step's scalars, the resolved
+    config at the start and the run's summary at the end: jsonl (run.dir/metrics.jsonl,
+    always written, listed or not), tensorboard (run.dir/tensorboard/), wandb (run.dir/wandb/;
+    online with wandb credentials, offline without, or as WANDB_MODE says), mlflow
+    (MLFLOW_TRACKING_URI, or a SQLite store run.dir/mlflow.db). Each needs its extra:
+    pip install 'shardwise[wandb]'. A tracker that fails during the run is switched off with
+    one warning and the run goes on; a resumed job continues the same wandb / MLflow run."""
+    name: str | None = None
+    """The run's name in wandb and MLflow; null: the name of run.dir's folder."""
+    project: str | None = None
+    """The wandb project and MLflow experiment; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME
+    from the environment, else shardwise."""
+
+    @model_validator(mode="after")
+    def _loggers_installed(self) -> RunConfig:
+        for name in self.loggers:
+            traits = TRACKERS.traits(name)
+            missing = traits["missing"]()
+            if missing:
+                raise ConfigError("run.loggers", f"{name!r} needs {', '.join(missing)}, which is not installed",
+                                  f"pip install 'shardwise[{traits['extra']}]', or take {name} out of run.loggers")
+        return self
 
 
 class LoraSettings(Section):
