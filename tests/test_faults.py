@@ -565,3 +565,27 @@ def test_sigterm_to_rl_stops_it_with_143_and_leaves_nothing(tmp_path):
         _kill_tree(proc.pid)
         proc.wait()
         out.close()
+
+
+def test_a_run_dir_that_cannot_hold_the_run_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    """Issue 22, item 14: run.dir="" wrote the whole run into the working directory, a file
+    or a symlink loop as run.dir gave tracebacks, and run.dir/hf being a file or
+    metrics.jsonl a folder were found only after training. In-process: one line, exit 2."""
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "hf_file" / "hf").parent.mkdir()
+    (tmp_path / "hf_file" / "hf").write_text("x")
+    (tmp_path / "metrics_dir" / "metrics.jsonl").mkdir(parents=True)
+    cases = [('""', "is empty"), (tmp_path / "a_file", "is a file, not a folder"), (tmp_path / "loop", "cannot be used"),
+             (tmp_path / "hf_file", "where the run writes its hf folder"),
+             (tmp_path / "metrics_dir", "where the run writes its metrics.jsonl file")]
+    for run_dir, words in cases:
+        for command in (["train", SFT], ["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml")]):
+            assert main([*command, f"run.dir={run_dir}", "--nproc", "2"]) == 2, (run_dir, command)
+            lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+            assert len(lines) == 1 and "run.dir" in lines[0] and words in lines[0], (run_dir, lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "hf_file", "loop", "metrics_dir"]

@@ -47,7 +47,7 @@ from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.comm import step_comm
 from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
-from shardwise.jobs.rundir import RunDirLock, command_line, write_error_file
+from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError, shutdown_ray
 from shardwise.rl.workers.hybrid import CRITIC_DIR
@@ -312,6 +312,7 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
                                    args.rdzv_endpoint, args.rdzv_timeout)
     local_files_only()
     cfg, ranks = _load(args)
+    check_run_dir(cfg.run.dir)  # also for a run in this process
     nproc = _ranks_per_node(args.nproc, ranks, nodes)
     if nproc and not _under_torchrun():
         job_key = nodes.job if nodes else None
@@ -454,6 +455,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     local_files_only()
     cfg, ranks = _load(args)
     nproc = args.nproc or ranks or 1
+    check_run_dir(cfg.run.dir)
     RunDirLock(cfg.run.dir, command_line()).check_free()
     prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
     print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)

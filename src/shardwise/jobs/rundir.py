@@ -65,8 +65,10 @@ class RunDirLock:
         return os.environ.get(HELD_ENV) == str(self.run_dir)
 
     def check_free(self) -> None:
-        """Raise the ConfigError of `acquire` when another job holds the lock; creates
-        nothing (a quick look before the slower input checks)."""
+        """Raise the ConfigError of `acquire` when another job holds the lock, or
+        `check_run_dir`'s when the folder cannot be the run's; creates nothing (a quick look
+        before the slower input checks)."""
+        check_run_dir(self.run_dir)
         if fcntl is None or self.held_by_launcher or not self.path.is_file():
             return
         try:
@@ -181,3 +183,35 @@ def write_error_file(run_dir: str | os.PathLike[str], where: str, traceback_text
     except OSError:
         return None
     return folder / ERROR_FILE
+
+
+RUN_FILES = {"metrics.jsonl": "file", "hf": "folder", "checkpoints": "folder", "config.json": "file"}
+"""What a run writes into run.dir, and what each must be (`check_run_dir`)."""
+
+
+def check_run_dir(run_dir: str | os.PathLike[str]) -> None:
+    """ConfigError on ``run.dir`` before anything starts when the folder cannot hold a run:
+    empty (the whole run would land in the working directory), a file, a symlink loop, not
+    writable, or holding a file where the run writes a folder (``hf``) or the reverse
+    (``metrics.jsonl``) — found only after training before."""
+    text = str(run_dir).strip()
+    if text in ("", "."):
+        raise ConfigError("run.dir", "is empty: the run's files would be written into the working directory",
+                          "name a folder, e.g. run.dir=runs/my_run")
+    path = Path(run_dir)
+    try:
+        path.resolve(strict=False)
+        exists = path.exists()
+    except (RuntimeError, OSError) as e:  # a symlink loop, a name too long, ...
+        raise ConfigError("run.dir", f"{text!r} cannot be used ({e})", "name a plain folder") from None
+    if exists and not path.is_dir():
+        raise ConfigError("run.dir", f"{text!r} is a file, not a folder", "name a folder (it is created if missing)")
+    nearest = path if exists else next((p for p in path.parents if p.exists()), Path("."))
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError("run.dir", f"{str(nearest)!r} is not writable", "name a folder this user can write")
+    for name, kind in RUN_FILES.items():
+        p = path / name
+        wrong = (kind == "file" and p.is_dir()) or (kind == "folder" and p.exists() and not p.is_dir())
+        if wrong:
+            raise ConfigError("run.dir", f"{str(p)!r} is a {'folder' if p.is_dir() else 'file'}, where the run "
+                              f"writes its {name} {kind}", "move it away, or set run.dir to another folder")
