@@ -417,6 +417,11 @@ def cmd_rl(args: argparse.Namespace) -> int:
             sig = interrupts[-1] if interrupts else "SIGINT"
             print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
             return 143 if sig == "SIGTERM" else 130
+        except WorkerError as e:  # a worker failed or was lost with its node: where to resume from
+            print(f"\nshardwise: {' '.join(str(e).split())}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
+            if launch.debug_enabled():
+                traceback.print_exception(e)
+            return 1
     _report_rl(cfg, summary)
     return 0
 
