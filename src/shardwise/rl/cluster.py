@@ -154,7 +154,14 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
     env_vars.update(env or {})
     runtime_env = {"env_vars": env_vars}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        address = os.environ["RAY_ADDRESS"]
+        try:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        except ConnectionError as e:  # it answered `check_ray_address`, then refused this process
+            raise ConfigError("RAY_ADDRESS", f"the Ray cluster at {address!r} did not let this process join ({e})",
+                              "a cluster started with token authentication (`ray start` says so) needs "
+                              "RAY_AUTH_MODE=token here too, and its token in RAY_AUTH_TOKEN or "
+                              "~/.ray/auth_token") from e
     else:
         cpus = max(num_cpus or 1, os.cpu_count() or 1)
         # address="local": without it Ray joins the cluster last started on this machine
