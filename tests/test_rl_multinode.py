@@ -1,0 +1,190 @@
+"""`shardwise rl` on a Ray cluster of two nodes: two raylets on this machine, one CPU each
+(Ray's own `ray.cluster_utils.Cluster`), joined through ``RAY_ADDRESS`` like a real one.
+
+- a 2-rank group does not fit on one node: rank 0 and rank 1 land on different nodes
+  (run.dir/workers.json, which the controller writes), form one gloo group through rank
+  0's node address and train 2 steps;
+- the second node's raylet killed (SIGKILL) mid-run: the command ends within a minute with
+  exit status 1 and one line naming group, rank, node and the last committed checkpoint,
+  and no worker process of the job is left.
+
+The cluster lives in a temp dir of its own (``RAY_TMPDIR``): Ray records the address of the
+last cluster started under its temp dir, and a plain ``ray.init()`` elsewhere on this
+machine would join it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from dist.common import TINY_QWEN3
+from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, run_cli
+
+pytest.importorskip("ray")
+
+GRPO = str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml")
+TINY = ["model.path=null", TINY_QWEN3, "train.global_batch_size=4", "train.micro_batch_size=8",
+        "rl.rollout.n=4", "rl.rollout.max_new_tokens=4", "rl.heldout_eval=false", "checkpoint.export_hf=false"]
+"""The tiny GRPO job of tests/test_rl_trainer.py, without the held-out evaluation and export:
+this file is about where ranks run and what a lost node does, not learning."""
+
+VARIED_REWARD = "def varied(prompt, response, ground_truth):\n    return float(sum(map(ord, response)) % 2)\n"
+"""A reward that differs between a prompt's samples (the random tiny model answers nothing
+right): nonzero advantages, so each update moves the weights through the 2-node group."""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node and one more node, 1 CPU each (a 2-rank group must span both); shut
+    down (every raylet and its workers) after the module."""
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="swmn", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", temp)
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            c.add_node(num_cpus=1)
+            yield c
+        finally:
+            c.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def second_node(c):
+    (node,) = c.worker_nodes
+    return node
+
+
+def env_for(c) -> dict[str, str]:
+    return {"RAY_ADDRESS": c.address, "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def places(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "workers.json").read_text())["rl"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a raylet's: its workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.parametrize("bundles,first,ranks", [
+    ({0: "a", 1: "a"}, "a", [0, 1]),                      # fits on one node
+    ({0: "a", 1: "b"}, None, [0, 1]),                     # one rank per node, in bundle order
+    ({0: "b", 1: "a", 2: "b", 3: "a"}, "a", [1, 3, 0, 2]),  # the controller's node first
+    ({0: "b", 1: "a", 2: "b", 3: "a"}, "c", [0, 2, 1, 3]),  # controller elsewhere: first bundle's node
+    ({0: "a", 1: "b", 2: "a", 3: "c"}, None, [0, 2, 1, 3]),  # uneven nodes stay consecutive
+], ids=["one_node", "two_nodes", "controller_first", "controller_elsewhere", "uneven"])
+def test_ranks_are_numbered_node_by_node(bundles, first, ranks):
+    from shardwise.rl.cluster import rank_bundles
+
+    assert rank_bundles(bundles, first) == ranks
+    nodes = [bundles[b] for b in rank_bundles(bundles, first)]
+    assert all(nodes.index(n) == i or nodes[i - 1] == n for i, n in enumerate(nodes))  # consecutive per node
+
+
+def test_rl_group_spans_two_nodes_and_trains(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    (tmp_path / "varied_reward.py").write_text(VARIED_REWARD)
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={run_dir}", *TINY, "train.max_steps=2",
+                   "checkpoint.every_steps=0", "rl.reward.function=varied_reward:varied"],
+                  env=env_for(cluster), timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    ranks = places(run_dir)
+    print("placement:", [(p["rank"], p["node_id"][:8]) for p in ranks], "head", cluster.head_node.node_id[:8])
+    nodes = {cluster.head_node.node_id, second_node(cluster).node_id}
+    assert [p["rank"] for p in ranks] == [0, 1]
+    assert {p["node_id"] for p in ranks} == nodes, ranks  # one rank on each node
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["actor/grad_norm"] > 0 for m in steps), steps  # both updates ran through the 2-node group
+    assert not gone_within([p["pid"] for p in ranks], 20), "worker processes left after the run"
+
+
+def test_a_node_that_dies_ends_the_run_naming_node_rank_and_checkpoint(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    node = second_node(cluster)
+    out = open(tmp_path / "out.txt", "w+")
+    env = {**os.environ, **env_for(cluster), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(SRC_DIR), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "rl", GRPO, "--nproc", "2", f"run.dir={run_dir}",
+                             *TINY, "train.max_steps=100000", "checkpoint.every_steps=1", "checkpoint.async=false"],
+                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+    def output() -> str:
+        out.flush()
+        out.seek(0)
+        return out.read()
+
+    try:
+        deadline = time.monotonic() + 180
+        while not list((run_dir / "checkpoints").glob("step_*/COMMITTED")):
+            assert proc.poll() is None, output()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint within 180 s\n" + output()[-4000:]
+            time.sleep(0.2)
+        ranks = places(run_dir)
+        (lost,) = [p for p in ranks if p["node_id"] == node.node_id]
+        # The node dies: its raylet and every process on it at once (on one machine only the
+        # raylet would go; the rank's process would train on until Ray drops the node).
+        raylet = node.all_processes["raylet"][0].process.pid
+        victims = [raylet, *children(raylet)]
+        assert lost["pid"] in victims, (lost, victims)  # the rank's process is on that node
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        proc.wait(timeout=90)
+        seconds = time.monotonic() - t0
+        left = gone_within([p["pid"] for p in ranks], 20)
+    finally:
+        _kill_tree(proc.pid)
+        proc.wait()
+    text = output()
+    out.close()
+    print(f"node {node.node_id[:8]} killed; the command ended {seconds:.1f} s later")
+    assert proc.returncode == 1, text[-4000:]
+    lines = [x for x in text.splitlines() if x.startswith("shardwise: ")]
+    assert len(lines) == 1, text[-4000:]
+    line = lines[0]
+    print(line)
+    assert "Traceback" not in text, text[-4000:]
+    assert f"worker group 'rl' lost rank {lost['rank']}" in line, line
+    assert f"its node {lost['ip']} (id {node.node_id}) left the Ray cluster" in line, line
+    committed = sorted((run_dir / "checkpoints").glob("step_*/COMMITTED"))[-1].parent
+    assert f"the last committed checkpoint is {committed}" in line, line
+    assert seconds < 60, (seconds, line)
+    assert not left, f"worker processes {left} still running"
