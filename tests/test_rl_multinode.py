@@ -129,6 +129,12 @@ def test_rl_group_spans_two_nodes_and_trains(cluster, tmp_path):
     nodes = {cluster.head_node.node_id, second_node(cluster).node_id}
     assert [p["rank"] for p in ranks] == [0, 1]
     assert {p["node_id"] for p in ranks} == nodes, ranks  # one rank on each node
+    # gloo's sockets on the interface of the node's address (the host name here resolves to
+    # 127.0.0.1: peers on other machines could not reach that), as `ip` lists it
+    if shutil.which("ip"):
+        listed = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout.split("\n")
+        holder = {x.split()[3].split("/")[0]: x.split()[1] for x in listed if x.strip()}
+        assert [p["interface"] for p in ranks] == [holder[p["ip"]] for p in ranks], (ranks, holder)
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["actor/grad_norm"] > 0 for m in steps), steps  # both updates ran through the 2-node group

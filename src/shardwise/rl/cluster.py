@@ -28,9 +28,11 @@ Ray to declare the death, so the line names the lost node rather than the surviv
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
+import struct
 import sys
 import time
 from collections.abc import Mapping
@@ -85,6 +87,9 @@ class RankPlace:
     hostname: str
     pid: int
     """The rank's process on that node."""
+    interface: str | None = None
+    """The network interface its gloo sockets use (``GLOO_SOCKET_IFNAME``): the driver's
+    value, else the one holding the node's address; None: gloo's own choice."""
 
     def where(self) -> str:
         return f"node {self.ip}, id {self.node_id[:8]}"
@@ -105,6 +110,23 @@ def rank_bundles(bundle_nodes: Mapping[int, str], first_node: str | None = None)
     for b in sorted(bundle_nodes):
         order.setdefault(bundle_nodes[b], []).append(b)
     return [b for bundles in order.values() for b in bundles]
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's network interface holding the IPv4 address `ip`, or None
+    (another address family, or not a local address)."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
 
 
 def _ray():
@@ -183,12 +205,22 @@ class _RankHost:
     def __init__(self) -> None:
         self.worker: Any = None
 
-    def where(self) -> tuple[str, str, str, int]:
-        """This process's node id, node address, host name and pid."""
+    def where(self) -> tuple[str, str, str, int, str | None]:
+        """This process's node id, node address, host name, pid and gloo interface.
+
+        gloo binds its sockets to the address the host name resolves to, which is often a
+        loopback address (``127.0.1.1 host`` in /etc/hosts): peers on other nodes could not
+        reach it. Unless the driver chose one, the interface holding the node's address is
+        set here, before the process group exists."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), socket.gethostname(), \
-            os.getpid()
+        ip = ray.util.get_node_ip_address()
+        if not os.environ.get("GLOO_SOCKET_IFNAME"):
+            name = interface_of(ip)
+            if name is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = name
+        return ray.get_runtime_context().get_node_id(), ip, socket.gethostname(), os.getpid(), \
+            os.environ.get("GLOO_SOCKET_IFNAME")
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address (the one its peers on other nodes reach, not 127.0.0.1) and a
