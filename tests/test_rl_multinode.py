@@ -6,7 +6,9 @@
   0's node address and train 2 steps;
 - the second node's raylet killed (SIGKILL) mid-run: the command ends within a minute with
   exit status 1 and one line naming group, rank, node and the last committed checkpoint,
-  and no worker process of the job is left.
+  and no worker process of the job is left;
+- a worker group whose surviving rank's collective breaks first (its peer's node died)
+  names the lost rank and node, not the survivor.
 
 The cluster lives in a temp dir of its own (``RAY_TMPDIR``): Ray records the address of the
 last cluster started under its temp dir, and a plain ``ray.init()`` elsewhere on this
@@ -22,12 +24,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, run_cli
+
+from shardwise.rl.dispatch import Dispatch, register
 
 pytest.importorskip("ray")
 
@@ -194,3 +199,58 @@ def test_a_node_that_dies_ends_the_run_naming_node_rank_and_checkpoint(cluster, 
     assert f"the last committed checkpoint is {committed}" in line, line
     assert seconds < 60, (seconds, line)
     assert not left, f"worker processes {left} still running"
+
+
+class WaitsInACollective:
+    """One rank sleeps while the other waits for it in an all-reduce: when the sleeper's
+    node dies, the waiting rank's gloo connection breaks first."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce_after(self, seconds: float, sleeper: int) -> float:
+        import torch
+        import torch.distributed as dist
+
+        if self.runtime.rank == sleeper:
+            time.sleep(seconds)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t)
+
+
+def test_the_lost_node_is_named_not_the_survivor_whose_collective_broke(cluster, monkeypatch):
+    """The surviving rank's collective fails within a second of its peer's node dying
+    ("Connection closed by peer"); Ray declares the node dead seconds later. The error
+    names the lost rank and its node, not the survivor."""
+    from ray.exceptions import RayActorError
+
+    from shardwise.rl.cluster import RayWorkerGroup, WorkerError, init_ray, shutdown_ray
+
+    cluster.add_node(num_cpus=1)  # a node to lose (the previous test's second node is gone)
+    shutdown_ray()  # a local Ray of an earlier test in this process
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    init_ray()
+    try:
+        group = RayWorkerGroup(WaitsInACollective, 2, name="pair")
+        assert group.all_reduce_after(0.0, 0) == [2.0, 2.0]  # one gloo group over both nodes
+        # a rank off the head node (alone, this test runs on 3 nodes: both may be)
+        lost = max((p for p in group.places if p.node_id != cluster.head_node.node_id), key=lambda p: p.rank)
+        (survivor,) = [p for p in group.places if p is not lost]
+        (node,) = [n for n in cluster.worker_nodes if n.node_id == lost.node_id]
+        raylet = node.all_processes["raylet"][0].process.pid
+        threading.Timer(3.0, lambda: [os.kill(p, signal.SIGKILL) for p in [raylet, *children(raylet)]]).start()
+        with pytest.raises(WorkerError) as info:
+            group.all_reduce_after(600.0, lost.rank)
+        message = str(info.value)
+        print(message)
+        assert message.startswith(f"worker group 'pair' lost rank {lost.rank} in all_reduce_after: its node "
+                                  f"{lost.ip} (id {node.node_id}) left the Ray cluster"), message
+        # Ray's "actor unavailable" for the lost rank (a symptom, kept as the cause), not the
+        # survivor's error; before this was handled, the survivor's gloo error (seen first,
+        # ~0.1 s after the kill) was the message
+        assert isinstance(info.value.__cause__, RayActorError), repr(info.value.__cause__)
+        assert not gone_within([survivor.pid], 20), "the surviving rank's process is left running"
+    finally:
+        shutdown_ray()
