@@ -254,3 +254,29 @@ def test_the_lost_node_is_named_not_the_survivor_whose_collective_broke(cluster,
         assert not gone_within([survivor.pid], 20), "the surviving rank's process is left running"
     finally:
         shutdown_ray()
+
+
+def test_a_group_the_cluster_cannot_hold_says_what_it_waits_for(cluster, monkeypatch, caplog):
+    """Instead of waiting silently (for 15 minutes by default): a warning naming what the
+    group needs and what the cluster has, then a WorkerError; its placement group is gone."""
+    import ray
+    from ray.util import placement_group_table
+
+    import shardwise.rl.cluster as cl
+
+    cl.shutdown_ray()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setattr(cl, "SETUP_NOTE_S", 1.0)
+    cl.init_ray()
+    try:
+        cpus = ray.cluster_resources().get("CPU", 0)
+        with caplog.at_level("WARNING", logger="shardwise.rl.cluster"), \
+                pytest.raises(cl.WorkerError, match=r"worker group big: waiting for 9 CPU .*gave up after 3 s"):
+            cl.RayWorkerGroup(WaitsInACollective, 9, name="big", setup_timeout_s=3.0)
+        assert f"waiting for 9 CPU (1 CPU per rank); the cluster has {cpus:g} CPU in" in caplog.text, caplog.text
+        deadline = time.monotonic() + 10
+        while any(pg["state"] != "REMOVED" for pg in placement_group_table().values() if pg["name"] == "big"):
+            assert time.monotonic() < deadline, placement_group_table()
+            time.sleep(0.2)
+    finally:
+        cl.shutdown_ray()

@@ -321,14 +321,17 @@ class RayWorkerGroup:
         """Until the placement group is reserved; says once what it waits for when that takes
         longer than `SETUP_NOTE_S` (a cluster too small waits silently otherwise)."""
         ray = _ray()
-        if not ray.wait([self._pg.ready()], timeout=min(SETUP_NOTE_S, timeout_s))[0]:
-            have = ray.cluster_resources()
-            nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-            need = ", ".join(f"{v * self.world_size} {k}" for k, v in bundle.items())
-            log.warning("worker group %s: waiting for %s (1 CPU%s per rank); the cluster has %s in %d node(s)",
-                        self.name, need, " + 1 GPU" if "GPU" in bundle else "",
-                        ", ".join(f"{have.get(k, 0):g} {k}" for k in bundle), nodes)
-            ray.get(self._pg.ready(), timeout=max(timeout_s - SETUP_NOTE_S, 1.0))
+        if ray.wait([self._pg.ready()], timeout=min(SETUP_NOTE_S, timeout_s))[0]:
+            return
+        have = ray.cluster_resources()
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        need = ", ".join(f"{v * self.world_size} {k}" for k, v in bundle.items())
+        waiting = (f"worker group {self.name}: waiting for {need} (1 CPU{' + 1 GPU' if 'GPU' in bundle else ''} "
+                   f"per rank); the cluster has {', '.join(f'{have.get(k, 0):g} {k}' for k in bundle)} in "
+                   f"{nodes} node(s)")
+        log.warning("%s", waiting)
+        if not ray.wait([self._pg.ready()], timeout=max(timeout_s - SETUP_NOTE_S, 0.0))[0]:
+            raise WorkerError(f"{waiting}, and gave up after {timeout_s:g} s (add nodes, or lower --nproc)")
 
     def describe_places(self) -> str:
         """Which ranks run on which node, e.g. ``ranks 0-1 on node 10.0.0.1, id 1a2b3c4d``."""
