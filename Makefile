@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test,rl]"
+	$(PY) -m pip install --quiet -e ".[test,rl,tensorboard,wandb,mlflow]"  # the trackers' tests run, not skip
 	$(PY) -m pip install --quiet --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
@@ -38,9 +38,9 @@ $(VLLM_STAMP): $(STAMP)
 	rm -f $(VENV)/.vllm-*
 	touch $(VLLM_STAMP)
 
-# vllm is installed here, so its tests must run: a broken install fails them, never skips
+# vllm and the trackers are installed here, so their tests must run: a broken install fails them, never skips
 test: $(STAMP) $(VLLM_STAMP)
-	SHARDWISE_REQUIRED_MODULES=vllm,verl $(PY) -m pytest -q
+	SHARDWISE_REQUIRED_MODULES=vllm,verl,tensorboard,wandb,mlflow,sqlalchemy $(PY) -m pytest -q
 
 # The main job, on CPU with 2 processes (about 4 minutes): a tiny Qwen3 learns
 # builtin:reverse by SFT from demonstrations that copy the word 60% of the time, then GRPO

@@ -224,12 +224,15 @@ def test_the_lost_node_is_named_not_the_survivor_whose_collective_broke(cluster,
     """The surviving rank's collective fails within a second of its peer's node dying
     ("Connection closed by peer"); Ray declares the node dead seconds later. The error
     names the lost rank and its node, not the survivor."""
+    import ray
     from ray.exceptions import RayActorError
 
-    from shardwise.rl.cluster import RayWorkerGroup, WorkerError, init_ray, shutdown_ray
+    from shardwise.rl.cluster import RayWorkerGroup, WorkerError, init_ray
 
     cluster.add_node(num_cpus=1)  # a node to lose (the previous test's second node is gone)
-    shutdown_ray()  # a local Ray of an earlier test in this process
+    # ray.shutdown, not shutdown_ray: that one also kills every process under this one, and
+    # the cluster's raylets are (a local Ray of an earlier test in this process goes here)
+    ray.shutdown()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     init_ray()
     try:
@@ -253,7 +256,7 @@ def test_the_lost_node_is_named_not_the_survivor_whose_collective_broke(cluster,
         assert isinstance(info.value.__cause__, RayActorError), repr(info.value.__cause__)
         assert not gone_within([survivor.pid], 20), "the surviving rank's process is left running"
     finally:
-        shutdown_ray()
+        ray.shutdown()
 
 
 def test_a_group_the_cluster_cannot_hold_says_what_it_waits_for(cluster, monkeypatch, caplog):
@@ -264,7 +267,7 @@ def test_a_group_the_cluster_cannot_hold_says_what_it_waits_for(cluster, monkeyp
 
     import shardwise.rl.cluster as cl
 
-    cl.shutdown_ray()
+    ray.shutdown()  # not cl.shutdown_ray: see the test above
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     monkeypatch.setattr(cl, "SETUP_NOTE_S", 1.0)
     cl.init_ray()
@@ -279,4 +282,4 @@ def test_a_group_the_cluster_cannot_hold_says_what_it_waits_for(cluster, monkeyp
             assert time.monotonic() < deadline, placement_group_table()
             time.sleep(0.2)
     finally:
-        cl.shutdown_ray()
+        ray.shutdown()

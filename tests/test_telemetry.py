@@ -230,7 +230,7 @@ def test_tensorboard_gets_numbers_only_with_step_and_the_same_time(tmp_path, mon
         "shardwise.telemetry.metrics._tensorboard_writer_class", lambda: _RecordingSummaryWriter
     )
     _RecordingSummaryWriter.instances.clear()
-    with MetricsWriter(tmp_path, enabled=True) as writer:
+    with MetricsWriter(tmp_path, enabled=True, tensorboard=True) as writer:
         writer.log(7, {"loss": torch.tensor(1.5), "phase": "train", "ok": True, "g": math.inf})
     (tb,) = _RecordingSummaryWriter.instances
     assert tb.log_dir == str(tmp_path / "tensorboard") and tb.closed

@@ -1,10 +1,11 @@
-"""The `shardwise` command: plan | train | infer | rl | export | convert | data.
+"""The `shardwise` command: plan | train | infer | rl | export | convert | data | config.
 
 Each command is a recipe of `shardwise.jobs`: ``prepare`` (every check the config and its
 files allow; exit status 2 and one line on stderr, before any process group, Ray worker or
 file of the run exists) and ``run``. The CLI parses arguments, takes the run folder's
-lock, launches torchrun for ``--nproc`` (`shardwise.distributed.launch`) and prints the
-summary; the `Prepared` object goes on to ``run`` in the same process.
+lock, launches torchrun for ``--nproc`` (`shardwise.distributed.launch`; with ``--nnodes``
+this node's ranks of a multi-node job) and prints the summary; the `Prepared` object goes on
+to ``run`` in the same process.
 
 ``--dialect roll|mindspeed|rlinf`` reads CONFIG as another system's config
 (`shardwise.config.dialects`): converted first, then the overrides; a device count in it
@@ -17,20 +18,23 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 
-from shardwise.checkpoint.dcp import CheckpointManager
-from shardwise.config import load_config
-from shardwise.config.dialects import DIALECTS, load_dialect_config, read_dialect
+from shardwise.checkpoint.dcp import CHECKPOINTS_DIR, CheckpointManager
+from shardwise.config import describe, load_config
+from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
 from shardwise.config.schema import Config
 from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
 from shardwise.distributed import launch
+from shardwise.distributed.capacity import check_nproc, check_plan
 from shardwise.distributed.runtime import (
     Runtime,
     env_world,
@@ -38,14 +42,15 @@ from shardwise.distributed.runtime import (
     seed_everything,
     teardown,
 )
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import EXIT_DISK_FULL, ConfigError, ShardwiseError, as_disk_full
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.comm import step_comm
 from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
-from shardwise.jobs.rundir import RunDirLock, command_line
+from shardwise.jobs.rundir import RunDirLock, command_line, write_error_file
 from shardwise.models.loading import local_files_only
-from shardwise.rl.cluster import WorkerError
+from shardwise.rl.cluster import WorkerError, shutdown_ray
+from shardwise.rl.workers.hybrid import CRITIC_DIR
 
 EXIT_USER_ERROR = launch.EXIT_USER_ERROR
 
@@ -279,29 +284,62 @@ def _last_checkpoint_line(cfg: Config) -> str:
     return f"the last committed checkpoint is {latest} (the same command resumes from it)"
 
 
+def _disk_full_line(cfg: Config, line: str) -> str:
+    """After the ranks of a job stopped on a full disk: the partial checkpoint folders are
+    removed (no save is in flight any more), and a line that does not come from the
+    checkpoint itself gets the free space and the last committed checkpoint."""
+    removed = []
+    for folder in (Path(cfg.run.dir) / CHECKPOINTS_DIR, Path(cfg.run.dir) / CRITIC_DIR / CHECKPOINTS_DIR):
+        for p in sorted(folder.glob("*.tmp-*")) if folder.is_dir() else []:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    if "checkpoint of step" in line:
+        return line
+    free = shutil.disk_usage(cfg.run.dir).free if Path(cfg.run.dir).is_dir() else None
+    extra = [f"{free / 2**20:.1f} MiB free in {cfg.run.dir}" if free is not None else None,
+             _last_checkpoint_line(cfg),
+             f"partial checkpoint folder {', '.join(removed)} removed" if removed else None]
+    return "; ".join([line, *(e for e in extra if e)])
+
+
 def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict], None]) -> int:
     """A job's `prepare` (input errors exit 2 here, before any process starts), then
-    `--nproc` processes through torchrun, or this process under an outer torchrun (or
-    alone): `run` on every rank with what `prepare` built, `report` on rank 0."""
+    `--nproc` processes through torchrun (this node's, with ``--nnodes``), or this process
+    under an outer torchrun (or alone): `run` on every rank with what `prepare` built,
+    `report` on rank 0."""
+    check_nproc(args.nproc)
+    nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                                   args.rdzv_endpoint, args.rdzv_timeout)
     local_files_only()
     cfg, ranks = _load(args)
-    nproc = args.nproc or ranks
+    nproc = _ranks_per_node(args.nproc, ranks, nodes)
     if nproc and not _under_torchrun():
-        RunDirLock(cfg.run.dir, command_line()).check_free()
-        job.prepare(cfg, world_size=nproc)
+        job_key = nodes.job if nodes else None
+        RunDirLock(cfg.run.dir, command_line(), job_key).check_free()
+        planned = job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1)).planned
+        print(check_plan(nproc, planned and planned[1], cfg.fsdp.offload.enabled).line(), file=sys.stderr)
         dialect = ["--dialect", args.dialect] if args.dialect else []
-        with RunDirLock(cfg.run.dir, command_line()) as lock:
+        with RunDirLock(cfg.run.dir, command_line(), job_key) as lock:
             res = launch.launch_torchrun(nproc, [args.command, args.config, *dialect, *args.overrides],
-                                         env=lock.child_env())
+                                         env=lock.child_env(), nodes=nodes)
         # Messages start on a line of their own: rank 0's progress bar may hold the last one.
         if res.interrupted is not None:
             print(f"\nshardwise: interrupted by {res.interrupted.name}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
             return launch.EXIT_INTERRUPTED.get(res.interrupted, 1)
         if res.failure is not None:
-            print(f"\nshardwise: {res.failure.line()}", file=sys.stderr)
+            line = res.failure.line()
+            if res.failure.user and res.failure.exit_status == EXIT_DISK_FULL:
+                line = _disk_full_line(cfg, line)
+            elif not res.failure.user:  # a bug: its traceback is kept (a user's error is its line)
+                where = f"rank {res.failure.rank}" + (f" on node {res.failure.node}" if res.failure.node is not None
+                                                       else "")
+                kept = write_error_file(cfg.run.dir, where, res.failure.traceback)
+                if kept is not None:
+                    line += f" (traceback in {kept})"
+            print(f"\nshardwise: {line}", file=sys.stderr)
             if launch.debug_enabled() and not res.failure.user:
                 print(res.failure.traceback, file=sys.stderr, end="")
-            return EXIT_USER_ERROR if res.failure.user else (res.returncode or 1)
+            return res.failure.exit_status if res.failure.user else (res.returncode or 1)
         if res.returncode != 0:
             print(f"\nshardwise: torchrun {launch.describe_exit(res.returncode)}; {_last_checkpoint_line(cfg)}",
                   file=sys.stderr)
@@ -324,6 +362,16 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
         lock.release()
         teardown(graceful=ok)
     return 0
+
+
+def _ranks_per_node(nproc: int | None, dialect_ranks: int | None, nodes: launch.Nodes | None) -> int | None:
+    """``--nproc``; without it, a dialect config's device count (over all nodes)."""
+    if nodes is None or nproc is not None:
+        return nproc or dialect_ranks
+    if dialect_ranks and dialect_ranks % nodes.count == 0:
+        return dialect_ranks // nodes.count
+    raise ConfigError("--nproc", f"is needed with --nnodes {nodes.count}: the number of ranks on each node",
+                      "e.g. --nproc 8 on a node of 8 GPUs")
 
 
 def _lock_on_rank0(lock: RunDirLock, runtime: Runtime) -> None:
@@ -402,28 +450,43 @@ def cmd_infer(args: argparse.Namespace) -> int:
 def cmd_rl(args: argparse.Namespace) -> int:
     """RL post-training: this process is the single controller; `--nproc` Ray workers
     (default 1) form the FSDP process group. See shardwise.jobs.rl."""
+    check_nproc(args.nproc)
     local_files_only()
     cfg, ranks = _load(args)
     nproc = args.nproc or ranks or 1
-    if nproc < 1:
-        raise ConfigError("--nproc", f"{nproc} is not a positive number of processes", "e.g. --nproc 2")
     RunDirLock(cfg.run.dir, command_line()).check_free()
     prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
+    print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
-    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts):
+    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
         try:
             summary = rl.run(prepared)
         except KeyboardInterrupt:
             sig = interrupts[-1] if interrupts else "SIGINT"
             print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
             return 143 if sig == "SIGTERM" else 130
-        except WorkerError as e:  # a worker failed or was lost with its node: where to resume from
-            print(f"\nshardwise: {' '.join(str(e).split())}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
-            if launch.debug_enabled():
-                traceback.print_exception(e)
-            return 1
+        except Exception as e:
+            if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
+                e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)
+                                                else "a worker", "".join(traceback.format_exception(e)))
+            if isinstance(e, WorkerError):  # a worker failed or was lost with its node: where to resume from
+                resume = WorkerError(f"{e}; {_last_checkpoint_line(cfg)}")
+                resume.error_file = e.error_file
+                raise resume from e
+            raise
     _report_rl(cfg, summary)
     return 0
+
+
+@contextlib.contextmanager
+def _ray_stopped(interrupts: list[str]) -> Iterator[None]:
+    """Ray is stopped on the way out of the block however it ends (`shutdown_ray`: more
+    signals during the shutdown do not interrupt it, a third kills what is left; after an
+    interrupt, signals until the process ends only say it is ending)."""
+    try:
+        yield
+    finally:
+        shutdown_ray(restore_signals=not interrupts)
 
 
 @contextlib.contextmanager
@@ -442,19 +505,24 @@ def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
         yield
     finally:
         for sig, h in previous.items():
-            signal.signal(sig, h)
+            if not seen:
+                signal.signal(sig, h)
+            elif signal.getsignal(sig) is handler:  # interrupted and ending: more signals change nothing
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint folder as an HF folder; see shardwise.jobs.export."""
     local_files_only()
-    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged))
+    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged, force=args.force))
     print(f"exported {args.checkpoint_dir} -> {out}")
     return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Another system's config as a shardwise YAML; see shardwise.config.dialects."""
+    if args.out is not None:
+        check_out_file(args.out, args.file)
     conv = read_dialect(args.file, args.dialect)
     text = conv.to_yaml()
     for note in conv.notes:
@@ -462,8 +530,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.out is None:
         print(text, end="")
     else:
-        with open(args.out, "w") as f:
-            f.write(text)
+        try:
+            with open(args.out, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise ConfigError("--out", f"{args.out!r} cannot be written: {e.strerror or e}") from None
         print(f"converted {args.file} ({args.dialect}) -> {args.out}", file=sys.stderr)
     return 0
 
@@ -481,9 +552,42 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """The resolved config, each value with its origin (default, file, dialect, override),
+    or with --defaults every key with its type, default and doc; see
+    shardwise.config.describe."""
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not os.path.exists(path):  # overrides alone, no file
+        path, overrides = None, [path, *overrides]
+    if path is None and not overrides and not args.defaults:
+        raise ConfigError("CONFIG", "name the config file to resolve",
+                          "or --defaults: every key with its type, default and doc")
+    resolved = None
+    if path is not None or overrides or args.dialect is not None:
+        resolved = describe.resolve(path, overrides, args.dialect)
+        for note in resolved.notes:
+            print(f"shardwise: note: not converted: {note}", file=sys.stderr)
+    keep = describe.keys_under(args.only) if args.only is not None else None
+    if args.defaults:
+        table = {k: v for k, v in describe.defaults(resolved).items() if keep is None or k in keep}
+        print(json.dumps(table, indent=2) if args.json else describe.format_defaults(table))
+        return 0
+    if keep is not None:
+        resolved.entries = [e for e in resolved.entries if e.key in keep]
+    print(json.dumps(resolved.to_json(), indent=2) if args.json else describe.format_resolved(resolved))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": cmd_plan, "train": cmd_train, "infer": cmd_infer, "rl": cmd_rl, "export": cmd_export,
-    "convert": cmd_convert, "data": cmd_data}
+    "convert": cmd_convert, "data": cmd_data, "config": cmd_config}
+
+
+NODES_EPILOG = """several machines: on each of N nodes of K ranks,
+  shardwise train CONFIG --nproc K --nnodes N --node-rank I --master-addr NODE0 --master-port PORT
+(or --rdzv-endpoint HOST:PORT instead of the last three). A rank that fails ends the job on
+every node; run.dir is locked once per job (its nodes share it by naming the same rendezvous).
+parallel.fsdp_size=K shards within nodes and replicates across them (HSDP)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,6 +600,17 @@ def build_parser() -> argparse.ArgumentParser:
     dialect.add_argument("--dialect", choices=DIALECTS, default=None,
                          help="CONFIG is a ROLL, MindSpeed or RLinf config: converted first, then the overrides "
                               "(see `shardwise convert`)")
+    nodes = argparse.ArgumentParser(add_help=False)
+    g = nodes.add_argument_group("several machines", "the same command on every node (see the end of this help)")
+    g.add_argument("--nnodes", type=int, default=None, help="number of nodes (machines) of the job (default 1)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes); node 0 hosts the "
+                   "rendezvous at --master-addr")
+    g.add_argument("--master-addr", default=None, help="address of node 0, where the nodes meet (static rendezvous)")
+    g.add_argument("--master-port", type=int, default=None, help=f"its port (default {launch.MASTER_PORT})")
+    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of a c10d rendezvous instead (nodes are "
+                   "numbered as they arrive; --node-rank is not needed)")
+    g.add_argument("--rdzv-timeout", type=int, default=None, help="seconds a node waits for the others at the "
+                   f"rendezvous before the job fails (default {launch.RDZV_TIMEOUT_S})")
     sp = sub.add_parser("plan", parents=[common, dialect], help="print the sharding plan of a config (no process group, no weights)")
     sp.add_argument("config")
     sp.add_argument("overrides", nargs="*", help="key.sub=value")
@@ -511,15 +626,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "recompute not counted); default: the profile's for the config's recompute")
     sp.add_argument("--scan", default=None, help="comma-separated world sizes, one projected row each "
                     "(each rank keeps the step of the first size), e.g. 8,64,512")
-    tp = sub.add_parser("train", parents=[common, dialect], help="supervised fine-tuning (SFT) with the FSDP2 train engine")
+    tp = sub.add_parser("train", parents=[common, dialect, nodes], help="supervised fine-tuning (SFT) with the FSDP2 train engine",
+                        epilog=NODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     tp.add_argument("config")
     tp.add_argument("overrides", nargs="*", help="key.sub=value")
-    tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
-    ip = sub.add_parser("infer", parents=[common, dialect], help="generate (and score) responses to data.source's prompts with the FSDP2 "
-                        "infer engine")
+    tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun (with "
+                    "--nnodes: this node's ranks)")
+    ip = sub.add_parser("infer", parents=[common, dialect, nodes], help="generate (and score) responses to data.source's prompts with the FSDP2 "
+                        "infer engine", epilog=NODES_EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ip.add_argument("config")
     ip.add_argument("overrides", nargs="*", help="key.sub=value")
-    ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun")
+    ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun (with "
+                    "--nnodes: this node's ranks)")
     rp = sub.add_parser("rl", parents=[common, dialect], help="RL post-training (GRPO, PPO): a single controller over Ray workers")
     rp.add_argument("config")
     rp.add_argument("overrides", nargs="*", help="key.sub=value")
@@ -529,6 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("out_dir")
     ep.add_argument("--merged", action="store_true", help="a LoRA checkpoint: write the merged model (base + "
                     "adapters) instead of the PEFT adapter folder")
+    ep.add_argument("--force", action="store_true", help="write into OUT_DIR even if it holds files (another "
+                    "model's config and weights are replaced)")
     dp = sub.add_parser("data", parents=[common, dialect], help="show the first examples of a config's data as the "
                         "job feeds them: chat template applied, trained tokens marked, truncation said")
     dp.add_argument("config")
@@ -542,6 +663,17 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--from", dest="dialect", choices=DIALECTS, required=True, help="the file's dialect")
     cp.add_argument("file")
     cp.add_argument("--out", default=None, help="write here (default: stdout)")
+    gp = sub.add_parser("config", parents=[common, dialect], help="print the resolved config, each value with its "
+                        "origin (default, file:line, dialect key, override); --defaults: every key with its type, "
+                        "default and doc")
+    gp.add_argument("config", nargs="?", default=None, help="the config file (optional with --defaults)")
+    gp.add_argument("overrides", nargs="*", help="key.sub=value")
+    gp.add_argument("--defaults", action="store_true", help="every key of the schema: type, default and doc (with "
+                    "CONFIG: also its value there, where something set it)")
+    gp.add_argument("--json", action="store_true", help='resolved: {key: {"value", "origin", "where"}}; with '
+                    '--defaults: {key: {"type", "default", "doc"}}')
+    gp.add_argument("--only", default=None, metavar="KEY", help="only this key or section and the keys under it, "
+                    "e.g. rl.rollout.vllm")
     return p
 
 
@@ -572,13 +704,15 @@ def _exit_status(e: BaseException) -> int:
     Python's traceback."""
     if _under_torchrun() and not isinstance(e, SystemExit):
         launch.rank_failed(e)
+    e = as_disk_full(e)
     if isinstance(e, ShardwiseError):
         print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
         if launch.debug_enabled():
             traceback.print_exception(e)
-        return EXIT_USER_ERROR
+        return e.exit_status
     if isinstance(e, WorkerError):
-        print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
+        kept = getattr(e, "error_file", None)
+        print(f"shardwise: {' '.join(str(e).split())}" + (f" (traceback in {kept})" if kept else ""), file=sys.stderr)
         if launch.debug_enabled():
             traceback.print_exception(e)
         return 1

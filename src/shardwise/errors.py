@@ -8,6 +8,7 @@ asserts, not these.
 from __future__ import annotations
 
 import difflib
+import reprlib
 from collections.abc import Iterable
 
 
@@ -19,8 +20,32 @@ class ShardwiseError(Exception):
     the controller as itself, with its type and message intact.
     """
 
+    exit_status = 2
+    """The command's exit status when this error ends it (README: exit statuses)."""
+
     def __reduce__(self):
         return _rebuild, (type(self), str(self), dict(self.__dict__))
+
+
+EXIT_DISK_FULL = 74
+"""A checkpoint or export could not be written for want of disk space (sysexits' EX_IOERR)."""
+
+
+class DiskFullError(ShardwiseError, OSError):
+    """The disk filled up while the run wrote its state; what was committed before is intact."""
+
+    exit_status = EXIT_DISK_FULL
+
+
+def as_disk_full(exc: BaseException) -> BaseException:
+    """`exc`, or for an OSError of a full disk (ENOSPC, e.g. writing metrics.jsonl once a
+    checkpoint filled the disk) a `DiskFullError` naming the file: its own exit status and
+    one line instead of a traceback."""
+    if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno == 28:
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return DiskFullError(f"no space left on device{where}; checkpoints already committed are intact (free "
+                             "space, or move run.dir to a larger disk, and run the same command to resume)")
+    return exc
 
 
 def _rebuild(cls: type[ShardwiseError], message: str, state: dict) -> ShardwiseError:
@@ -32,6 +57,29 @@ def _rebuild(cls: type[ShardwiseError], message: str, state: dict) -> ShardwiseE
     return err
 
 
+QUOTE_LIMIT = 200
+"""Most characters of a user's value an error message quotes (`short_repr`)."""
+
+
+def short_repr(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """`repr(value)`, cut to at most `limit` characters: an error line quotes a value, never
+    a whole file's worth of it."""
+    text = reprlib_repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def reprlib_repr(value: object) -> str:
+    """repr of a value that may be large: containers are abbreviated before they are
+    formatted (a list of 20,000 values is not rendered whole to be cut)."""
+    if isinstance(value, (list, tuple, dict, set)) and len(value) > 50:
+        r = reprlib.Repr()
+        r.maxlist = r.maxtuple = r.maxdict = r.maxset = 20
+        r.maxstring = r.maxother = QUOTE_LIMIT
+        r.maxlevel = 4
+        return r.repr(value)
+    return repr(value)
+
+
 class ConfigError(ShardwiseError, ValueError):
     """A config key has a bad value, or keys disagree.
 
@@ -39,6 +87,10 @@ class ConfigError(ShardwiseError, ValueError):
     """
 
     def __init__(self, key: str, problem: str, hint: str | None = None):
+        # A key or problem quoting a user's value is cut (callers quote with `short_repr`;
+        # this is the last guard): the error is one readable line, never a file's worth.
+        key, problem = _cut(key, QUOTE_LIMIT * 2), _cut(problem, QUOTE_LIMIT * 5)
+        hint = None if hint is None else _cut(hint, QUOTE_LIMIT * 5)
         self.key = key
         self.problem = problem
         self.hint = hint
@@ -46,6 +98,10 @@ class ConfigError(ShardwiseError, ValueError):
         if hint:
             msg += f" ({hint})"
         super().__init__(msg)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 20] + " ... " + text[-15:]
 
 
 class DataError(ShardwiseError, ValueError):
@@ -66,6 +122,7 @@ class PatternError(ConfigError):
 def nearest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
     """The closest spellings of `word` among `choices`, best first (maybe empty)."""
     choices = list(dict.fromkeys(choices))
+    word = word[:QUOTE_LIMIT]  # a near name is short; a long value is compared by its start
     found = difflib.get_close_matches(word, choices, n=n, cutoff=0.5)
     if not found:
         low = word.lower()

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError, did_you_mean
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "Registry"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "TRACKERS", "Registry"]
 
 
 class Registry:
@@ -78,3 +78,8 @@ returns)``, all ``(batch, seq)``."""
 POLICY_LOSSES = Registry("rl.actor.policy_loss", "shardwise.rl.algorithms")
 """``rl.actor.policy_loss``: ``fn(old_log_prob, log_prob, advantages, mask, *, clip_low,
 clip_high, clip_c, mode, global_tokens, global_seqs) -> (loss, metrics)``."""
+
+TRACKERS = Registry("run.loggers", "shardwise.telemetry.trackers")
+"""``run.loggers``: ``cls(TrackerRun) -> Tracker`` (`shardwise.telemetry.trackers`); trait
+``missing``: ``fn() -> [module names]`` the tracker needs here and that are not installed,
+``extra``: the ``shardwise[...]`` extra that installs them (None: nothing to install)."""

@@ -1,7 +1,8 @@
 """A job for `shardwise.distributed.launch.launch_torchrun` in which one rank fails.
 
 ``python -m fault_job MODE FAILING_RANK``: every rank starts the process group; the
-failing rank raises (MODE ``internal``: a RuntimeError, ``user``: a ConfigError) while the
+failing rank raises (MODE ``internal``: a RuntimeError, ``user``: a ConfigError; ``kill``:
+it kills itself with SIGKILL instead) while the
 others wait in a barrier it never reaches. The rank side uses the same calls as
 `shardwise.cli` (`die_with_parent`, `rank_failed`), so the job must end in seconds with
 one line, never at the process group's timeout.
@@ -9,6 +10,8 @@ one line, never at the process group's timeout.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -27,6 +30,8 @@ def main(mode: str, failing_rank: int) -> int:
             time.sleep(1.0)  # the peers are inside the barrier by now
             if mode == "user":
                 raise ConfigError("data.source", "injected user error", "a hint")
+            if mode == "kill":  # no word: the peers see only a closed connection
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected failure")
         dist.barrier()
         teardown()

@@ -60,6 +60,7 @@ Public interface::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -88,10 +89,11 @@ from torch.distributed.checkpoint.api import (
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import CheckpointConfig
 from shardwise.distributed.runtime import Runtime
-from shardwise.errors import CheckpointError, ConfigError
+from shardwise.errors import CheckpointError, ConfigError, DiskFullError
 
 if TYPE_CHECKING:
     from shardwise.engine.train import TrainEngine
@@ -430,6 +432,8 @@ class CheckpointManager:
         self.cfg = ckpt_cfg
         self.runtime = runtime
         self.job = job
+        self._state_bytes = 0
+        self._warned_short = False
         """The command whose state this is (``train``, ``rl``), recorded in meta.json: a
         checkpoint of another job is refused on resume (`saved_job`)."""
         self._async_group: dist.ProcessGroup | None = None
@@ -468,22 +472,30 @@ class CheckpointManager:
             raise TypeError(f"CheckpointManager.save: `extra` must be JSON-able: {exc}") from None
         final_dir = self.dir / step_dir_name(step)
         tmp = self.dir / f"{final_dir.name}.tmp-{self._agreed_token()}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        _write_rng(tmp, self.runtime.rank, self.runtime.device)
-        if self.runtime.is_main:
-            meta = {
-                "format": FORMAT,
-                "job": self.job,
-                "step": step,
-                "world_size": self.runtime.world_size,
-                "config": engine.cfg.model_dump(by_alias=True, mode="json"),
-                "scheduler": engine.scheduler.state_dict(),
-                "extra": extra,
-            }
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-
         model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_options(engine))
         app_state = {"model": model_sd, "optimizer": optim_sd}
+        self._state_bytes = _local_bytes(app_state)
+        self._warn_if_short(step)
+        first_error: BaseException | None = None
+        try:  # this rank's small files; a full disk can stop them already
+            tmp.mkdir(parents=True, exist_ok=True)
+            _write_rng(tmp, self.runtime.rank, self.runtime.device)
+            if self.runtime.is_main:
+                meta = {
+                    "format": FORMAT,
+                    "job": self.job,
+                    "step": step,
+                    "world_size": self.runtime.world_size,
+                    "config": engine.cfg.model_dump(by_alias=True, mode="json"),
+                    "scheduler": engine.scheduler.state_dict(),
+                    "extra": extra,
+                }
+                (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        except OSError as exc:
+            first_error = exc
+        if self._any_rank(first_error is not None):  # every rank skips DCP's collectives together
+            self._commit(tmp, final_dir, step, None, first_error or RuntimeError("another rank could not write"))
+            return
         writer = FileSystemWriter(tmp)
         if self.cfg.async_save and not final:
             # The writer stages (FileSystemWriter is a BlockingAsyncStager): every tensor,
@@ -559,6 +571,14 @@ class CheckpointManager:
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any (a MAX all-reduce)."""
+        if not _distributed():
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.runtime.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def _agreed_token(self) -> str:
         """A random token drawn on rank 0 and broadcast: the same tmp folder on every rank."""
         value = secrets.randbits(62) if self.runtime.is_main else 0
@@ -578,21 +598,25 @@ class CheckpointManager:
         rank returns or every rank raises. Collective over `group`."""
         ok = error is None
         world = dist.get_world_size(group) if dist.is_initialized() else 1
+        mine = (ok, files if ok else None, None if ok else _dcp_cause(error), self._state_bytes,
+                not ok and _out_of_space(error))
         gathered: list[Any] = [None] * world if self.runtime.is_main else []
         if world > 1:
-            dist.gather_object((ok, files if ok else None, None if ok else _dcp_cause(error)),
-                               gathered if self.runtime.is_main else None, dst=0, group=group)
+            dist.gather_object(mine, gathered if self.runtime.is_main else None, dst=0, group=group)
         else:
-            gathered = [(ok, files if ok else None, None if ok else _dcp_cause(error))]
+            gathered = [mine]
         outcome: str | None = None
+        full: str | None = None
         if self.runtime.is_main:
-            failed = [f"rank {r}: {why}" for r, (good, _, why) in enumerate(gathered) if not good]
+            failed = [f"rank {r}: {why}" for r, (good, _, why, _, _) in enumerate(gathered) if not good]
+            if failed and (any(g[4] for g in gathered) or _nearly_full(self.dir)):
+                full = self._disk_full_line(step, tmp, sum(g[3] for g in gathered))
             if failed:
                 outcome = "writing failed on " + "; ".join(failed)
             else:
                 try:
                     merged: dict[str, dict[str, Any]] = {}
-                    for _, digests, _ in gathered:
+                    for _, digests, _, _, _ in gathered:
                         merged.update(digests)
                     for name in _folder_files(tmp):  # anything no rank claimed
                         if name not in merged:
@@ -600,12 +624,42 @@ class CheckpointManager:
                     self._write_committed(tmp, final, step, merged)
                 except Exception as exc:
                     outcome = f"committing failed on rank 0: {_short(exc)}"
-        box = [outcome]
+                    if _out_of_space(exc) or _nearly_full(self.dir):
+                        full = self._disk_full_line(step, tmp, sum(g[3] for g in gathered))
+        box = [outcome, full]
         if world > 1:
             dist.broadcast_object_list(box, src=0, group=group)
+        if box[1] is not None:  # rank 0 removed the partial folder
+            raise DiskFullError(box[1]) from None
         if box[0] is not None:
             raise RuntimeError(f"checkpoint of step {step} failed ({box[0]}); "
                                f"{tmp} is left uncommitted") from error
+
+    def _disk_full_line(self, step: int, tmp: Path, state_bytes: int) -> str:
+        """Rank 0, after a save failed for want of space: remove the partial folder and say
+        what was lost and what is intact."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = _free_bytes(self.dir)
+        need = max(_folder_bytes(self.latest()), state_bytes)
+        latest = self.latest()
+        kept = f"the last committed checkpoint {latest} is intact" if latest else "no checkpoint was committed before"
+        return (f"checkpoint of step {step} could not be written: the disk holding {self.dir} is full "
+                f"({_human(free)} free, a checkpoint needs about {_human(need)}); {kept}; the partial folder "
+                f"{tmp.name} was removed (free space, or move run.dir to a larger disk, and run the same command "
+                "to resume)")
+
+    def _warn_if_short(self, step: int) -> None:
+        """Rank 0, before a save: warn when the free space is less than the last checkpoint
+        took (or the state's size), once per shortage."""
+        if not self.runtime.is_main or self._warned_short:
+            return
+        latest = self.latest()
+        need = _folder_bytes(latest) if latest is not None else 0
+        free = _free_bytes(self.dir)
+        if need and free is not None and free < need:
+            self._warned_short = True
+            log.warning("checkpoint of step %d may not fit: %s free in %s, the last checkpoint took %s",
+                        step, _human(free), self.dir, _human(need))
 
     def _write_committed(self, tmp: Path, final: Path, step: int, files: dict[str, dict[str, Any]]) -> None:
         marker = {"step": step, "world_size": self.runtime.world_size, "files": dict(sorted(files.items()))}
@@ -776,6 +830,75 @@ class CheckpointManager:
             log.info("resumed from %s (step %d, saved by %d ranks, loaded by %d)", path,
                      engine.step, meta["world_size"], self.runtime.world_size)
         return meta["extra"]
+
+
+def _local_bytes(state: Any) -> int:
+    """Bytes of the tensors of this rank's share of a state dict (what it writes)."""
+    total, stack = 0, [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor):
+            local = item.to_local() if isinstance(item, DTensor) else item
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _out_of_space(exc: BaseException | None) -> bool:
+    """`exc` (or what it wraps: DCP gathers the ranks' errors) says the disk is full."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(exc):
+            return True
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for inner in failures.values():
+                inner = inner[0] if isinstance(inner, tuple) else inner
+                if isinstance(inner, BaseException) and _out_of_space(inner):
+                    return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+_NEARLY_FULL = 1 << 20
+"""Less free space than this after a failed write: the disk filled up (torch's zip writer
+reports a full disk as "unexpected pos", without ENOSPC)."""
+
+
+def _nearly_full(folder: Path) -> bool:
+    free = _free_bytes(folder)
+    return free is not None and free < _NEARLY_FULL
+
+
+def _free_bytes(folder: Path) -> int | None:
+    for p in (folder, *folder.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def _folder_bytes(folder: Path | None) -> int:
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def _options(engine: TrainEngine) -> StateDictOptions:

@@ -91,6 +91,7 @@ RLinf                                         shardwise
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -102,9 +103,9 @@ import yaml
 from shardwise.config.dtypes import canonical_dtype
 from shardwise.config.load import apply_overrides, config_from_dict, read_yaml_mapping
 from shardwise.config.schema import Config
-from shardwise.errors import ConfigError, did_you_mean
+from shardwise.errors import ConfigError, did_you_mean, short_repr
 
-__all__ = ["DIALECTS", "Converted", "convert", "load_dialect_config", "parse_device_mapping", "read_dialect"]
+__all__ = ["DIALECTS", "Converted", "check_out_file", "convert", "load_dialect_config", "parse_device_mapping", "read_dialect"]
 
 Key = tuple[str, ...]
 
@@ -149,8 +150,8 @@ class Converted:
             node = node.setdefault(part, {})
         if path[-1] in node and node[path[-1]] != value:
             raise ConfigError(f"{self.source}:{origin}",
-                              f"sets {'.'.join(path)} to {value!r}, but {self.origins[path]} set it to "
-                              f"{node[path[-1]]!r}", "keep one of the two")
+                              f"sets {'.'.join(path)} to {short_repr(value)}, but {self.origins[path]} set it to "
+                              f"{short_repr(node[path[-1]])}", "keep one of the two")
         node[path[-1]] = value
         self.origins[path] = origin
 
@@ -190,7 +191,7 @@ class _Map:
 
     def __init__(self, data: Any, where: str, known: Sequence[str], ctx: _Ctx):
         if not isinstance(data, dict):
-            raise ConfigError(ctx.key(where), f"must be a mapping, got {type(data).__name__} {data!r}")
+            raise ConfigError(ctx.key(where), f"must be a mapping, got {type(data).__name__} {short_repr(data)}")
         self.data, self.where, self.known, self.ctx = dict(data), where, tuple(known), ctx
 
     def key(self, name: str) -> str:
@@ -233,17 +234,19 @@ class _Ctx:
 
     def boolean(self, value: Any, key: str) -> bool:
         if not isinstance(value, bool):
-            raise self.error(key, f"got {value!r}, expected true or false")
+            raise self.error(key, f"got {short_repr(value)}, expected true or false")
         return value
 
     def integer(self, value: Any, key: str, low: int = 0) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise self.error(key, f"got {value!r}, expected an integer >= {low}")
+            raise self.error(key, f"got {short_repr(value)}, expected an integer >= {low}")
         return value
 
     def number(self, value: Any, key: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(key, f"got {value!r}, expected a number")
+            raise self.error(key, f"got {short_repr(value)}, expected a number")
+        if not math.isfinite(value):
+            raise self.error(key, f"got {short_repr(value)}: must be a finite number")
         return float(value)
 
     def names(self, value: Any, key: str) -> list[str]:
@@ -251,7 +254,7 @@ class _Ctx:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise self.error(key, f"got {value!r}, expected a list of names")
+            raise self.error(key, f"got {short_repr(value)}, expected a list of names")
         return list(value)
 
     def dtype(self, value: Any, key: str) -> str:
@@ -259,10 +262,10 @@ class _Ctx:
         valid = _DTYPES[self.dialect]
         text = value.strip().lower() if isinstance(value, str) else None
         if text in ("fp64", "float64", "double") and self.dialect == "roll":
-            raise self.error(key, f"{value!r}: shardwise computes and stores in fp32, bf16 or fp16 only",
+            raise self.error(key, f"{short_repr(value)}: shardwise computes and stores in fp32, bf16 or fp16 only",
                              "use fp32")
         if text not in valid:
-            raise self.error(key, f"{value!r} is not a {self.name} dtype",
+            raise self.error(key, f"{short_repr(value)} is not a {self.name} dtype",
                              did_you_mean(str(value), valid) or "valid: " + ", ".join(valid))
         return canonical_dtype(text)
 
@@ -270,6 +273,20 @@ class _Ctx:
 def read_dialect(path: str | Path, dialect: str) -> Converted:
     """Read a dialect file (safe YAML loader) and convert it. Raises ConfigError."""
     return convert(read_yaml_mapping(path), dialect, str(path))
+
+
+def check_out_file(out: str | Path, source: str | Path) -> None:
+    """ConfigError on ``--out`` when the converted YAML cannot be written there: a directory,
+    a folder that does not exist, or the dialect file being converted."""
+    o, src = Path(out), Path(source)
+    if o.is_dir():
+        raise ConfigError("--out", f"{str(o)!r} is a directory", f"name a file, e.g. {o / (src.stem + '_shardwise.yaml')}")
+    if not o.parent.is_dir():
+        raise ConfigError("--out", f"the folder of {str(o)!r} does not exist", "create it first, or name a file in "
+                          "an existing folder")
+    if o.exists() and src.exists() and o.resolve() == src.resolve():
+        raise ConfigError("--out", f"{str(o)!r} is the file being converted", f"name another file, e.g. "
+                          f"{o.with_name(o.stem + '_shardwise.yaml')}")
 
 
 def load_dialect_config(path: str | Path, dialect: str,
@@ -313,9 +330,11 @@ _ROLL_WRAP = ("transformer_layer_cls_to_wrap", "wrap_embeddings", "wrap_lm_outpu
 _HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 _HF_DEFAULT = "HF TrainingArguments default"
 
-_INT = r"\s*(\d+)\s*"
+_INT = r"\s*(\d{1,9})\s*"  # 9 digits: a device id, not a number of 5,000 digits
 _RANGE = re.compile(rf"^\s*list\s*\(\s*range\s*\({_INT}(?:,{_INT}(?:,{_INT})?)?\)\s*\)\s*$")
-_LIST = re.compile(r"^\s*\[\s*(\d+\s*(?:,\s*\d+\s*)*)?,?\s*\]\s*$")
+_LIST = re.compile(r"^\s*\[\s*(\d{1,9}\s*(?:,\s*\d{1,9}\s*)*)?,?\s*\]\s*$")
+MAX_DEVICES = 65536
+"""Most device ids a device_mapping may name (ROLL's list(range(...)) is read, not run)."""
 
 
 def parse_device_mapping(value: Any, key: str = "device_mapping") -> list[int]:
@@ -331,11 +350,14 @@ def parse_device_mapping(value: Any, key: str = "device_mapping") -> list[int]:
             nums = [int(g) for g in m.groups() if g is not None]
             start, stop, step = (0, nums[0], 1) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) == 3 else 1)
             if step >= 1 and stop > start:
+                if len(range(start, stop, step)) > MAX_DEVICES:
+                    raise ConfigError(key, f"{short_repr(value)} names {len(range(start, stop, step)):,} devices, more "
+                                      f"than the {MAX_DEVICES:,} shardwise reads", "e.g. list(range(0,8))")
                 return list(range(start, stop, step))
         m = _LIST.match(value)
         if m and m.group(1):
             return [int(x) for x in m.group(1).split(",")]
-    raise ConfigError(key, f"{value!r} is not a device list: shardwise reads list(range(A,B)) or [0, 1, ...] "
+    raise ConfigError(key, f"{short_repr(value)} is not a device list: shardwise reads list(range(A,B)) or [0, 1, ...] "
                       "and never evaluates code", "e.g. list(range(0,8))")
 
 
@@ -359,7 +381,7 @@ def _roll(raw: dict[str, Any], out: Converted, ctx: _Ctx) -> None:
     if sargs is not None:
         strategy_name = sargs.take("strategy_name")
         if strategy_name is not None and strategy_name not in _ROLL_STRATEGIES:
-            raise ctx.error(sargs.key("strategy_name"), f"{strategy_name!r}: shardwise is an FSDP2 trainer",
+            raise ctx.error(sargs.key("strategy_name"), f"{short_repr(strategy_name)}: shardwise is an FSDP2 trainer",
                             did_you_mean(str(strategy_name), _ROLL_STRATEGIES))
         sc = sargs.sub("strategy_config", _ROLL_STRATEGY_CONFIG)
         sargs.done()
@@ -380,7 +402,7 @@ def _roll(raw: dict[str, Any], out: Converted, ctx: _Ctx) -> None:
         text = worker.take("device_mapping")
         ids = parse_device_mapping(text, ctx.key(where))
         if ids != list(range(len(ids))):
-            raise ctx.error(where, f"{text!r} names devices {ids}; shardwise runs its ranks on devices 0..N-1",
+            raise ctx.error(where, f"{short_repr(text)} names devices {ids}; shardwise runs its ranks on devices 0..N-1",
                             f"write list(range(0,{len(ids)})) and choose the devices with CUDA_VISIBLE_DEVICES")
         devices = out.world_size = len(ids)
         out.header.append(f"{where} {text}: {devices} ranks (the default of --nproc, and of plan's --world-size)")
@@ -407,7 +429,7 @@ def _roll(raw: dict[str, Any], out: Converted, ctx: _Ctx) -> None:
             out.set("model.freeze", freeze, f"{k} (each prefix read as a module path)")
         model_type = margs.take("model_type")
         if model_type is not None:
-            raise ctx.error(margs.key("model_type"), f"{model_type!r}: shardwise builds the model from "
+            raise ctx.error(margs.key("model_type"), f"{short_repr(model_type)}: shardwise builds the model from "
                             "model.path or model.config", "model_type: ~, and set model.path or model.config")
         margs.done()
 
@@ -512,7 +534,7 @@ def _roll_training(ta: _Map, out: Converted, ctx: _Ctx, devices: int | None, uly
     s_origin = origin("lr_scheduler_type", "linear")
     sched = ta.take("lr_scheduler_type", "linear")
     if sched not in _HF_SCHEDULES:
-        raise ctx.error(ta.key("lr_scheduler_type"), f"{sched!r} has no shardwise schedule",
+        raise ctx.error(ta.key("lr_scheduler_type"), f"{short_repr(sched)} has no shardwise schedule",
                         did_you_mean(str(sched), _HF_SCHEDULES))
     out.set("train.scheduler.name", _HF_SCHEDULES[sched], s_origin)
     if _HF_SCHEDULES[sched] != "constant":
@@ -522,10 +544,10 @@ def _roll_training(ta: _Map, out: Converted, ctx: _Ctx, devices: int | None, uly
         if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
             out.set("train.max_steps", steps, ta.key("max_steps"))
         elif steps != -1:
-            raise ctx.error(ta.key("max_steps"), f"got {steps!r}, expected a positive integer (or -1: unset)")
+            raise ctx.error(ta.key("max_steps"), f"got {short_repr(steps)}, expected a positive integer (or -1: unset)")
     if ta.has("num_train_epochs"):
         epochs = ta.take("num_train_epochs")
-        out.notes.append(f"{ta.key('num_train_epochs')}: {epochs!r}; shardwise counts optimizer steps, not epochs "
+        out.notes.append(f"{ta.key('num_train_epochs')}: {short_repr(epochs)}; shardwise counts optimizer steps, not epochs "
                          "(ROLL's pipelines stop at their own max_steps): set train.max_steps")
     if ta.has("seed"):
         out.set("run.seed", ctx.integer(ta.take("seed"), ta.key("seed")), ta.key("seed"))
@@ -574,7 +596,7 @@ def _mindspeed(raw: dict[str, Any], out: Converted, ctx: _Ctx) -> None:
         else:
             out.set("parallel.fsdp_size", size, o)
     else:
-        raise ctx.error("sharding_size", f"got {size!r}, expected auto or an integer >= 1", "e.g. auto")
+        raise ctx.error("sharding_size", f"got {short_repr(size)}, expected auto or an integer >= 1", "e.g. auto")
 
     if m.has("param_dtype"):
         param = ctx.dtype(m.take("param_dtype"), "param_dtype")
@@ -638,7 +660,7 @@ def _rlinf(raw: dict[str, Any], out: Converted, ctx: _Ctx) -> None:
         return
     backend = actor.take("training_backend", "fsdp")
     if backend != "fsdp":
-        raise ctx.error(actor.key("training_backend"), f"{backend!r}: shardwise trains with FSDP2 only",
+        raise ctx.error(actor.key("training_backend"), f"{short_repr(backend)}: shardwise trains with FSDP2 only",
                         "use fsdp")
     for name in ("micro_batch_size", "global_batch_size"):
         if actor.has(name):
@@ -668,7 +690,7 @@ def _rlinf(raw: dict[str, Any], out: Converted, ctx: _Ctx) -> None:
         k = model.key("sharding_strategy")
         value = model.take("sharding_strategy")
         if value not in _RLINF_STRATEGIES:
-            raise ctx.error(k, f"{value!r} is not an RLinf sharding strategy", did_you_mean(str(value), _RLINF_STRATEGIES))
+            raise ctx.error(k, f"{short_repr(value)} is not an RLinf sharding strategy", did_you_mean(str(value), _RLINF_STRATEGIES))
         out.set("parallel.sharding_strategy", value, k)
     model.done()
 

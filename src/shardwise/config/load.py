@@ -1,10 +1,9 @@
 """Load a YAML file plus `a.b=c` overrides into a typed `Config`, with clear errors.
 
-YAML is read with a safe loader (never eval'd); override values are parsed as YAML
-scalars/flow collections, so `x=3`, `x=true`, `x=[a,b]`, `x={k: v}` work. Numbers in
-exponent form without a dot (`1e-5`, `3E4`) are floats, as YAML 1.2 and every config a
-user copies from elsewhere mean them (PyYAML's YAML 1.1 rules read them as strings, which
-then reach e.g. transformers' `rms_norm_eps` as text).
+YAML is read by `shardwise.config.safe_yaml` (plain data only, never eval'd; bounded in
+size, nesting depth and values with aliases expanded; duplicate keys refused); override
+values are parsed as YAML scalars/flow collections, so `x=3`, `x=true`, `x=[a,b]`,
+`x={k: v}` work. Numbers in exponent form without a dot (`1e-5`, `3E4`) are floats.
 """
 
 from __future__ import annotations
@@ -17,27 +16,14 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from shardwise.config import safe_yaml
 from shardwise.config.schema import Config
-from shardwise.errors import ConfigError, did_you_mean
-
-
-class _Loader(yaml.SafeLoader):
-    """yaml.SafeLoader whose floats include ``1e-5``-style numbers (see the module docstring)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
+from shardwise.errors import ConfigError, did_you_mean, short_repr
 
 
 def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # a SafeLoader: plain data only
+    """Plain data of one YAML document, read with the bounds of `safe_yaml` (never eval'd)."""
+    return safe_yaml.loads(text)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -47,19 +33,72 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
-    """A YAML file that holds a mapping (empty file: {}), read with the safe loader."""
+    """A YAML file that holds a mapping (empty file: {}), read with the bounds of
+    `shardwise.config.safe_yaml`. ConfigError naming the file (and line) otherwise."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError("", f"config file {str(p)!r} does not exist")
     try:
-        loaded = _yaml(p.read_text())
+        loaded = _yaml(read_config_text(p))
+    except safe_yaml.YamlLimit as e:
+        where = f"{p}:{e.line}" if e.line is not None else str(p)
+        raise ConfigError(where, e.problem, e.hint) from None
     except yaml.YAMLError as e:
-        raise ConfigError("", f"{p} is not valid YAML: {e}") from None
+        raise _not_yaml(p, e) from None
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):
         raise ConfigError("", f"{p} must hold a mapping of sections, got {type(loaded).__name__}")
     return loaded
+
+
+def read_config_text(p: Path) -> str:
+    """The text of config file `p`: at most `safe_yaml.MAX_FILE_BYTES`, strict UTF-8 (a
+    leading byte-order mark dropped). ConfigError for a missing file, a directory, one that
+    cannot be read, is too large or is not UTF-8 text."""
+    if p.is_dir():
+        inside = sorted(x.name for x in p.iterdir() if x.suffix in (".yaml", ".yml"))[:3] if _readable(p) else []
+        raise ConfigError("", f"config file {str(p)!r} is a directory, not a YAML file",
+                          f"did you mean {p / inside[0]}?" if inside else "name the YAML file")
+    if not p.exists():
+        raise ConfigError("", f"config file {str(p)!r} does not exist")
+    limit = safe_yaml.MAX_FILE_BYTES
+    try:
+        with open(p, "rb") as f:  # read() of at most limit + 1 bytes: also a FIFO or /dev/zero ends
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError("", f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise ConfigError(str(p), f"is larger than {limit // 2**20} MiB, far more than a config holds",
+                          "a config file is a few KiB: is this a data file?")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{p}:{line}", f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})",
+                          "save the file as UTF-8") from None
+    return text.removeprefix("\ufeff")
+
+
+def _not_yaml(p: Path, e: yaml.YAMLError) -> ConfigError:
+    """The parser's complaint about `p` as one ConfigError naming the file and line."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None or getattr(e, "problem", None) is None:
+        return ConfigError(str(p), f"is not valid YAML: {_short(' '.join(str(e).split()), 300)}")
+    context = f"{e.context} (line {e.context_mark.line + 1}), " if getattr(e, "context", None) and e.context_mark else ""
+    return ConfigError(f"{p}:{mark.line + 1}", f"is not valid YAML: {context}{_short(e.problem, 300)} "
+                       f"(column {mark.column + 1})")
+
+
+def _readable(p: Path) -> bool:
+    try:
+        next(iter(p.iterdir()), None)
+        return True
+    except OSError:
+        return False
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """`text` cut to at most `limit` characters (a value quoted in an error line)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -80,7 +119,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(key, "empty key in override", "e.g. train.max_steps=10")
-        value = parse_override_value(text)
+        try:
+            value = parse_override_value(text)
+        except safe_yaml.YamlLimit as e:
+            raise ConfigError(key, f"the value: {e.problem}", e.hint) from None
         node = out
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -190,17 +232,50 @@ def translate_error(e: ValidationError, raw: dict[str, Any]) -> ConfigError:
         return ConfigError(key, "unknown key", did_you_mean(str(loc[-1]), fields, prefix))
     if kind == "literal_error" and len([er for er in errors if er["loc"][: len(err["loc"]) - 1] == err["loc"][:-1]]) == 1:
         expected = [s.strip().strip("'\"") for s in err["ctx"]["expected"].replace(" or ", ",").split(",")]
-        return ConfigError(key, f"{value!r} is not a valid choice", did_you_mean(str(value), expected))
+        return ConfigError(key, f"{short_repr(value)} is not a valid choice", did_you_mean(str(value), expected))
     if kind == "value_error":
         msg = str(err["ctx"]["error"]) if err.get("ctx") else err["msg"]
         return ConfigError(key, msg)
+    if kind == "finite_number":
+        return ConfigError(key, f"got {short_repr(value)}: must be a finite number", _finite_hint(loc))
     if kind == "missing":
         return ConfigError(key, "is required")
     if kind in ("model_type", "dict_type"):
-        return ConfigError(key, f"must be a mapping, got {type(value).__name__} {value!r}")
+        return ConfigError(key, f"must be a mapping, got {type(value).__name__} {short_repr(value)}")
     same_key = [er for er in errors if tuple(p for p in er["loc"] if not _is_union_tag(p)) == loc]
     expected = " or ".join(dict.fromkeys(_expected(er) for er in same_key))
-    return ConfigError(key, f"got {value!r} ({type(value).__name__}), expected {expected}")
+    return ConfigError(key, f"got {short_repr(value)} ({type(value).__name__}), expected {expected}")
+
+
+def _finite_hint(loc: tuple) -> str:
+    """The nearest valid choice for an inf / nan given to the float key at `loc`: its
+    default, or null where null is its off switch."""
+    default, nullable = _default_at(loc)
+    if default is None:
+        return "e.g. null, the default"
+    return f"e.g. {default!r}, the default" + ("; null turns it off" if nullable else "")
+
+
+def _default_at(loc: tuple) -> tuple[object, bool]:
+    """The schema's default at `loc` (an index into a tuple default included; None when it
+    is not a number) and whether the key takes null."""
+    cls: Any = Config
+    value: Any = None
+    nullable = False
+    for part in loc:
+        if isinstance(part, int) and isinstance(value, (tuple, list)) and part < len(value):
+            value = value[part]
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None, False
+        field = _field_by_name(cls, part)
+        if field is None:
+            return None, False
+        value = field.default
+        nullable = type(None) in get_args(field.annotation)
+        cls = _model_in(field.annotation)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (value if number else None), nullable
 
 
 def _expected(err: dict) -> str:

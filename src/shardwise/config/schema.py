@@ -24,7 +24,7 @@ from pydantic import (
 
 from shardwise.config.dtypes import canonical_dtype
 from shardwise.errors import ConfigError
-from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, TRACKERS
 
 DType = Annotated[str, BeforeValidator(canonical_dtype)]
 """A dtype name (fp32/float32, bf16/bfloat16, fp16/float16/half, torch names), stored canonical."""
@@ -34,8 +34,13 @@ Pos = Annotated[int, Field(ge=1, strict=True)]
 
 
 class Section(BaseModel):
+    """A config section: unknown keys refused; every float finite (inf and nan are refused
+    for every float key: a learning rate, beta, epsilon, clip, coefficient, temperature or
+    top_p of inf or nan would run and train nothing; a setting that can be switched off
+    says so with null)."""
+
     model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True,
-                              use_attribute_docstrings=True)
+                              use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -43,6 +48,29 @@ class RunConfig(Section):
     """Everything a run writes: metrics.jsonl, checkpoints/, hf/, plots. One job at a time."""
     seed: int = 0
     """Seed of model init, data order and sampling."""
+    loggers: list[Annotated[str, AfterValidator(TRACKERS.check)]] = ["jsonl"]
+    """Where rank 0 (the controller in RL) sends every logged step's scalars, the resolved
+    config at the start and the run's summary at the end: jsonl (run.dir/metrics.jsonl,
+    always written, listed or not), tensorboard (run.dir/tensorboard/), wandb (run.dir/wandb/;
+    online with wandb credentials, offline without, or as WANDB_MODE says), mlflow
+    (MLFLOW_TRACKING_URI, or a SQLite store run.dir/mlflow.db). Each needs its extra:
+    pip install 'shardwise[wandb]'. A tracker that fails during the run is switched off with
+    one warning and the run goes on; a resumed job continues the same wandb / MLflow run."""
+    name: str | None = None
+    """The run's name in wandb and MLflow; null: the name of run.dir's folder."""
+    project: str | None = None
+    """The wandb project and MLflow experiment; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME
+    from the environment, else shardwise."""
+
+    @model_validator(mode="after")
+    def _loggers_installed(self) -> RunConfig:
+        for name in self.loggers:
+            traits = TRACKERS.traits(name)
+            missing = traits["missing"]()
+            if missing:
+                raise ConfigError("run.loggers", f"{name!r} needs {', '.join(missing)}, which is not installed",
+                                  f"pip install 'shardwise[{traits['extra']}]', or take {name} out of run.loggers")
+        return self
 
 
 class LoraSettings(Section):
@@ -383,7 +411,8 @@ class VLLMConfig(Section):
     """Reuse the KV of shared prompt prefixes (n samples of one prompt); reset after every
     weight sync."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """The engine's compute dtype; auto: the model's (model.dtype)."""
+    """The engine's compute dtype; auto: the trainer's fsdp.mixed_precision.param_dtype, the
+    precision the actor scores its log-probs in."""
     free_cache_engine: bool = True
     """CUDA: release the KV cache and move the engine's weights to host memory while the
     actor trains (sleep / wake up)."""

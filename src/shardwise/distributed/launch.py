@@ -16,6 +16,16 @@ Two sides of one contract:
   writes its error (type, message, traceback) to the error folder and leaves at once,
   without a teardown barrier: its peers' collectives then fail, and torchrun ends them.
 
+A job on several machines (`Nodes`) runs one launcher per node, each with its own error
+folder. torchrun knows only its own node's ranks, so the contract crosses nodes through
+the job's rendezvous store (the TCP store every rank of the job reaches at
+MASTER_ADDR:MASTER_PORT): a rank whose error is its own writes it there first
+(`FAILURE_KEY`); a rank whose error is only the loss of a peer (a gloo connection closed:
+`is_peer_loss`) reads it from there, so the launcher of every node prints the line of the
+node that failed first ("the job failed on node 1: rank 1 failed: ..."). When the store
+is gone with that node (kill -9 of the node hosting it), the line says that the rank
+lost a peer on another node.
+
 The error folder holds our own JSON files, never pickles.
 """
 
@@ -32,23 +42,49 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Literal, NoReturn
+
+import torch.distributed as dist
 
 from shardwise.distributed.runtime import free_port
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
 
 ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
 """Folder where each failing rank writes ``rank<r>.json`` (set by `launch_torchrun`)."""
 DEBUG_ENV = "SHARDWISE_DEBUG"
 """'1': ranks and launcher print full tracebacks (the CLI's ``--debug``)."""
 LAUNCHER_FILE = "launcher.json"
-"""Written by the torchrun wrapper when a rank ended without writing its own file."""
+"""Written by the torchrun wrapper when its rendezvous failed (no rank started); a rank that
+ended without writing its own file is described in ``launcher-rank<r>.json``."""
 
 GRACE_S = 20.0
 """After forwarding SIGINT / SIGTERM, how long torchrun gets to stop the ranks."""
+RDZV_TIMEOUT_S = 300
+"""Seconds a node waits at the rendezvous for the job's other nodes (``--rdzv-timeout``):
+long enough for nodes started by hand or by a scheduler minutes apart, short enough that a
+node that never comes ends the others with one line naming the endpoint."""
+MASTER_PORT = 29500
+"""torchrun's default ``--master-port``."""
+RENDEZVOUS_FAILED = "RendezvousFailed"
+"""`Failure.type` of a node whose torchrun could not meet the job's other nodes."""
+FAILURE_KEY = "shardwise/first_failure"
+"""Key of the job's first failure in the rendezvous store (a multi-node job)."""
+STORE_TIMEOUT_S = 2.0
+"""How long a failing rank spends on the rendezvous store (connect, then read or write): it
+is on its way out, and the store may have gone with a failed node."""
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "got 0 bytes",
+             "remote worker crashing")
+"""Words of the errors a rank gets when another process of the job ended under it (gloo's
+pair.cc, the c10d store's socket): a consequence, never the cause."""
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+SAVED_CPP_LOG_ENV = "SHARDWISE_SAVED_TORCH_CPP_LOG_LEVEL"
+"""The ranks' own TORCH_CPP_LOG_LEVEL ('' for none), while the torchrun wrapper runs with
+FATAL: c10d's C++ logs of a store it cannot reach (an error with a C++ stack, each retry)
+stay off the terminal; the wrapper gives the ranks theirs back."""
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -65,6 +101,91 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with status {code}"
+
+
+# ------------------------------------------------------------------ several nodes
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where this node's launcher meets the other nodes of a multi-node job.
+
+    ``static`` (``--master-addr``/``--master-port``): node `rank` 0 hosts the rendezvous
+    store at `endpoint`, every node names its rank. ``c10d`` (``--rdzv-endpoint``): the
+    store's host is the machine at `endpoint`, nodes are numbered in the order they arrive.
+    Either way node g runs global ranks g * nproc .. g * nproc + nproc - 1, so a mesh whose
+    ``parallel.fsdp_size`` is the per-node rank count shards within nodes and replicates
+    (HSDP) across them.
+    """
+
+    count: int
+    rank: int | None
+    """This node's rank (static); None with c10d, where arrival order numbers the nodes."""
+    endpoint: str
+    """HOST:PORT of the rendezvous."""
+    backend: Literal["static", "c10d"]
+    timeout_s: int
+    """Seconds to wait for the other nodes at the rendezvous."""
+
+    @property
+    def job(self) -> str:
+        """What the nodes of one job, and only they, have in common: the key of the run
+        folder's lock (`shardwise.jobs.rundir`)."""
+        return f"rendezvous {self.endpoint} of {self.count} nodes"
+
+    def torchrun_args(self) -> list[str]:
+        if self.backend == "static":
+            host, port = self.endpoint.rsplit(":", 1)
+            return [f"--nnodes={self.count}", f"--node-rank={self.rank}", f"--master-addr={host}",
+                    f"--master-port={port}", f"--rdzv-conf=timeout={self.timeout_s}"]
+        return [f"--nnodes={self.count}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+                f"--rdzv-conf=join_timeout={self.timeout_s},read_timeout={self.timeout_s}"]
+
+
+def nodes_from_args(nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                    rdzv_endpoint: str | None, rdzv_timeout_s: int | None) -> Nodes | None:
+    """The multi-node flags of `shardwise train|infer` as `Nodes`, or None for a job on
+    this machine alone. A ConfigError names the flag (exit status 2, before anything starts)."""
+    count = 1 if nnodes is None else nnodes
+    if count < 1:
+        raise ConfigError("--nnodes", f"{count} is not a positive number of nodes", "e.g. --nnodes 2")
+    if node_rank is not None and not 0 <= node_rank < count:
+        raise ConfigError("--node-rank", f"{node_rank} is outside [0, {count}) for --nnodes {count}",
+                          f"the first node is 0, the last {count - 1}")
+    timeout = RDZV_TIMEOUT_S if rdzv_timeout_s is None else rdzv_timeout_s
+    if timeout < 1:
+        raise ConfigError("--rdzv-timeout", f"{timeout} is not a positive number of seconds")
+    if master_addr is not None and rdzv_endpoint is not None:
+        raise ConfigError("--rdzv-endpoint", "is given with --master-addr: the nodes meet at one of them",
+                          "--master-addr HOST --master-port PORT --node-rank I, or --rdzv-endpoint HOST:PORT")
+    if master_port is not None and master_addr is None:
+        raise ConfigError("--master-port", "is given without --master-addr",
+                          "add --master-addr HOST (node 0's address)")
+    if master_addr is None and rdzv_endpoint is None:
+        if count > 1:
+            raise ConfigError("--nnodes", f"{count} nodes need a place to meet: --master-addr HOST (node 0's "
+                              "address, with --node-rank and --master-port) or --rdzv-endpoint HOST:PORT",
+                              "the same on every node")
+        return None
+    if master_addr is not None:
+        if node_rank is None:
+            if count > 1:
+                raise ConfigError("--node-rank", "is needed with --master-addr",
+                                  f"0 on the node at {master_addr}, 1 to {count - 1} on the others")
+            node_rank = 0
+        port = MASTER_PORT if master_port is None else master_port
+        _check_port("--master-port", port)
+        return Nodes(count, node_rank, f"{master_addr}:{port}", "static", timeout)
+    host, _, port_text = rdzv_endpoint.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise ConfigError("--rdzv-endpoint", f"{rdzv_endpoint!r} is not HOST:PORT", "e.g. --rdzv-endpoint node0:29400")
+    _check_port("--rdzv-endpoint", int(port_text))
+    return Nodes(count, None, rdzv_endpoint, "c10d", timeout)
+
+
+def _check_port(flag: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise ConfigError(flag, f"port {port} is not in 1 .. 65535")
 
 
 # ----------------------------------------------------------------------- rank side
@@ -104,27 +225,107 @@ class Failure:
     """A `ShardwiseError`: the user's input was wrong (exit status 2)."""
     traceback: str
     time: float
+    peer: bool = False
+    """The rank lost a peer (`is_peer_loss`): a consequence of another process ending."""
+    node: int | None = None
+    """The node (torchrun's GROUP_RANK) the rank ran on."""
+    nodes: int = 1
+    """How many nodes the job had."""
+    remote: bool = False
+    """Read from the rendezvous store by a rank of another node: the job's first failure."""
+    exit_status: int = EXIT_USER_ERROR
+    """A user error's exit status (`ShardwiseError.exit_status`: 2, or e.g. 74 for a full disk)."""
 
     def line(self) -> str:
         """The one line the user sees."""
-        if self.user:
-            return self.message
-        where = f"rank {self.rank}" if self.rank is not None else "a process"
-        return f"{where} failed: {self.type}: {self.message}"
+        if self.user or self.type == RENDEZVOUS_FAILED:
+            text = self.message
+        elif self.peer:
+            lost = next((w for w in PEER_LOSS if w in self.message), self.type)
+            text = (f"the job failed on another node: rank {self.rank} lost a peer ({lost}); that node's output names "
+                    "the cause" if self.nodes > 1 else
+                    f"rank {self.rank} lost a peer ({lost}): another process of the job ended first")
+        else:
+            where = f"rank {self.rank}" if self.rank is not None else "a process"
+            text = f"{where} failed: {self.type}: {self.message}"
+        return f"the job failed on node {self.node}: {text}" if self.remote else text
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """`exc` says only that another process of the job is gone (`PEER_LOSS`)."""
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in PEER_LOSS)
 
 
 def failure_of(exc: BaseException, rank: int | None) -> Failure:
     message = " ".join(str(exc).split()) or type(exc).__name__
+    node = os.environ.get("GROUP_RANK")
     return Failure(rank=rank, type=type(exc).__name__, message=message, user=isinstance(exc, ShardwiseError),
-                   traceback="".join(traceback.format_exception(exc)), time=time.time())
+                   exit_status=getattr(exc, "exit_status", EXIT_USER_ERROR) if isinstance(exc, ShardwiseError) else 1,
+                   traceback="".join(traceback.format_exception(exc)), time=time.time(), peer=is_peer_loss(exc),
+                   node=int(node) if node and node.isdigit() else None,
+                   nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1))
+
+
+def _job_store():
+    """A client of the job's rendezvous store (torchrun's, at MASTER_ADDR:MASTER_PORT), or
+    None when it cannot be reached within `STORE_TIMEOUT_S`."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return None
+    try:
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                             wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - the store went with its node: nothing to share
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_cpp_logs() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null meanwhile (not with ``--debug``): c10d logs a
+    store that is gone from C++, with a stack, and this rank is on its way out anyway."""
+    if debug_enabled():
+        yield
+        return
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def share_failure(f: Failure) -> Failure:
+    """Across the nodes of a job: publish this rank's own failure as the job's first (the
+    first to publish wins), or, for a peer loss, adopt the first failure of another node
+    (`remote`). `f` as it is on a single node, or when the store is unreachable."""
+    if f.nodes <= 1:
+        return f
+    with _quiet_cpp_logs():
+        store = _job_store()
+        if store is None:
+            return f
+        try:
+            if not f.peer:
+                store.compare_set(FAILURE_KEY, "", json.dumps(f.__dict__))
+                return f
+            store.wait([FAILURE_KEY], timedelta(seconds=STORE_TIMEOUT_S))
+            first = Failure(**json.loads(store.get(FAILURE_KEY)))
+        except Exception:  # noqa: BLE001 - no failure published, or the store is gone
+            return f
+    return replace(first, remote=True) if first.node != f.node else f
 
 
 def record_failure(exc: BaseException, rank: int | None) -> bool:
-    """Write `exc` to the launcher's error folder; False when there is none (no launcher)."""
+    """Write `exc` to the launcher's error folder (`share_failure`d first); False when there
+    is none (no launcher)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return False
-    f = failure_of(exc, rank)
+    f = share_failure(failure_of(exc, rank))
     path = Path(folder) / f"rank{rank if rank is not None else 'x'}.json"
     tmp = path.with_name(path.name + ".tmp")
     with contextlib.suppress(OSError):
@@ -145,6 +346,7 @@ def rank_failed(exc: BaseException) -> NoReturn:
     """
     if isinstance(exc, KeyboardInterrupt):
         exit_after_failure(130)
+    exc = as_disk_full(exc)
     rank = int(os.environ.get("RANK", "0"))
     user = isinstance(exc, ShardwiseError)
     recorded = record_failure(exc, rank)
@@ -152,7 +354,7 @@ def rank_failed(exc: BaseException) -> NoReturn:
         traceback.print_exception(exc)
     elif not recorded:
         print(f"shardwise: [rank {rank}] {failure_of(exc, rank).message}", file=sys.stderr)
-    exit_after_failure(EXIT_USER_ERROR if user else 1)
+    exit_after_failure(exc.exit_status if user else 1)
 
 
 def exit_after_failure(code: int) -> NoReturn:
@@ -182,11 +384,13 @@ def read_failures(folder: str | os.PathLike[str]) -> list[Failure]:
 
 
 def first_failure(failures: Sequence[Failure]) -> Failure | None:
-    """The failure to report: the earliest user error, else the earliest of all."""
+    """The failure to report: a cause before a lost peer (`Failure.peer`); among those the
+    earliest user error, else the earliest of all."""
     if not failures:
         return None
-    user = [f for f in failures if f.user]
-    return min(user or failures, key=lambda f: f.time)
+    causes = [f for f in failures if not f.peer] or list(failures)
+    user = [f for f in causes if f.user]
+    return min(user or causes, key=lambda f: f.time)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -210,6 +414,11 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL every process under `pid` (not `pid` itself)."""
+    _kill_all(_descendants(pid))
+
+
 def _kill_all(pids: Sequence[int]) -> None:
     for p in pids:
         with contextlib.suppress(OSError):
@@ -224,9 +433,12 @@ class LaunchResult:
 
 
 def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                    grace_s: float = GRACE_S, module: str = "shardwise.cli") -> LaunchResult:
+                    grace_s: float = GRACE_S, module: str = "shardwise.cli",
+                    nodes: Nodes | None = None) -> LaunchResult:
     """Run ``python -m <module> <argv>`` (``shardwise <argv>``) in `nproc` local processes
-    under torchrun and wait.
+    under torchrun and wait. With `nodes`, these are this node's ranks of a multi-node job
+    (torchrun meets the other nodes' launchers at `nodes.endpoint`, ``--max-restarts 0``);
+    without, the job is this machine's alone (a free port on 127.0.0.1).
 
     Signals SIGINT / SIGTERM received meanwhile are forwarded; a second one, or `grace_s`
     seconds without the ranks ending, kills the whole tree. Returns the exit status, the
@@ -237,9 +449,13 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
     child_env.update(env or {})
     child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env[ERROR_DIR_ENV] = error_dir
-    cmd = [sys.executable, "-m", "shardwise.distributed.torchrun", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--monitor-interval=0.2",
-           "-m", module, *argv]
+    if not debug_enabled():
+        child_env[SAVED_CPP_LOG_ENV] = child_env.get(CPP_LOG_ENV, "")
+        child_env[CPP_LOG_ENV] = "FATAL"
+    where = (["--master-addr=127.0.0.1", f"--master-port={free_port()}"] if nodes is None
+             else nodes.torchrun_args())
+    cmd = [sys.executable, "-m", "shardwise.distributed.torchrun", f"--nproc-per-node={nproc}", *where,
+           "--max-restarts=0", "--monitor-interval=0.2", "-m", module, *argv]
     interrupted: list[tuple[signal.Signals, float]] = []  # (signal, monotonic time received)
     # A session of its own: a Ctrl-C in the terminal reaches this process alone, which
     # stops the job through torchrun (one signal, one path).
@@ -279,5 +495,5 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
             p.unlink()
         os.rmdir(error_dir)
     if failure is not None and failure.user and not interrupted:
-        code = EXIT_USER_ERROR
+        code = failure.exit_status
     return LaunchResult(returncode=code, failure=failure, interrupted=interrupted[0][0] if interrupted else None)

@@ -3,7 +3,9 @@ one process and without a process group (`shardwise.checkpoint.hf_export.export_
 a LoRA run's checkpoint -> a PEFT adapter folder, or the merged model with ``--merged``.
 
 `prepare` checks the checkpoint folder (complete, and its files match the sizes and
-checksums its commit marker records) before anything is written.
+checksums its commit marker records) and the out folder (new or empty; a folder holding
+anything, another model say, only with ``--force``; never a file) before anything is
+written.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ class Prepared:
     """A LoRA checkpoint: the merged model instead of the adapter folder."""
 
 
-def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False) -> Prepared:
-    """The folder is a complete, intact checkpoint; ConfigError on the argument otherwise."""
+def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False, force: bool = False) -> Prepared:
+    """The folder is a complete, intact checkpoint and `out_dir` may be written (see the
+    module docstring; `force`: a non-empty folder too); ConfigError on the argument otherwise."""
+    check_out_dir(Path(out_dir).expanduser(), force)
     ckpt = Path(checkpoint_dir).expanduser()
     if not is_complete(ckpt):
         inner = sorted(p for p in ckpt.glob("step_*") if is_complete(p)) if ckpt.is_dir() else []
@@ -43,6 +47,25 @@ def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False) -> Prepared
         raise ConfigError("CHECKPOINT_DIR", f"{str(ckpt)!r} failed verification: {problems[0]}",
                           "export an intact checkpoint (an older step)")
     return Prepared(ckpt, Path(out_dir).expanduser(), merged)
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """ConfigError on OUT_DIR when it is a file (or anything but a folder), or a folder that
+    holds anything and `force` is off: an export writes config.json, weights and tokenizer
+    files there and removes weight files it did not write, so another model's folder
+    would be overwritten without a word."""
+    if out.is_dir():
+        try:
+            held = sorted(p.name for p in out.iterdir())
+        except OSError as e:
+            raise ConfigError("OUT_DIR", f"{str(out)!r} cannot be read: {e.strerror or e}") from None
+        if held and not force:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise ConfigError("OUT_DIR", f"{str(out)!r} is not empty (it holds {shown})",
+                              "name a new or empty folder, or add --force to write over it")
+    elif out.exists() or out.is_symlink():
+        raise ConfigError("OUT_DIR", f"{str(out)!r} is a file, not a folder",
+                          f"name a new folder, e.g. {out.with_name(out.name + '_hf')}")
 
 
 def run(prepared: Prepared) -> ExportReport | Path:

@@ -12,6 +12,8 @@ task's held-out prompts (``run.seed`` + `HELDOUT_SEED_OFFSET`, ``infer.num_promp
 them, default `HELDOUT_PROMPTS`): the prompts behind the accuracy the SFT and RL jobs
 print, so greedy ``shardwise infer`` on their exported model reproduces that figure.
 
+The trackers of ``run.loggers`` get the config and the summary (rank 0).
+
 Scoring: ``infer.reward`` (builtin:NAME or module:function, as ``rl.reward.function``)
 against ``data.response_key``; by default a built-in task is scored by its own scorer and
 a file is not scored (its ``response_key`` column is then not read).
@@ -63,6 +65,7 @@ from shardwise.jobs.inputs import (
     check_tokenizer,
     vision_inputs,
 )
+from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import load_hf_config
 from shardwise.telemetry import Progress, peak_memory_bytes
 
@@ -153,7 +156,10 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     generator = build_generator(icfg.engine, engine.model, icfg, runtime, pad_token_id(tokenizer),
                                 tokenizer.eos_token_id, key="infer.engine",
                                 compute_dtype=cfg.fsdp.mixed_precision.param_dtype)
-    summary = _generate_all(prepared, runtime, engine, generator, tokenizer)
+    # the trackers of run.loggers get the config and, from rank 0, the summary (no steps here)
+    with open_metrics(cfg, enabled=runtime.is_main, after_step=None, jsonl=False) as trackers:
+        summary = _generate_all(prepared, runtime, engine, generator, tokenizer)
+        trackers.log_summary(summary)
     # Collective, before the process group goes. Not on an error path: a failed rank leaves
     # at once (`launch.rank_failed`) and a collective would wait for it.
     generator.shutdown()

@@ -85,8 +85,9 @@ def check_resume(cfg: Config, job: str | None = None) -> None:
 _MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
 """What makes two model configs hold the same tensors (the rest, e.g. dropout, may change)."""
-_NOT_SETTINGS = ("checkpoint.resume",)
-"""Keys whose change on resume is no change of the run."""
+_NOT_SETTINGS = ("checkpoint.resume", "run.dir")
+"""Keys whose change on resume is no change of the run (a run folder copied elsewhere, a
+checkpoint named explicitly)."""
 
 
 def check_same_job(cfg: Config, job: str, path: Path, key: str) -> None:
@@ -122,7 +123,7 @@ def check_same_job(cfg: Config, job: str, path: Path, key: str) -> None:
                                                        and os.environ.get(ERROR_DIR_ENV) is None)):
         shown = "; ".join(f"{k} {_brief(a)} -> {_brief(b)}" for k, a, b in changed[:8])
         more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
-        print(f"shardwise: note: resuming {path} with changed settings, the new values apply: {shown}{more}",
+        print(f"shardwise note: resuming {path} with changed settings, the new values apply: {shown}{more}",
               file=sys.stderr)
 
 

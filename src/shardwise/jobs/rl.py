@@ -5,7 +5,9 @@ rows per step against the ranks and mini-batches, the model and reward-model fol
 tokenizer, the prompts, the reward function, an explicit resume folder and the sharding
 plan (on the meta device). `run` builds the `shardwise.rl.trainer.Controller` from what
 was prepared, starts the worker groups, resumes, measures the held-out accuracy, trains,
-measures it again, exports the actor and plots the metrics.
+measures it again, exports the actor and plots the metrics. The controller writes
+``run.dir/metrics.jsonl`` and the trackers of ``run.loggers`` (each step's scalars, the
+config, the summary without the per-step history).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from shardwise.distributed import ulysses
 from shardwise.engine import vllm_engine
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
+from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import (
     check_causal_task,
     check_data,
@@ -37,6 +40,7 @@ from shardwise.jobs.inputs import (
     check_tokenizer,
     vision_inputs,
 )
+from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, mean_timing
@@ -57,6 +61,8 @@ class Prepared:
     rows_per_step: int
     records: list[dict[str, Any]]
     reward_fn: RewardFn | None
+    plan: ShardingPlan | None = None
+    """The actor's plan on the meta device (its memory per rank, for the launch line)."""
 
 
 def prepare(cfg: Config, world_size: int) -> Prepared:
@@ -80,8 +86,8 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     records = check_data(cfg, cfg.data.ground_truth_key or cfg.data.response_key, scoring=True)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
     check_data_sources(fn, records)
-    plan_for(cfg, spec)  # pattern errors surface here, on the meta device
-    return Prepared(cfg, spec, world_size, rows, records, fn)
+    _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
+    return Prepared(cfg, spec, world_size, rows, records, fn, plan)
 
 
 def check_rl_ulysses(cfg: Config, sp: int) -> None:
@@ -136,13 +142,15 @@ def run(prepared: Prepared) -> dict[str, Any]:
     ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
                      vision)
     summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
+    writer = None
     try:
         ctl.start()
         resumed = ctl.resume()
+        writer = open_metrics(cfg, enabled=True, after_step=ctl.step)
         summary["resumed_from_step"] = ctl.step if resumed else None
         summary["accuracy_before"] = ctl.evaluate()
         summary["sampled_before"] = ctl.evaluate_sampled()
-        history = ctl.fit()
+        history = ctl.fit(writer)
         summary["steps"] = ctl.step
         summary["history"] = history
         summary["timing"] = mean_timing(history)
@@ -157,18 +165,23 @@ def run(prepared: Prepared) -> dict[str, Any]:
             export_template(summary["hf"], cfg.data.chat_template)
         summary["checkpoint"] = str(ctl.run_dir / "checkpoints")
     except BaseException:
+        if writer is not None:
+            writer.close(failed=True)
         ctl.close(graceful=False)
         raise
     else:
         ctl.close()
-    if (ctl.run_dir / "metrics.jsonl").is_file():
-        panels = [("reward / accuracy", ["reward/mean", "accuracy"]),
-                  ("response length", ["response_length/mean"]), ("KL to reference / entropy", ["kl", "entropy"]),
-                  ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
-                  ("seconds per phase", ["time/step", "time/generate", "time/update_actor", "time/old_log_prob"])]
-        if cfg.rl.critic.enabled:
-            panels.append(("critic", ["critic/vf_loss"]))
-        if cfg.rl.filter_groups != "none":
-            panels.append(("groups in the update", ["filter/kept_groups", "filter/dropped_groups"]))
-        summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
+    assert writer is not None
+    with writer:  # closed here; as failed if the plot raises
+        if (ctl.run_dir / "metrics.jsonl").is_file():
+            panels = [("reward / accuracy", ["reward/mean", "accuracy"]),
+                      ("response length", ["response_length/mean"]), ("KL to reference / entropy", ["kl", "entropy"]),
+                      ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
+                      ("seconds per phase", ["time/step", "time/generate", "time/update_actor", "time/old_log_prob"])]
+            if cfg.rl.critic.enabled:
+                panels.append(("critic", ["critic/vf_loss"]))
+            if cfg.rl.filter_groups != "none":
+                panels.append(("groups in the update", ["filter/kept_groups", "filter/dropped_groups"]))
+            summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
+        writer.log_summary({k: v for k, v in summary.items() if k != "history"})  # the trackers have it as metrics
     return summary

@@ -3,9 +3,10 @@
 `prepare` runs every check a config and its files allow before any process group exists
 (mesh, batch sizes, model folder, tokenizer, data, resume folder, the sharding plan on the
 meta device) and keeps what it built; `run` is the loop, on every rank. Rank 0 shows a
-progress bar and writes ``run.dir/metrics.jsonl`` (and TensorBoard events when installed)
-and a PNG plot at the end. For a built-in task the held-out greedy accuracy of the trained
-model is measured on all ranks (`shardwise.engine.generate.heldout_accuracy`).
+progress bar and writes ``run.dir/metrics.jsonl`` (and to the trackers of ``run.loggers``:
+each step's scalars, the config, the summary) and a PNG plot at the end. For a built-in
+task the held-out greedy accuracy of the trained model is measured on all ranks
+(`shardwise.engine.generate.heldout_accuracy`).
 ``model.task`` masked_lm / sequence_classification (encoders) run the same loop on the
 data and losses of `shardwise.data.encoder`, without generation.
 """
@@ -56,6 +57,7 @@ from shardwise.jobs.inputs import (
     check_tokenizer,
     vision_inputs,
 )
+from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import load_hf_config
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import MetricsWriter, Progress, peak_memory_bytes, plot_metrics
@@ -199,7 +201,22 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         if runtime.is_main:
             log.info("resumed from %s at step %d", start, engine.step)
     max_steps = cfg.train.max_steps
-    metrics = MetricsWriter(run_dir, enabled=runtime.is_main, after_step=engine.step)
+    metrics = open_metrics(cfg, enabled=runtime.is_main, after_step=engine.step)
+    try:
+        summary = _train(cfg, runtime, engine, data, ckpt, metrics, max_steps)
+        summary |= _finish(cfg, runtime, engine, hf_config, tokenizer, tok_dir, vision, encoder_task)
+    except BaseException:
+        metrics.close(failed=True)
+        raise
+    metrics.log_summary(summary)
+    metrics.close()
+    return summary
+
+
+def _train(cfg: Config, runtime: Runtime, engine: TrainEngine, data: SFTData, ckpt: CheckpointManager,
+           metrics: MetricsWriter, max_steps: int) -> dict:
+    """The steps until `max_steps`; the summary's steps, last metrics and paths."""
+    run_dir = Path(cfg.run.dir)
     bar = Progress(total=max_steps, enabled=runtime.is_main, desc="sft", initial=engine.step)
     last = {}
     try:
@@ -221,9 +238,15 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         ckpt.close()
     finally:
         bar.close()
-        metrics.close()
-    summary = {"run_dir": str(run_dir), "steps": engine.step, "final": last,
-               "metrics": str(run_dir / "metrics.jsonl"), "checkpoint": str(ckpt.latest() or "")}
+    return {"run_dir": str(run_dir), "steps": engine.step, "final": last,
+            "metrics": str(run_dir / "metrics.jsonl"), "checkpoint": str(ckpt.latest() or "")}
+
+
+def _finish(cfg: Config, runtime: Runtime, engine: TrainEngine, hf_config, tokenizer, tok_dir, vision,
+            encoder_task: bool) -> dict:
+    """Exports, the held-out accuracy and the plot: the rest of the summary."""
+    run_dir = Path(cfg.run.dir)
+    summary: dict[str, Any] = {}
     if cfg.checkpoint.export_hf and cfg.model.lora.enabled:
         summary["adapter"] = str(export_adapter(engine.model, run_dir / "adapter", base=cfg.model.path))
     if cfg.checkpoint.export_hf and (not cfg.model.lora.enabled or cfg.checkpoint.export_merged):

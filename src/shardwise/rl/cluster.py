@@ -31,14 +31,17 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from shardwise.distributed.launch import kill_tree
 from shardwise.distributed.runtime import init_distributed, teardown
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.rl.dispatch import (
@@ -175,27 +178,64 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
     env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env_vars.update(env or {})
     runtime_env = {"env_vars": env_vars}
-    if os.environ.get("RAY_ADDRESS"):
-        address = os.environ["RAY_ADDRESS"]
-        try:
-            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        except ConnectionError as e:  # it answered `check_ray_address`, then refused this process
-            raise ConfigError("RAY_ADDRESS", f"the Ray cluster at {address!r} did not let this process join ({e})",
-                              "a cluster started with token authentication (`ray start` says so) needs "
-                              "RAY_AUTH_MODE=token here too, and its token in RAY_AUTH_TOKEN or "
-                              "~/.ray/auth_token") from e
-    else:
-        cpus = max(num_cpus or 1, os.cpu_count() or 1)
-        # address="local": without it Ray joins the cluster last started on this machine
-        # (`ray start`, recorded under its temp dir) and refuses num_cpus there.
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True, configure_logging=False)
+    # ray.init replaces the driver's SIGTERM handler with its own, which ends the process
+    # by SIGABRT with a C++ stack dump: the caller's (SIGTERM stops the run like Ctrl-C,
+    # exit 143, naming the last checkpoint) is put back.
+    main = threading.current_thread() is threading.main_thread()
+    term = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        if os.environ.get("RAY_ADDRESS"):
+            address = os.environ["RAY_ADDRESS"]
+            try:
+                ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+            except ConnectionError as e:  # it answered `check_ray_address`, then refused this process
+                raise ConfigError("RAY_ADDRESS", f"the Ray cluster at {address!r} did not let this process join "
+                                  f"({e})", "a cluster started with token authentication (`ray start` says so) "
+                                  "needs RAY_AUTH_MODE=token here too, and its token in RAY_AUTH_TOKEN or "
+                                  "~/.ray/auth_token") from e
+        else:
+            cpus = max(num_cpus or 1, os.cpu_count() or 1)
+            # address="local": without it Ray joins the cluster last started on this machine
+            # (`ray start`, recorded under its temp dir) and refuses num_cpus there.
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env,
+                     log_to_driver=True, configure_logging=False)
+    finally:
+        if main and term is not None:
+            signal.signal(signal.SIGTERM, term)
 
 
-def shutdown_ray() -> None:
+def shutdown_ray(restore_signals: bool = True) -> None:
+    """Stop Ray and everything it started for this driver, surviving more signals: while
+    it stops, a second Ctrl-C / SIGTERM only says it is stopping (interrupted, Ray's
+    shutdown crashed the process by SIGSEGV and left its agents running), a third kills
+    the processes left, by pid. Whatever this process started that is still there after
+    the shutdown is killed too. With `restore_signals` False (a run already interrupted)
+    that handling stays for the rest of the process: the signals only say it is ending."""
     ray = _ray()
-    if ray.is_initialized():
+    if not ray.is_initialized():
+        return
+    if threading.current_thread() is not threading.main_thread():
         ray.shutdown()
+        return
+    seen: list[int] = []
+
+    def on_signal(signum, _frame):
+        seen.append(signum)
+        if len(seen) == 1:
+            print("\nshardwise: stopping Ray's processes; signal once more to kill them", file=sys.stderr)
+            return
+        kill_tree(os.getpid())
+        os._exit(128 + signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ray.shutdown()
+        kill_tree(os.getpid())  # an agent Ray's shutdown did not reach
+    finally:
+        # Set again either way: Ray's C++ core resets the process's signal dispositions on
+        # shutdown behind Python's back (a later SIGTERM then killed the process by default).
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if restore_signals else on_signal)
 
 
 class _RankHost:

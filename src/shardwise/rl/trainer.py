@@ -360,11 +360,11 @@ class Controller:
             folder.mkdir(exist_ok=True)
             (folder / f"step_{self.step + 1:08d}.batch").write_bytes(batch.to_bytes())
 
-    def fit(self) -> list[dict[str, float]]:
+    def fit(self, writer: MetricsWriter) -> list[dict[str, float]]:
         """Steps until ``train.max_steps`` (from wherever `resume` left the controller), with
-        the progress bar and one metrics line per logged step; returns every step's metrics."""
+        the progress bar and one line per logged step to `writer` (opened after `resume`,
+        with ``after_step=self.step``; the caller closes it); returns every step's metrics."""
         max_steps = self.cfg.train.max_steps
-        writer = MetricsWriter(self.run_dir, enabled=True, after_step=self.step)
         bar = Progress(total=max_steps, enabled=True, desc=self.cfg.rl.algorithm, initial=self.step)
         history: list[dict[str, float]] = []
         try:
@@ -377,7 +377,6 @@ class Controller:
             self.wait_checkpoints()
         finally:
             bar.close()
-            writer.close()
         return history
 
     # -- evaluation

@@ -1,4 +1,4 @@
-"""Telemetry: metrics file (and TensorBoard), progress bar, phase timings, plots.
+"""Telemetry: metrics file and experiment trackers, progress bar, phase timings, plots.
 
 Everything that writes is enabled on rank 0 only; the caller passes ``rank == 0``.
 `plot_metrics` imports matplotlib on first use, not here.
@@ -7,12 +7,16 @@ Everything that writes is enabled on rank 0 only; the caller passes ``rank == 0`
 from shardwise.telemetry.metrics import MetricsWriter, read_metrics
 from shardwise.telemetry.plots import plot_metrics
 from shardwise.telemetry.progress import PhaseTimer, Progress, peak_memory_bytes
+from shardwise.telemetry.trackers import Tracker, TrackerRun, open_trackers
 
 __all__ = [
     "MetricsWriter",
     "PhaseTimer",
     "Progress",
+    "Tracker",
+    "TrackerRun",
     "peak_memory_bytes",
     "plot_metrics",
+    "open_trackers",
     "read_metrics",
 ]

@@ -1,4 +1,5 @@
-"""Scalar metrics of a run: one JSON line per `log` call, plus TensorBoard when installed.
+"""Scalar metrics of a run: one JSON line per `log` call, and the same numbers to the run's
+experiment trackers (TensorBoard, wandb, MLflow: `shardwise.telemetry.trackers`).
 
 File format (``run_dir/metrics.jsonl``): each line is one JSON object
 ``{"step": int, <metric>: number | str | bool, ..., "time": unix seconds (float)}``.
@@ -11,10 +12,14 @@ is literally one of those three words reads back as a float too).
 Only the writer built with ``enabled=True`` touches the disk; the caller passes
 ``rank == 0`` so that N ranks do not write N copies. On other ranks `log` is a no-op and
 does not even read its values (reading a CUDA tensor would force a device sync).
+
+A tracker that raises (a full disk, a server gone) is switched off for the rest of the run
+with one warning; the file keeps every step and the run goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -22,10 +27,12 @@ import operator
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
+
+from shardwise.telemetry.trackers import TensorBoardTracker, Tracker, TrackerRun, tensorboard_writer_class
 
 __all__ = ["MetricsWriter", "drop_steps_after", "read_metrics", "to_json_value", "NONFINITE_STRINGS"]
 
@@ -73,78 +80,83 @@ def to_json_value(key: str, value: Any) -> MetricValue:
 
 def _tensorboard_writer_class() -> type | None:
     """`torch.utils.tensorboard.SummaryWriter`, or None when the tensorboard package is absent."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # torch's module imports the `tensorboard` package at import time
-        return None
-    return SummaryWriter
+    return tensorboard_writer_class()
 
 
 class MetricsWriter:
-    """Appends scalar metrics to ``run_dir/filename`` (JSON lines) and to TensorBoard.
+    """Appends scalar metrics to ``run_dir/filename`` (JSON lines) and sends them to trackers.
 
     Args:
         run_dir: directory of the run; created if missing (only when enabled).
         enabled: whether this process writes. Pass ``rank == 0``.
-        filename: name of the JSON-lines file inside `run_dir`.
+        filename: name of the JSON-lines file inside `run_dir`; None: no file, the
+            trackers alone (a job without steps, which sends them its config and summary).
         tensorboard: also write scalars to ``run_dir/tensorboard/`` when the tensorboard
-            package is importable. Without it this is silently a no-op (logged at INFO),
-            since the default is on and most runs do not install it.
-
+            package is importable. Without it this is silently a no-op (logged at INFO).
+            The jobs pass their trackers instead (``run.loggers``).
         after_step: the step the run starts after (0 for a fresh run, the checkpoint's step
             for a resumed one). Lines of later steps already in the file are dropped first:
             the run is about to log those steps again, and each step must appear once.
             None keeps the file as it is.
+        trackers: started experiment trackers (`shardwise.telemetry.trackers.open_trackers`);
+            the writer owns them from here and closes them in `close`.
 
     The file is opened in append mode, so a resumed run continues the same file; each line
-    is flushed as it is written, so a crash of the process loses no logged line.
-    Use as a context manager or call `close`.
+    is flushed as it is written, so a crash of the process loses no logged line. Use as a
+    context manager (an exception closes the trackers as failed) or call `close`.
     """
 
     def __init__(
         self,
         run_dir: str | os.PathLike[str],
         enabled: bool,
-        filename: str = "metrics.jsonl",
-        tensorboard: bool = True,
+        filename: str | None = "metrics.jsonl",
+        tensorboard: bool = False,
         after_step: int | None = None,
+        trackers: Sequence[Tracker] = (),
     ):
         self.run_dir = Path(run_dir)
         self.enabled = bool(enabled)
-        self.path = self.run_dir / filename
-        """Path of the JSON-lines file (written only when enabled)."""
+        self.path = self.run_dir / (filename or "metrics.jsonl")
+        """Path of the JSON-lines file (written only when enabled and `filename` is given)."""
         self.tensorboard_dir: Path | None = None
         """``run_dir/tensorboard`` when TensorBoard scalars are being written, else None."""
+        self.trackers: list[Tracker] = []
+        """The trackers still on (one that raised is dropped)."""
         self._file: IO[str] | None = None
-        self._tb: Any = None
         self._closed = False
         if not self.enabled:
+            assert not trackers, "trackers are started on the rank that writes only"
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if after_step is not None:
-            drop_steps_after(self.path, after_step)
-        self._file = open(self.path, "a", encoding="utf-8")
+        if filename is not None:
+            if after_step is not None:
+                drop_steps_after(self.path, after_step)
+            self._file = open(self.path, "a", encoding="utf-8")
+        self.trackers = list(trackers)
         if tensorboard:
             writer_class = _tensorboard_writer_class()
             if writer_class is None:
                 logger.info("tensorboard is not installed; metrics go to %s only", self.path)
             else:
-                self.tensorboard_dir = self.run_dir / "tensorboard"
-                self._tb = writer_class(log_dir=str(self.tensorboard_dir))
+                run = TrackerRun(self.run_dir, self.run_dir.name, None, after_step)
+                self.trackers.append(TensorBoardTracker(run, writer_class))
+        for tracker in self.trackers:
+            if isinstance(tracker, TensorBoardTracker):
+                self.tensorboard_dir = tracker.log_dir
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Append one line ``{"step": step, **metrics, "time": now}``.
 
         `metrics` maps a name to a number, string, bool or single-element tensor/array;
         the names ``step`` and ``time`` are reserved. Strings and bools are not sent to
-        TensorBoard (it only takes numbers); non-finite floats follow the module's rule.
+        the trackers (they take numbers); a non-finite float goes to them as a float.
         No-op when the writer is disabled.
         """
         if not self.enabled:
             return
         if self._closed:
             raise RuntimeError(f"MetricsWriter for {self.path} is closed")
-        assert self._file is not None
         step = operator.index(step)
         record: dict[str, Any] = {"step": step}
         for key, value in metrics.items():
@@ -155,9 +167,11 @@ class MetricsWriter:
             record[key] = to_json_value(key, value)
         now = time.time()
         record["time"] = now
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        if self._tb is not None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        if self.trackers:
+            numbers: dict[str, float | int] = {}
             for key, value in record.items():
                 if key in _RESERVED_KEYS or isinstance(value, bool):
                     continue
@@ -165,17 +179,44 @@ class MetricsWriter:
                     if value not in NONFINITE_STRINGS:
                         continue
                     value = NONFINITE_STRINGS[value]
-                self._tb.add_scalar(key, value, global_step=step, walltime=now)
+                numbers[key] = value
+            self._each(f"at step {step}", lambda t: t.log_metrics(step, numbers, now))
 
-    def close(self) -> None:
-        """Flush and close the file and the TensorBoard writer. Safe to call twice."""
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Send the resolved config (nested JSON values) to the trackers; no-op when disabled."""
+        if self.enabled and not self._closed:
+            self._each("with the config", lambda t: t.log_config(config))
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """Send the run's summary (nested JSON values) to the trackers; no-op when disabled."""
+        if self.enabled and not self._closed:
+            self._each("with the summary", lambda t: t.log_summary(summary))
+
+    def _each(self, when: str, call: Callable[[Tracker], None]) -> None:
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as exc:  # noqa: BLE001 - a tracker's failure must not end the run
+                self.trackers.remove(tracker)
+                logger.warning("%s failed %s (%s: %s); it is off for the rest of this run, %s has every step",
+                               tracker.name, when, type(exc).__name__, exc, self.path)
+                with contextlib.suppress(Exception):  # it has already failed once, and said so
+                    tracker.close(failed=True)
+
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the file, and end the trackers' runs (as failed when `failed`).
+        Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.close(failed=failed)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("%s failed while closing (%s: %s)", tracker.name, type(exc).__name__, exc)
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -186,7 +227,7 @@ class MetricsWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)
 
 
 def drop_steps_after(path: str | os.PathLike[str], step: int) -> int:

@@ -1,0 +1,343 @@
+"""Experiment trackers (``run.loggers``): a real `shardwise train` run sends TensorBoard,
+wandb (offline) and MLflow (a SQLite store in run.dir) the numbers of metrics.jsonl, the
+resolved config and the run's summary; a resumed run continues the same tracker runs; a
+tracker that fails is switched off with one warning while the run goes on; an unknown or
+uninstalled logger is refused before anything starts."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import struct
+import sys
+
+import pytest
+from dist.common import TINY_QWEN3, import_optional
+from dist.launcher import REPO_ROOT, run_cli
+
+from shardwise.config import load_config
+from shardwise.errors import ConfigError
+from shardwise.telemetry import MetricsWriter, Tracker, read_metrics
+from shardwise.telemetry.trackers import IDS_FILE, TensorBoardTracker, TrackerRun, flatten, open_trackers
+
+for _module, _extra in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"),
+                        ("sqlalchemy", "mlflow")]:  # make test installs them all (SHARDWISE_REQUIRED_MODULES)
+    import_optional(_module, f"pip install 'shardwise[{_extra}]'")
+event_accumulator = importlib.import_module("tensorboard.backend.event_processing.event_accumulator")
+wandb_pb = importlib.import_module("wandb.proto.wandb_internal_pb2")
+mlflow_tracking = importlib.import_module("mlflow.tracking")
+
+
+# --- reading back what each tracker stored ----------------------------------------------
+
+def _wandb_records(path):
+    """The protobuf records of a wandb ``.wandb`` file (a LevelDB-style log: a 7-byte
+    header, then 32 KiB blocks of chunks with a 7-byte header each: crc, length, type)."""
+    data = path.read_bytes()
+    ident, magic, _version = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, (ident, magic)
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def _item_key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def _wandb_run(run_dir):
+    """{"id", "config", "history" (step -> {key: value}), "summary"} of each offline run
+    folder under run_dir/wandb, oldest first."""
+    runs = []
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
+        (path,) = folder.glob("run-*.wandb")
+        out = {"id": None, "config": {}, "history": {}, "summary": {}}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                out["id"] = record.run.run_id
+                out["config"].update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+            elif kind == "config":
+                out["config"].update({i.key: json.loads(i.value_json) for i in record.config.update})
+            elif kind == "history":
+                row = {_item_key(i): json.loads(i.value_json) for i in record.history.item}
+                out["history"][row["_step"]] = {k: v for k, v in row.items() if not k.startswith("_")}
+            elif kind == "summary":
+                out["summary"].update({_item_key(i): json.loads(i.value_json) for i in record.summary.update})
+        runs.append(out)
+    return runs
+
+
+def _tensorboard(run_dir):
+    acc = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0,
+                                                                                          "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _mlflow(run_dir):
+    ids = json.loads((run_dir / IDS_FILE).read_text())["mlflow"]
+    assert ids["tracking_uri"] == f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+    return mlflow_tracking.MlflowClient(tracking_uri=ids["tracking_uri"]), ids["run_id"]
+
+
+def _series(records, key):
+    return [(r["step"], r[key]) for r in records if key in r]
+
+
+# --- a real run through every tracker ------------------------------------------------------
+
+ARGV = ["train", str(REPO_ROOT / "examples" / "sft_arithmetic.yaml"), TINY_QWEN3, "train.global_batch_size=8",
+        "train.micro_batch_size=8", "train.log_every=1", "checkpoint.every_steps=0", "checkpoint.async=false",
+        "checkpoint.export_hf=false", "data.max_length=16", "run.loggers=[jsonl,tensorboard,wandb,mlflow]",
+        "run.project=trackers-test"]
+METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "skipped", "peak_memory_bytes")
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    """3 SFT steps with every tracker, then resumed to 4: (run_dir, metrics after 3 steps,
+    metrics after 4)."""
+    from shardwise.cli import main
+
+    run_dir = tmp_path_factory.mktemp("tracked") / "sft_tiny"
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            mp.setenv(var, "1")
+        mp.setenv("WANDB_MODE", "offline")  # no network: what a user without credentials gets too
+        mp.setenv("WANDB_SILENT", "true")
+        for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_DIR"):
+            mp.delenv(var, raising=False)
+        assert main(ARGV + [f"run.dir={run_dir}", "train.max_steps=3"]) == 0
+        first = read_metrics(run_dir)
+        ids = json.loads((run_dir / IDS_FILE).read_text())
+        assert main(ARGV + [f"run.dir={run_dir}", "train.max_steps=4"]) == 0  # resumes from step 3
+    return run_dir, first, read_metrics(run_dir), ids
+
+
+def test_tensorboard_holds_every_scalar_of_metrics_jsonl(tracked_run):
+    run_dir, _, records, _ = tracked_run
+    acc = _tensorboard(run_dir)
+    for key in METRICS:
+        got = [(e.step, e.value) for e in acc.Scalars(key)]
+        want = _series(records, key)
+        assert [s for s, _ in got] == [1, 2, 3, 4], key
+        assert all(math.isclose(g, w, rel_tol=1e-6) for (_, g), (_, w) in zip(got, want)), (key, got, want)
+    texts = {tag: acc.Tensors(tag) for tag in acc.Tags()["tensors"]}
+    config = texts["config/text_summary"][-1].tensor_proto.string_val[0].decode()
+    summary = texts["summary/text_summary"][-1].tensor_proto.string_val[0].decode()
+    assert '"max_steps": 4' in config and '"steps": 4' in summary
+
+
+def test_wandb_offline_run_holds_the_metrics_config_and_summary_and_resumes_by_id(tracked_run):
+    run_dir, first, records, ids = tracked_run
+    runs = _wandb_run(run_dir)
+    assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"] == ids["wandb"]["id"]
+    before, after = runs
+    for step, metrics in [(r["step"], r) for r in first]:
+        assert set(before["history"][step]) == set(METRICS)
+        for key in METRICS:
+            assert math.isclose(before["history"][step][key], metrics[key], rel_tol=1e-9), (step, key)
+    assert sorted(after["history"]) == [4]  # the resumed job logs only its own steps
+    assert math.isclose(after["history"][4]["loss"], records[-1]["loss"], rel_tol=1e-9)
+    assert before["config"]["train"]["max_steps"] == 3 and after["config"]["train"]["max_steps"] == 4
+    assert before["config"]["run"]["loggers"] == ["jsonl", "tensorboard", "wandb", "mlflow"]
+    assert after["summary"]["steps"] == 4 and math.isclose(after["summary"]["final/loss"], records[-1]["loss"])
+    assert "accuracy" in after["summary"]
+
+
+def test_mlflow_run_holds_the_metrics_params_and_summary_and_resumes_by_id(tracked_run):
+    run_dir, _, records, ids = tracked_run
+    client, run_id = _mlflow(run_dir)
+    assert run_id == ids["mlflow"]["run_id"]  # the resumed job continued the same run
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "sft_tiny"
+    assert client.get_experiment(run.info.experiment_id).name == "trackers-test"
+    for key in METRICS:
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        want = _series(records, key)
+        assert [s for s, _ in got] == [1, 2, 3, 4], key
+        assert all(math.isclose(g, float(w), rel_tol=1e-9) for (_, g), (_, w) in zip(got, want)), key
+    params = run.data.params
+    assert params["train.global_batch_size"] == "8" and params["data.source"] == "builtin:arithmetic"
+    assert params["train.max_steps"] == "3"  # params keep their first value; config.json has the new one
+    assert json.loads(params["run.loggers"]) == ["jsonl", "tensorboard", "wandb", "mlflow"]
+    artifacts = run_dir / "mlartifacts"
+    (config_json,) = artifacts.rglob("config.json")
+    (summary_json,) = artifacts.rglob("summary.json")
+    assert json.loads(config_json.read_text())["train"]["max_steps"] == 4
+    summary = json.loads(summary_json.read_text())
+    assert summary["steps"] == 4 and run.data.metrics["summary/steps"] == 4
+    assert math.isclose(run.data.metrics["summary/final/loss"], records[-1]["loss"], rel_tol=1e-9)
+
+
+def test_the_rl_controller_sends_its_steps_and_summary_to_the_trackers(tmp_path):
+    """`shardwise rl`: the controller (not a Ray worker) logs; the summary goes without the
+    per-step history, which the trackers have as metrics."""
+    pytest.importorskip("ray", reason="shardwise rl needs ray: pip install 'shardwise[rl]'")
+    run_dir = tmp_path / "grpo_tiny"
+    res = run_cli(["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "--nproc", "1", f"run.dir={run_dir}",
+                   "model.path=null", TINY_QWEN3, "train.global_batch_size=2", "train.micro_batch_size=8",
+                   "rl.rollout.n=2", "rl.rollout.max_new_tokens=2", "train.max_steps=2", "rl.heldout_eval=false",
+                   "checkpoint.export_hf=false", "checkpoint.async=false", "run.loggers=[mlflow,wandb]"],
+                  timeout=300, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": None,
+                                    "MLFLOW_EXPERIMENT_NAME": None, "WANDB_PROJECT": None})
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    client, run_id = _mlflow(run_dir)
+    for key in ("reward/mean", "actor/pg_loss", "time/step"):
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert got == [(r["step"], pytest.approx(float(r[key]), rel=1e-9)) for r in records], key
+    run = client.get_run(run_id)
+    assert run.data.params["rl.algorithm"] == "grpo" and run.data.metrics["summary/steps"] == 2
+    (summary_json,) = (run_dir / "mlartifacts").rglob("summary.json")
+    assert "history" not in json.loads(summary_json.read_text())
+    (wandb_run,) = _wandb_run(run_dir)
+    assert sorted(wandb_run["history"]) == [1, 2] and wandb_run["summary"]["steps"] == 2
+    assert wandb_run["config"]["rl"]["rollout"]["n"] == 2
+
+
+# --- failures -----------------------------------------------------------------------------
+
+class _Recording(Tracker):
+    name = "recording"
+
+    def __init__(self, fail_at_step: int | None = None):
+        self.fail_at_step = fail_at_step
+        self.steps: list[int] = []
+        self.summary = None
+        self.closed: list[bool] = []
+
+    def log_metrics(self, step, metrics, walltime):
+        if step == self.fail_at_step:
+            raise ConnectionError("server went away")
+        self.steps.append(step)
+
+    def log_summary(self, summary):
+        self.summary = dict(summary)
+
+    def close(self, failed=False):
+        self.closed.append(failed)
+
+
+def test_a_failing_tracker_is_switched_off_with_one_warning_and_the_run_goes_on(tmp_path, caplog):
+    broken, fine = _Recording(fail_at_step=2), _Recording()
+    broken.name = "broken"
+    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.metrics"), \
+            MetricsWriter(tmp_path, enabled=True, trackers=[broken, fine]) as writer:
+        for step in range(1, 5):
+            writer.log(step, {"loss": 1.0 / step})
+        writer.log_summary({"steps": 4})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert fine.steps == [1, 2, 3, 4] and fine.summary == {"steps": 4} and fine.closed == [False]
+    assert broken.steps == [1] and broken.summary is None and broken.closed == [True]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "shardwise.telemetry.metrics"]
+    assert len(warnings) == 1 and "broken failed at step 2" in warnings[0] and "server went away" in warnings[0]
+
+
+def test_trackers_end_their_runs_as_failed_when_the_job_raises(tmp_path):
+    tracker = _Recording()
+    with pytest.raises(RuntimeError), MetricsWriter(tmp_path, enabled=True, trackers=[tracker]) as writer:
+        writer.log(1, {"loss": 1.0})
+        raise RuntimeError("a rank died")
+    assert tracker.closed == [True]
+
+
+def test_a_tracker_that_cannot_start_is_left_out_with_a_warning(tmp_path, monkeypatch, caplog):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/a_file/mlflow.db")  # a file is no folder
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.trackers"):
+        trackers = open_trackers(["jsonl", "mlflow", "tensorboard"], TrackerRun(tmp_path, "r", None, 0))
+    assert [t.name for t in trackers] == ["tensorboard"]
+    (warning,) = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.WARNING and r.name == "shardwise.telemetry.trackers"]
+    assert warning.startswith("mlflow could not start") and "metrics.jsonl" in warning
+    for t in trackers:
+        t.close()
+
+
+def test_wandb_without_credentials_or_wandb_mode_writes_offline_with_one_warning(tmp_path, monkeypatch, caplog):
+    """A launch never stops at wandb's login prompt: no key, no WANDB_MODE -> offline."""
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.trackers"):
+        (tracker,) = open_trackers(["wandb"], TrackerRun(tmp_path / "run", "r", None, 0))
+    tracker.log_metrics(1, {"loss": 2.0}, walltime=1.0)
+    tracker.close()
+    (warning,) = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.WARNING and r.name == "shardwise.telemetry.trackers"]
+    assert "offline" in warning and "wandb sync" in warning
+    (run,) = _wandb_run(tmp_path / "run")
+    assert run["history"] == {1: {"loss": 2.0}}
+
+
+def test_a_resumed_tensorboard_run_replaces_the_steps_after_its_checkpoint(tmp_path):
+    """A job that crashed after logging step 4 and resumes from the checkpoint of step 2
+    logs 3 and 4 again: TensorBoard shows the new values only, as metrics.jsonl does."""
+    first = TensorBoardTracker(TrackerRun(tmp_path, "r", None, 0))
+    for step in (1, 2, 3, 4):
+        first.log_metrics(step, {"loss": float(step)}, walltime=1000.0 + step)
+    first.close()
+    again = TensorBoardTracker(TrackerRun(tmp_path, "r", None, 2))
+    for step in (3, 4):
+        again.log_metrics(step, {"loss": 10.0 * step}, walltime=2000.0 + step)
+    again.close()
+    assert [(e.step, e.value) for e in _tensorboard(tmp_path).Scalars("loss")] == \
+        [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_flatten_joins_nested_keys():
+    assert flatten({"a": {"b": 1, "c": {"d": [1]}}, "e": {}, "f": None}, ".") == \
+        {"a.b": 1, "a.c.d": [1], "e": {}, "f": None}
+
+
+# --- bad input: refused before anything starts ---------------------------------------------
+
+def test_an_unknown_logger_is_refused_naming_the_key_and_the_nearest_name():
+    with pytest.raises(ConfigError, match=r"run.loggers.*'wandbb' is not a valid choice.*did you mean wandb"):
+        load_config(None, ["run.loggers=[jsonl,wandbb]"])
+
+
+@pytest.mark.parametrize("name, module", [("wandb", "wandb"), ("mlflow", "mlflow"), ("tensorboard", "tensorboard"),
+                                          ("mlflow", "sqlalchemy")])
+def test_a_logger_that_is_not_installed_is_refused_with_its_extra(name, module, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, module, None)  # how Python marks a module that cannot be imported
+    with pytest.raises(ConfigError, match=rf"run.loggers.*'{name}' needs {module}.*pip install 'shardwise\[{name}\]'"):
+        load_config(None, [f"run.loggers=[{name}]"])
+
+
+def test_the_cli_refuses_an_uninstalled_logger_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
+    from shardwise.cli import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    code = main(["train", str(REPO_ROOT / "examples" / "sft_arithmetic.yaml"), f"run.dir={tmp_path / 'run'}",
+                 "run.loggers=[jsonl,wandb]", "--nproc", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "run.loggers" in err[0] and "pip install 'shardwise[wandb]'" in err[0]
+    assert not (tmp_path / "run").exists()
