@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test demo plan bench clean
+.PHONY: setup test lint demo plan bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	rm -f $(VENV)/.vllm-*
 	touch $(VLLM_STAMP)
+
+# The code is clean under the rule set of pyproject.toml's [tool.ruff]; .ci/run runs this
+# before the tests
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
 
 # vllm and the trackers are installed here, so their tests must run: a broken install fails them, never skips
 test: $(STAMP) $(VLLM_STAMP)

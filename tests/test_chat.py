@@ -11,19 +11,18 @@ a character tokenizer hides merges across turn boundaries.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from chat_data import QWEN_STYLE_TEMPLATE, arithmetic_conversations, build_bpe_chat_tokenizer, write_jsonl
+from chat_data import arithmetic_conversations, build_bpe_chat_tokenizer, write_jsonl
 from dist.launcher import REPO_ROOT, at_once, run_cli
 
 from shardwise.cli import main
 from shardwise.data import chat
 from shardwise.data.batch import Batch
-from shardwise.data.collate import tokenize_prompt, tokenize_record
+from shardwise.data.collate import tokenize_prompt
 from shardwise.data.rewards import check_data_sources, resolve_reward_fn, score_sequences
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import build_char_tokenizer, load_tokenizer

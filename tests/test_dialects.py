@@ -22,8 +22,8 @@ import pytest
 import yaml
 from dist.common import (
     TINY_QWEN3,
-    TINY_QWEN25_VL,
     TINY_QWEN3_MOE,
+    TINY_QWEN25_VL,
     loss_tokens,
     make_global_batch,
     make_vl_batch,

@@ -25,7 +25,7 @@ gradient's size, so two runs whose gradients differ by rounding differ by at mos
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -89,7 +89,7 @@ CASES = {
 MATH_KEYS = ("model.freeze", "model.task")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(model: str, micro: int, math: tuple[str, ...] = (), steps: int = STEPS) -> dict:
     return reference_run([model, *FP32, *BASE, *math], steps, GLOBAL_BATCH, micro)
 

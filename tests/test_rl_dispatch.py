@@ -148,7 +148,7 @@ def test_ray_group_dispatch_keeps_order_and_length(ray_group):
     assert ray_group.times([10, 20]) == [10, 40]
     assert ray_group.whoami() == 0
     with pytest.raises(AttributeError, match="not a worker method"):
-        ray_group.offset
+        _ = ray_group.offset
 
 
 def test_ray_group_failure_raises_instead_of_hanging():

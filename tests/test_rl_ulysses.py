@@ -44,11 +44,12 @@ def test_the_ulysses_comparison_sees_packed_sequences_apart():
 
 
 def critic_body(rank: int, world: int, overrides: list[str]) -> dict:
+    from test_rl_packing import spread_batch
+
     from shardwise.config import load_config
     from shardwise.data.batch import Batch
     from shardwise.distributed.runtime import init_distributed, teardown
     from shardwise.rl.workers.critic import CriticWorker
-    from test_rl_packing import spread_batch
 
     runtime = init_distributed(timeout_s=60)
     critic = CriticWorker(load_config(None, overrides), runtime)

@@ -22,9 +22,9 @@ def sync_body(rank: int, world: int, model_override: str) -> dict:
     from shardwise.distributed.runtime import init_distributed, teardown
     from shardwise.engine.generate import GenerationEngine, HFGenerator
     from shardwise.engine.train import TrainEngine
+    from shardwise.engine.weight_sync import WeightSync
     from shardwise.fsdp.gather import iter_full_tensors
     from shardwise.models.loading import build_full_model
-    from shardwise.engine.weight_sync import WeightSync
 
     class OwnCopyEngine(GenerationEngine):
         """An engine with its own plain copy of the model (as vLLM would have)."""

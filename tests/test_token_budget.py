@@ -23,7 +23,7 @@ def _cost(rows: list[int], lengths: dict[int, int], packed: bool) -> int:
 @pytest.mark.parametrize("packed", [False, True])
 def test_every_row_once_within_the_budget_and_balanced(packed):
     rng = random.Random(0)
-    for trial in range(50):
+    for _ in range(50):
         n = rng.randint(1, 40)
         idx = [100 + i for i in range(n)]
         lengths = [rng.randint(1, 64) for _ in range(n)]

@@ -123,8 +123,8 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
     from shardwise.engine.infer import compute_log_probs
     from shardwise.engine.train import TrainEngine
     from shardwise.engine.vllm_engine import VLLMGenerator
-    from shardwise.fsdp.gather import iter_adapter_tensors, iter_full_tensors
     from shardwise.engine.weight_sync import WeightSync
+    from shardwise.fsdp.gather import iter_adapter_tensors, iter_full_tensors
 
     runtime = init_distributed(timeout_s=120)
     cfg = load_config(None, [model_override, *OVERRIDES, *extra])

@@ -83,7 +83,7 @@ def format_plan(plan) -> str:
             f"{u.trainable_params:,}" if u.trainable_params else "-",
         ])
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines.append(fmt.format(*head))
     lines.append(fmt.format(*["-" * w for w in widths]))
     lines += [fmt.format(*r) for r in rows]
@@ -261,7 +261,7 @@ def _plan_scan(args: argparse.Namespace, cfg: Config, hw, gpus_per_node: int) ->
               _seconds(pr.compute_s), _seconds(pr.exposed_comm_s), _mib(sum(p.comm.bytes_per_step().values())),
               _human_bytes(pr.memory_bytes), "yes" if pr.fits else "NO"] for w, p, pr in rows]
     widths = [max(len(r[i]) for r in [head, *table]) for i in range(len(head))]
-    fmt = "  ".join("{:>%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     mfu = rows[0][2].mfu
     print(f"projected on {hw.name} ({hw.description}); MFU {mfu:.3f}; {accumulation} micro-batch(es) of "
           f"{cfg.train.micro_batch_size} x {rows[0][1].comm.seq_len} tokens per rank and step")

@@ -221,7 +221,7 @@ class _Loader(_Parser, SafeConstructor, _Resolver):
         except (ValueError, OverflowError) as e:
             value = node.value if isinstance(node, ScalarNode) else ""
             raise YamlLimit(node.start_mark.line + 1, f"{_short(repr(value), 80)} cannot be read as "
-                            f"{node.tag.rsplit(':', 1)[-1]}: {_short(str(e), 120)}", "quote it to keep it as text")
+                            f"{node.tag.rsplit(':', 1)[-1]}: {_short(str(e), 120)}", "quote it to keep it as text") from None
 
     @staticmethod
     def _check_anchor(event, anchors: dict[str, Node]) -> None:

@@ -11,7 +11,7 @@ world size live in `shardwise.config.validate`. Names a key selects from a regis
 from __future__ import annotations
 
 import importlib.util
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -147,7 +147,7 @@ def canonical_strategy(value: Any) -> Any:
 
 
 class ParallelConfig(Section):
-    fsdp_size: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+    fsdp_size: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     """Shard group size. auto, or >= world size: one FSDP group over all ranks.
     1 < n < world: HSDP, world/n replicas of n shards."""
     ulysses_size: Pos = 1
@@ -239,9 +239,9 @@ class FsdpConfig(Section):
     """Patterns; parameters left out of FSDP entirely."""
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     """Precision of every unit, unless module_precision says otherwise."""
-    module_precision: dict[str, Union[DType, PrecisionOverride]] = {}
+    module_precision: dict[str, DType | PrecisionOverride] = {}
     """Layered precision: {pattern: dtype} or {pattern: {param_dtype, ...}}."""
-    reshard_after_forward: Union[bool, Annotated[int, Field(ge=1)]] = True
+    reshard_after_forward: bool | Annotated[int, Field(ge=1)] = True
     """true (ZeRO-3) | false (ZeRO-2) | int (reshard to that group size; must divide it)."""
     offload: OffloadConfig = OffloadConfig()
     """CPU offload of parameters, gradients and optimizer state."""

@@ -102,7 +102,7 @@ class GenerationEngine(abc.ABC):
         full tensors); only for an engine that `takes_adapters`."""
         raise NotImplementedError(f"{type(self).__name__} takes no adapters")
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional for engines: nothing by default
         """Release what the engine holds beside the model (an engine of its own). Collective:
         every rank calls it, before the process group goes, on success paths only (a failed
         rank leaves at once, and a collective would wait for it). Nothing by default."""

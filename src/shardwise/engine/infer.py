@@ -28,7 +28,6 @@ the reference policy and the losses; one function computes it):
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 
 import torch
@@ -39,9 +38,9 @@ from torch import nn
 from shardwise.config.schema import Config
 from shardwise.config.validate import mesh_spec
 from shardwise.data.collate import IGNORE_INDEX
+from shardwise.distributed import ulysses
 from shardwise.distributed.mesh import build_mesh
 from shardwise.distributed.runtime import Runtime
-from shardwise.distributed import ulysses
 from shardwise.engine import packing
 from shardwise.engine.losses import loss_chunk_tokens
 from shardwise.fsdp.build import build_sharded_model

@@ -8,10 +8,11 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec
-from shardwise.errors import ConfigError
 from shardwise.distributed.runtime import Runtime
+from shardwise.errors import ConfigError
 from shardwise.fsdp.apply import apply_plan
 from shardwise.fsdp.plan import ShardingPlan, build_plan, warn_plan
+from shardwise.models import lora
 from shardwise.models.loading import (
     build_full_model,
     build_meta_model,
@@ -19,7 +20,6 @@ from shardwise.models.loading import (
     freeze,
     load_full_weights,
 )
-from shardwise.models import lora
 from shardwise.models.patches import patch_model
 
 
@@ -91,7 +91,7 @@ def build_full(cfg: Config, task: str = "causal_lm", **config_extra) -> nn.Modul
 def _outside_fsdp_to(model: nn.Module, device: torch.device) -> None:
     """Move every buffer and every parameter that is not an FSDP shard (not a DTensor) of
     the materialised `model` to `device` (a no-op when they are there already)."""
-    for path, module in model.named_modules():
+    for module in model.modules():
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf is not None and buf.device != device:
                 setattr(module, name, buf.to(device))

@@ -19,12 +19,12 @@ from torch import nn
 
 from shardwise.config.schema import Config
 from shardwise.data.batch import Batch
+from shardwise.distributed import ulysses
 from shardwise.distributed.runtime import Runtime
+from shardwise.engine import packing
 from shardwise.engine.infer import default_position_ids, forward_by_micro_batch
 from shardwise.engine.train import TrainEngine
 from shardwise.rl.algorithms import value_loss
-from shardwise.distributed import ulysses
-from shardwise.engine import packing
 from shardwise.rl.workers.common import (
     check_mini_batches,
     forward_shape,
