@@ -471,6 +471,10 @@ def cmd_rl(args: argparse.Namespace) -> int:
             if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
                 e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)
                                                 else "a worker", "".join(traceback.format_exception(e)))
+            if isinstance(e, WorkerError):  # a worker failed or was lost with its node: where to resume from
+                resume = WorkerError(f"{e}; {_last_checkpoint_line(cfg)}")
+                resume.error_file = e.error_file
+                raise resume from e
             raise
     _report_rl(cfg, summary)
     return 0

@@ -8,11 +8,19 @@ rank 0's node address and a free port there are the rendezvous) and builds
 class holding several roles per rank (the hybrid engine: actor + rollout + reference in
 one process, sharing devices); a separate role is another group.
 
+On a cluster of several nodes the bundles are packed (Ray's PACK: as few nodes as hold
+them); a group that does not fit on one node spans several, and ranks are numbered node by
+node (`rank_bundles`): consecutive ranks share a node, rank 0 is on the controller's node
+when a bundle landed there. ``group.places`` says where each rank runs (node id, IP, pid).
+
 Calling ``group.method(...)`` on a method marked with `shardwise.rl.dispatch.register`
 splits the arguments by the method's rule, runs it on the workers in parallel and joins
 the results. When a worker raises, the group is shut down (its peers may be blocked in a
 collective and would otherwise wait for the process-group timeout) and the error is
-re-raised in the controller.
+re-raised in the controller as one `WorkerError` naming the rank and its node. A rank
+whose process or node died is reported as such: when a peer's collective fails first
+(its connection to the dead rank broke), the group waits up to `PEER_LOSS_GRACE_S` for
+Ray to declare the death, so the line names the lost node rather than the survivor.
 
 `init_ray` starts a local Ray with enough CPUs for the groups, or joins the cluster at
 ``RAY_ADDRESS`` when that is set.
@@ -20,18 +28,21 @@ re-raised in the controller.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardwise.distributed.launch import kill_tree
-from shardwise.distributed.runtime import free_port, init_distributed, teardown
+from shardwise.distributed.runtime import init_distributed, teardown
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.rl.dispatch import (
     Layout,
@@ -42,17 +53,83 @@ from shardwise.rl.dispatch import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayWorkerGroup", "WorkerError", "init_ray", "shutdown_ray"]
+__all__ = ["RankPlace", "RayWorkerGroup", "WorkerError", "init_ray", "rank_bundles", "shutdown_ray"]
 
 # Variables every worker process gets (the driver's values win where set).
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                # the controller shows the progress; weight-loading bars from every worker are noise
                "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+# Passed on only where the driver sets them: which network interface the process group's
+# sockets use on nodes with several (the same name must exist on every node).
+_WORKER_ENV_IF_SET = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+PEER_LOSS_GRACE_S = 45.0
+"""How long a group whose rank failed on a broken connection waits for Ray to say whether
+a peer's process or node died (Ray declares a node dead after its health checks miss:
+about 15 s with Ray's defaults), so the error names the lost rank, not the survivor."""
+
+SETUP_NOTE_S = 15.0
+"""After this many seconds without the placement group's resources, say what it waits for."""
 
 
 class WorkerError(RuntimeError):
-    """A worker method raised; the message carries the worker's rank and error."""
+    """A worker method raised, or a worker was lost; the message carries the worker's
+    group, rank, node and error."""
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank of a group runs."""
+
+    rank: int
+    node_id: str
+    """Ray's node id (hex), as `ray list nodes` shows it."""
+    ip: str
+    """The node's address (rank 0's is the process group's rendezvous)."""
+    hostname: str
+    pid: int
+    """The rank's process on that node."""
+    interface: str | None = None
+    """The network interface its gloo sockets use (``GLOO_SOCKET_IFNAME``): the driver's
+    value, else the one holding the node's address; None: gloo's own choice."""
+
+    def where(self) -> str:
+        return f"node {self.ip}, id {self.node_id[:8]}"
+
+
+def rank_bundles(bundle_nodes: Mapping[int, str], first_node: str | None = None) -> list[int]:
+    """The placement-group bundle each rank gets, given the node each bundle landed on:
+    ranks are numbered node by node, so consecutive ranks share a node (what a sharding
+    plan expects of neighbours), in bundle order within a node. Nodes come in the order of
+    their first bundle, `first_node` (the controller's) first when it holds any.
+
+    >>> rank_bundles({0: "b", 1: "a", 2: "b", 3: "a"}, first_node="a")
+    [1, 3, 0, 2]
+    """
+    order: dict[str, list[int]] = {}
+    if first_node is not None and first_node in bundle_nodes.values():
+        order[first_node] = []
+    for b in sorted(bundle_nodes):
+        order.setdefault(bundle_nodes[b], []).append(b)
+    return [b for bundles in order.values() for b in bundles]
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's network interface holding the IPv4 address `ip`, or None
+    (another address family, or not a local address)."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
 
 
 def _ray():
@@ -96,6 +173,7 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
     if ray.is_initialized():
         return
     env_vars = {k: os.environ.get(k, v) for k, v in _WORKER_ENV.items()}
+    env_vars |= {k: os.environ[k] for k in _WORKER_ENV_IF_SET if os.environ.get(k)}
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env_vars.update(env or {})
@@ -105,14 +183,25 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
     # exit 143, naming the last checkpoint) is put back.
     main = threading.current_thread() is threading.main_thread()
     term = signal.getsignal(signal.SIGTERM) if main else None
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
-    else:
-        cpus = max(num_cpus or 1, os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
-                 configure_logging=False)
-    if main and term is not None:
-        signal.signal(signal.SIGTERM, term)
+    try:
+        if os.environ.get("RAY_ADDRESS"):
+            address = os.environ["RAY_ADDRESS"]
+            try:
+                ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+            except ConnectionError as e:  # it answered `check_ray_address`, then refused this process
+                raise ConfigError("RAY_ADDRESS", f"the Ray cluster at {address!r} did not let this process join "
+                                  f"({e})", "a cluster started with token authentication (`ray start` says so) "
+                                  "needs RAY_AUTH_MODE=token here too, and its token in RAY_AUTH_TOKEN or "
+                                  "~/.ray/auth_token") from e
+        else:
+            cpus = max(num_cpus or 1, os.cpu_count() or 1)
+            # address="local": without it Ray joins the cluster last started on this machine
+            # (`ray start`, recorded under its temp dir) and refuses num_cpus there.
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env,
+                     log_to_driver=True, configure_logging=False)
+    finally:
+        if main and term is not None:
+            signal.signal(signal.SIGTERM, term)
 
 
 def shutdown_ray(restore_signals: bool = True) -> None:
@@ -156,10 +245,31 @@ class _RankHost:
     def __init__(self) -> None:
         self.worker: Any = None
 
-    def rendezvous_address(self) -> tuple[str, int]:
+    def where(self) -> tuple[str, str, str, int, str | None]:
+        """This process's node id, node address, host name, pid and gloo interface.
+
+        gloo binds its sockets to the address the host name resolves to, which is often a
+        loopback address (``127.0.1.1 host`` in /etc/hosts): peers on other nodes could not
+        reach it. Unless the driver chose one, the interface holding the node's address is
+        set here, before the process group exists."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        ip = ray.util.get_node_ip_address()
+        if not os.environ.get("GLOO_SOCKET_IFNAME"):
+            name = interface_of(ip)
+            if name is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = name
+        return ray.get_runtime_context().get_node_id(), ip, socket.gethostname(), os.getpid(), \
+            os.environ.get("GLOO_SOCKET_IFNAME")
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address (the one its peers on other nodes reach, not 127.0.0.1) and a
+        port free on every interface of it."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, rank: int, world_size: int, addr: str, port: int, worker_cls: type,
               args: tuple, kwargs: dict) -> None:
@@ -168,8 +278,9 @@ class _RankHost:
         gpus = ray.get_gpu_ids()
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
                            "MASTER_PORT": str(port), "LOCAL_RANK": "0" if gpus else str(rank)})
+        node = ray.get_runtime_context().get_node_id()[:8]
         logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                            format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+                            format=f"[rank {rank} node {node}] %(levelname)s %(name)s: %(message)s")
         runtime = init_distributed()
         self.worker = worker_cls(*args, runtime=runtime, **kwargs)
 
@@ -194,7 +305,7 @@ class RayWorkerGroup:
     def __init__(self, worker_cls: type, world_size: int, *args: Any, name: str = "workers",
                  use_gpu: bool | None = None, setup_timeout_s: float = 900.0, sp: int = 1, **kwargs: Any):
         ray = _ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if world_size < 1:
@@ -202,20 +313,24 @@ class RayWorkerGroup:
         self.worker_cls = worker_cls
         self.world_size = world_size
         self.name = name
+        self.places: list[RankPlace] = []
+        """Where each rank runs, by rank."""
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) >= world_size
         bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
         self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK", name=name)
         try:
-            ray.get(self._pg.ready(), timeout=setup_timeout_s)
-        except Exception:
+            self._wait_for_resources(bundle, setup_timeout_s)
+            bundles = rank_bundles(placement_group_table(self._pg)["bundles_to_node_id"],
+                                   ray.get_runtime_context().get_node_id())
+        except BaseException:
             remove_placement_group(self._pg)
             raise
         host = ray.remote(_RankHost)
         self._actors = [
             host.options(num_cpus=1, num_gpus=1 if use_gpu else 0, name=f"{name}-rank{i}-{os.getpid()}",
                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                             self._pg, placement_group_bundle_index=i)).remote()
+                             self._pg, placement_group_bundle_index=bundles[i])).remote()
             for i in range(world_size)
         ]
         self._alive = True
@@ -223,9 +338,14 @@ class RayWorkerGroup:
         """Seconds of this group's calls spent outside the workers' methods (splitting and
         joining batches, moving them to and from the workers, Ray scheduling), summed."""
         try:
-            addr, port = ray.get(self._actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
-            self._wait([a.setup.remote(i, world_size, addr, port, worker_cls, args, kwargs)
-                        for i, a in enumerate(self._actors)], "setup", timeout=setup_timeout_s)
+            where = self._wait({i: a.where.remote() for i, a in enumerate(self._actors)}, "start",
+                               timeout=setup_timeout_s)
+            self.places = [RankPlace(i, *w) for i, w in enumerate(where)]
+            log.info("worker group %s: %s", name, self.describe_places())
+            addr, port = self._wait({0: self._actors[0].rendezvous_address.remote()}, "start",
+                                    timeout=setup_timeout_s)[0]
+            self._wait({i: a.setup.remote(i, world_size, addr, port, worker_cls, args, kwargs)
+                        for i, a in enumerate(self._actors)}, "setup", timeout=setup_timeout_s)
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -236,6 +356,37 @@ class RayWorkerGroup:
         else:
             self.layout = Layout(tuple(r // sp for r in range(world_size)),
                                  tuple(r % sp == 0 for r in range(world_size)))
+
+    def _wait_for_resources(self, bundle: dict[str, int], timeout_s: float) -> None:
+        """Until the placement group is reserved; says once what it waits for when that takes
+        longer than `SETUP_NOTE_S` (a cluster too small waits silently otherwise)."""
+        ray = _ray()
+        if ray.wait([self._pg.ready()], timeout=min(SETUP_NOTE_S, timeout_s))[0]:
+            return
+        have = ray.cluster_resources()
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        need = ", ".join(f"{v * self.world_size} {k}" for k, v in bundle.items())
+        waiting = (f"worker group {self.name}: waiting for {need} (1 CPU{' + 1 GPU' if 'GPU' in bundle else ''} "
+                   f"per rank); the cluster has {', '.join(f'{have.get(k, 0):g} {k}' for k in bundle)} in "
+                   f"{nodes} node(s)")
+        log.warning("%s", waiting)
+        if not ray.wait([self._pg.ready()], timeout=max(timeout_s - SETUP_NOTE_S, 0.0))[0]:
+            raise WorkerError(f"{waiting}, and gave up after {timeout_s:g} s (add nodes, or lower --nproc)")
+
+    def describe_places(self) -> str:
+        """Which ranks run on which node, e.g. ``ranks 0-1 on node 10.0.0.1, id 1a2b3c4d``."""
+        by_node: dict[str, list[RankPlace]] = {}
+        for p in self.places:
+            by_node.setdefault(p.node_id, []).append(p)
+        parts = []
+        for ps in by_node.values():
+            ranks = f"rank {ps[0].rank}" if len(ps) == 1 else f"ranks {ps[0].rank}-{ps[-1].rank}"
+            parts.append(f"{ranks} on {ps[0].where()}")
+        return "; ".join(parts)
+
+    def places_dict(self) -> list[dict[str, Any]]:
+        """`places` as JSON-ready dicts."""
+        return [asdict(p) for p in self.places]
 
     # -- calling worker methods
     def __getattr__(self, name: str) -> Any:
@@ -261,7 +412,7 @@ class RayWorkerGroup:
         t0 = time.perf_counter()
         calls, pad = split_arguments(rule, self.layout, name, args, kwargs)
         futures = {i: self._actors[i].execute.remote(name, *c) for i, c in enumerate(calls) if c is not None}
-        done = self._wait(list(futures.values()), name)
+        done = self._wait(futures, name)
         results: list[Any] = [None] * self.world_size
         for i, (r, _) in zip(futures, done):
             results[i] = r
@@ -269,29 +420,96 @@ class RayWorkerGroup:
         self.dispatch_s += time.perf_counter() - t0 - max((s for _, s in done), default=0.0)
         return out
 
-    def _wait(self, futures: list, what: str, timeout: float | None = None) -> list[Any]:
-        """All results in order; on the first failure shut the group down and raise."""
+    def _wait(self, futures: Mapping[int, Any], what: str, timeout: float | None = None) -> list[Any]:
+        """The results of `futures` (rank -> object ref), in the mapping's order; on the
+        first failure shut the group down and raise (see the module docstring).
+
+        Some failures are only symptoms: a rank whose collective broke (a peer's connection
+        closed) and Ray's "actor unavailable" (the connection to a rank's process closed;
+        the process or its node may be gone). After one, the group keeps watching, up to
+        `PEER_LOSS_GRACE_S`, for Ray to declare a node of the group dead or a rank's
+        process died, and names that; failing which, the symptom."""
         ray = _ray()
-        index = {f: i for i, f in enumerate(futures)}
-        pending = list(futures)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        rank_of = {f: r for r, f in futures.items()}
+        pending = list(futures.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        symptom: tuple[int, BaseException] | None = None
+        symptom_since = 0.0
+        while pending or (symptom is not None and _is_unavailable(symptom[1])):
+            now = time.monotonic()
+            wait_s = None if deadline is None else max(deadline - now, 0.0)
+            if symptom is not None:
+                lost = self._ranks_on_dead_node()
+                if lost is not None:
+                    self.shutdown(graceful=False)
+                    raise self._node_lost(what, *lost) from symptom[1]
+                if now - symptom_since > PEER_LOSS_GRACE_S:
+                    break
+                wait_s = 1.0 if wait_s is None else min(wait_s, 1.0)
+                if not pending:
+                    time.sleep(wait_s)
+                    continue
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             if not ready:
-                self.shutdown(graceful=False)
-                raise WorkerError(f"{self.name}.{what} did not finish in {timeout} s")
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.shutdown(graceful=False)
+                    raise WorkerError(f"{self.name}.{what} did not finish in {timeout} s")
+                continue
             try:
                 ray.get(ready[0])
             except Exception as e:
-                rank = index[ready[0]]
-                self.shutdown(graceful=False)
+                rank = rank_of[ready[0]]
                 cause = getattr(e, "cause", None) or e
+                if _is_unavailable(e) or (not _is_death(e) and _lost_peer(cause)):
+                    # The unavailable rank is the likelier culprit than a broken collective.
+                    if symptom is None or (_is_unavailable(e) and not _is_unavailable(symptom[1])):
+                        symptom = (rank, e)
+                        symptom_since = symptom_since or time.monotonic()
+                    continue
+                if symptom is not None and not _is_death(e):
+                    continue  # another survivor's error: the cause is still to come
+                self.shutdown(graceful=False)
                 if isinstance(cause, ShardwiseError):
                     # The user's mistake, found in a worker: the same one line and exit
                     # status as when the controller finds it (the traceback stays on `e`).
                     raise cause from e
-                raise WorkerError(f"{self.name}.{what} failed on rank {rank}: {type(cause).__name__}: "
-                                  f"{cause}") from e
-        return ray.get(futures)
+                lost = self._ranks_on_dead_node() if _is_death(e) else None
+                raise (self._node_lost(what, *lost) if lost else self._failure(what, rank, e)) from e
+        if symptom is not None:  # the broken collective was a rank's own, or Ray never said more
+            self.shutdown(graceful=False)
+            raise self._failure(what, *symptom) from symptom[1]
+        return ray.get(list(futures.values()))
+
+    def _ranks_on_dead_node(self) -> tuple[list[int], RankPlace, dict[str, Any]] | None:
+        """The ranks on the first node of this group that Ray holds dead (with the first
+        rank's place and Ray's record of the node), or None."""
+        ray = _ray()
+        try:
+            dead = {n.get("NodeID"): n for n in ray.nodes() if not n.get("Alive")}
+        except Exception:  # noqa: BLE001 - the GCS itself may be gone; then nothing more is known
+            return None
+        for p in self.places:
+            if p.node_id in dead:
+                return [q.rank for q in self.places if q.node_id == p.node_id], p, dead[p.node_id]
+        return None
+
+    def _node_lost(self, what: str, ranks: list[int], place: RankPlace, node: dict[str, Any]) -> WorkerError:
+        reason = " ".join(str(node.get("DeathReasonMessage") or "no reason given").split())
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return WorkerError(f"worker group {self.name!r} lost {which} in {what}: its node {place.ip} "
+                           f"(id {place.node_id}) left the Ray cluster ({reason})")
+
+    def _failure(self, what: str, rank: int, e: BaseException) -> WorkerError:
+        """One line for the failure of `rank` in `what`: a lost process, or the worker's
+        own error, with the rank's node."""
+        place = self.places[rank] if rank < len(self.places) else None
+        if _is_death(e):
+            where = f" (pid {place.pid} on {place.where()})" if place is not None else ""
+            return WorkerError(f"worker group {self.name!r} lost rank {rank} in {what}: its process{where} "
+                               f"{'stopped answering' if _is_unavailable(e) else 'died'} ({_ray_reason(e)})")
+        cause = getattr(e, "cause", None) or e
+        where = f" (rank {rank} ran on {place.where()})" if place is not None else ""
+        return WorkerError(f"{self.name}.{what} failed on rank {rank}: {type(cause).__name__}: {cause}{where}")
 
     def shutdown(self, graceful: bool = True) -> None:
         """Tear down the process group (graceful) and release actors and the placement group."""
@@ -315,3 +533,35 @@ class RayWorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown(graceful=exc[0] is None)
+
+
+def _is_death(e: BaseException) -> bool:
+    """Ray says the actor (its process, or its node) is gone."""
+    from ray.exceptions import NodeDiedError, RayActorError
+
+    return isinstance(e, (RayActorError, NodeDiedError))
+
+
+# What a collective raises when a peer's process is gone: gloo's and NCCL's words for a
+# connection that closed under it.
+_PEER_LOSS_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+                    "econnreset", "epipe", "remote process exited", "socket closed")
+
+
+def _is_unavailable(e: BaseException) -> bool:
+    """Ray lost the connection to the actor and does not know yet whether it died."""
+    from ray.exceptions import ActorUnavailableError
+
+    return isinstance(e, ActorUnavailableError)
+
+
+def _lost_peer(cause: BaseException) -> bool:
+    text = str(cause).lower()
+    return any(w in text for w in _PEER_LOSS_WORDS)
+
+
+def _ray_reason(e: BaseException) -> str:
+    """The first line of Ray's (many-line) error message that says why."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    reasons = [x for x in lines[1:] if ":" not in x.split()[0]] or lines[:1]
+    return reasons[-1] if reasons else type(e).__name__

@@ -129,6 +129,10 @@ class Controller:
         for name, roles in plan.items():
             self.groups[name] = RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id,
                                                self.eos_id, name=name, sp=self.cfg.parallel.ulysses_size)
+        # Where each rank runs (node id, address, pid): on a cluster, the first thing to
+        # know when a node misbehaves.
+        (self.run_dir / "workers.json").write_text(json.dumps(
+            {name: g.places_dict() for name, g in self.groups.items()}, indent=2))
 
     @property
     def group(self) -> RayWorkerGroup:
