@@ -13,16 +13,14 @@ the exit status and the absence of a traceback end to end (~4 s each: torch + tr
 from __future__ import annotations
 
 import importlib.util
-import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from dist.common import cli_status
 from dist.launcher import REPO_ROOT, run_cli
 
-from shardwise.cli import main
 from shardwise.fsdp.projection import profiles
 
 EXAMPLE = "examples/tiny_qwen3.yaml"  # 4 layers, untied, global batch 16, micro 4
@@ -255,13 +253,7 @@ def test_bad_config_in_process(bad: Bad, tmp_path: Path, capsys, monkeypatch) ->
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
     argv, cfg = _argv(bad, tmp_path, str(REPO_ROOT / EXAMPLE))
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse
-        code = e.code
-    except Exception:  # what the real CLI would print before dying with status 1
-        code = 1
-        print(traceback.format_exc(), end="", file=sys.stderr)
+    code = cli_status(argv)
     out, err = capsys.readouterr()
     _check(bad, cfg, code, out, err)
 

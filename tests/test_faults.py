@@ -29,6 +29,7 @@ from dist.launcher import (
     SRC_DIR,
     _kill_tree,
     _process_tree,
+    alive,
     at_once,
     free_port,
     run_cli,
@@ -327,22 +328,11 @@ class Job:
         self.out.close()
 
 
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append(p)
-        except OSError:
-            pass
-    return out
-
 
 def _gone_within(pids: list[int], seconds: float) -> float:
     t0 = time.monotonic()
-    while _alive(pids):
-        assert time.monotonic() - t0 < seconds, f"still running after {seconds} s: {_alive(pids)}"
+    while alive(pids):
+        assert time.monotonic() - t0 < seconds, f"still running after {seconds} s: {alive(pids)}"
         time.sleep(0.1)
     return time.monotonic() - t0
 

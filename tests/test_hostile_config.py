@@ -12,14 +12,12 @@ generated in tmp_path.
 
 from __future__ import annotations
 
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from dist.common import TINY_QWEN3
+from dist.common import TINY_QWEN3, cli_status
 from dist.launcher import REPO_ROOT, run_cli
 
 from shardwise.cli import main
@@ -181,13 +179,7 @@ def test_hostile_input_in_process(row: Row, tmp_path: Path, capsys, monkeypatch)
         monkeypatch.setenv(var, "1")
     monkeypatch.chdir(tmp_path)  # a default run.dir (runs/...) lands here, if anything were written
     argv, cfg = _argv(row, tmp_path)
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse
-        code = e.code
-    except Exception:  # what the real CLI would print before dying with status 1
-        code = 1
-        print(traceback.format_exc(), end="", file=sys.stderr)
+    code = cli_status(argv)
     out, err = capsys.readouterr()
     _check(row, cfg, tmp_path, code, out, err)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "run").exists()  # nothing started, nothing written

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, _process_tree, at_once, free_port, run_cli
+from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, _process_tree, alive, at_once, free_port, run_cli
 
 SFT = str(REPO_ROOT / "examples" / "sft_arithmetic.yaml")
 TRAIN = [SFT, TINY_QWEN3, "data.max_length=16", "train.micro_batch_size=4", "train.log_every=1",
@@ -159,16 +159,6 @@ class Node:
         self.out.close()
 
 
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for p in pids:
-        try:
-            if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                out.append(p)
-        except OSError:
-            pass
-    return out
-
 
 @pytest.mark.parametrize("victim,sig", [
     (1, signal.SIGKILL),  # kill -9 of node 1's shardwise: nothing of it speaks, node 0's store lives on
@@ -199,7 +189,7 @@ def test_a_node_that_ends_ends_the_others_in_seconds(victim, sig, tmp_path):
         assert lines[0].startswith(f"shardwise: the job failed on another node: rank {1 - victim} lost a peer"), out
         assert "Traceback" not in out and "[c10d]" not in out and "frame #" not in out, out
         doomed.proc.wait(timeout=60)
-        assert not _alive(pids[1:]), pids
+        assert not alive(pids[1:]), pids
         if sig == signal.SIGTERM:
             said = [x for x in doomed.output().splitlines() if x.startswith("shardwise: ")]
             assert doomed.proc.returncode == 143 and len(said) == 1 and "interrupted by SIGTERM" in said[0], said

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -320,3 +321,19 @@ def missing_optional(name: str, message: str) -> None:
     if name in os.environ.get(REQUIRED_ENV, "").split(","):
         pytest.fail(f"{message} ({REQUIRED_ENV} requires it)", pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+def cli_status(argv: list[str]) -> int:
+    """`shardwise.cli.main(argv)` in this process, as the real command would end: argparse's
+    exit status, or 1 with the traceback on stderr for an error the CLI does not catch."""
+    import traceback
+
+    from shardwise.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse
+        return int(e.code or 0)
+    except Exception:  # what the real CLI would print before dying with status 1
+        print(traceback.format_exc(), end="", file=sys.stderr)
+        return 1

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-__all__ = ["free_port", "run_ranks", "run_torchrun", "run_cli", "at_once"]
+__all__ = ["alive", "free_port", "run_ranks", "run_torchrun", "run_cli", "at_once"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SRC_DIR = REPO_ROOT / "src"
@@ -166,6 +166,19 @@ def _process_tree(pid: int) -> list[int]:
         tree.append(current)
         stack.extend(children.get(current, ()))
     return tree
+
+
+def alive(pids: Sequence[int]) -> list[int]:
+    """The processes of `pids` still running (a zombie counts as gone)."""
+    out = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(p)
+        except OSError:
+            pass
+    return out
 
 
 def _send(pid: int, sig: int) -> None:
