@@ -230,7 +230,7 @@ def test_the_lost_node_is_named_not_the_survivor_whose_collective_broke(cluster,
     from shardwise.rl.cluster import RayWorkerGroup, WorkerError, init_ray
 
     cluster.add_node(num_cpus=1)  # a node to lose (the previous test's second node is gone)
-    # ray.shutdown, not shutdown_ray: that one also kills every process under this one, and
+    # ray.shutdown, not shutdown_ray: that one also kills the Ray processes under this one, and
     # the cluster's raylets are (a local Ray of an earlier test in this process goes here)
     ray.shutdown()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)

@@ -259,6 +259,20 @@ def _short(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _compose(loader: _Loader) -> Node | None:
+    """`loader.compose()`, with libyaml's own depth limit (PyYAML >= 6.0.4: its scanner,
+    reading ahead through a flow collection, can reach 1,000 levels before the composer sees
+    the 65th) refused like `MAX_DEPTH`."""
+    try:
+        return loader.compose()
+    except yaml.MarkedYAMLError as e:
+        if "nesting depth" not in str(e.problem or ""):
+            raise
+        line = e.problem_mark.line + 1 if e.problem_mark is not None else None
+        raise YamlLimit(line, f"nests lists and mappings more than {MAX_DEPTH} deep",
+                        "a config nests a few levels") from None
+
+
 def loads(text: str) -> Any:
     """The one YAML document in `text` as plain data (None for an empty text). Raises
     `YamlLimit` for what the module docstring lists and yaml.YAMLError for text that is not
@@ -272,7 +286,7 @@ def loads(text: str) -> Any:
                         "name the YAML config file")
     loader = _Loader(text)
     try:
-        node = loader.compose()
+        node = _compose(loader)
         return None if node is None else loader.construct_document(node)
     finally:
         loader.dispose()
@@ -285,7 +299,7 @@ def key_lines(text: str) -> dict[tuple[str, ...], int]:
     refusals it raises."""
     loader = _Loader(text)
     try:
-        root = loader.compose()
+        root = _compose(loader)
     finally:
         loader.dispose()
     lines: dict[tuple[str, ...], int] = {}

@@ -414,9 +414,21 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL every process under `pid` (not `pid` itself)."""
-    _kill_all(_descendants(pid))
+def kill_tree(pid: int, only: Callable[[str], bool] | None = None) -> None:
+    """SIGKILL every process under `pid` (not `pid` itself); with `only`, those whose
+    command line (arguments joined by spaces) it accepts."""
+    pids = _descendants(pid)
+    if only is not None:
+        pids = [p for p in pids if only(_cmdline(p))]
+    _kill_all(pids)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _kill_all(pids: Sequence[int]) -> None:

@@ -204,12 +204,22 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
             signal.signal(signal.SIGTERM, term)
 
 
+_RAY_PROCESS_MARKS = ("/ray/", "ray::", "raylet", "gcs_server", "default_worker.py")
+"""What the command line of a process Ray started holds (its core, agents, workers)."""
+
+
+def _is_ray_process(cmdline: str) -> bool:
+    """Ray's own processes only: the caller's other children (a test runner's forkserver,
+    say) are left alone."""
+    return any(mark in cmdline for mark in _RAY_PROCESS_MARKS)
+
+
 def shutdown_ray(restore_signals: bool = True) -> None:
     """Stop Ray and everything it started for this driver, surviving more signals: while
     it stops, a second Ctrl-C / SIGTERM only says it is stopping (interrupted, Ray's
     shutdown crashed the process by SIGSEGV and left its agents running), a third kills
-    the processes left, by pid. Whatever this process started that is still there after
-    the shutdown is killed too. With `restore_signals` False (a run already interrupted)
+    the processes left, by pid. Whatever of Ray's this process started that is still there
+    after the shutdown is killed too. With `restore_signals` False (a run already interrupted)
     that handling stays for the rest of the process: the signals only say it is ending."""
     ray = _ray()
     if not ray.is_initialized():
@@ -224,13 +234,13 @@ def shutdown_ray(restore_signals: bool = True) -> None:
         if len(seen) == 1:
             print("\nshardwise: stopping Ray's processes; signal once more to kill them", file=sys.stderr)
             return
-        kill_tree(os.getpid())
+        kill_tree(os.getpid(), only=_is_ray_process)
         os._exit(128 + signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         ray.shutdown()
-        kill_tree(os.getpid())  # an agent Ray's shutdown did not reach
+        kill_tree(os.getpid(), only=_is_ray_process)  # an agent Ray's shutdown did not reach
     finally:
         # Set again either way: Ray's C++ core resets the process's signal dispositions on
         # shutdown behind Python's back (a later SIGTERM then killed the process by default).
