@@ -204,14 +204,22 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
             signal.signal(signal.SIGTERM, term)
 
 
-_RAY_PROCESS_MARKS = ("/ray/", "ray::", "raylet", "gcs_server", "default_worker.py")
-"""What the command line of a process Ray started holds (its core, agents, workers)."""
+_RAY_PROGRAMS = ("raylet", "gcs_server")
+"""Ray's core programs; its agents and workers are Python scripts under ray/, and its actors
+rename themselves ``ray::<class>``."""
 
 
 def _is_ray_process(cmdline: str) -> bool:
-    """Ray's own processes only: the caller's other children (a test runner's forkserver,
-    say) are left alone."""
-    return any(mark in cmdline for mark in _RAY_PROCESS_MARKS)
+    """Ray's own processes only, by their program or script (among the first arguments): the
+    caller's other children are left alone, also when an argument holds a path under ray/
+    (a multiprocessing forkserver started after `import ray` carries sys.path in its code
+    argument, and that holds ray/thirdparty_files)."""
+    for arg in cmdline.split()[:3]:
+        if arg.startswith("ray::") or os.path.basename(arg) in _RAY_PROGRAMS:
+            return True
+        if "/ray/" in arg and arg.endswith(".py"):
+            return True
+    return False
 
 
 def shutdown_ray(restore_signals: bool = True) -> None:
