@@ -7,9 +7,10 @@ then after each of 2 AdamW steps at lr 1e-2) syncs the weights through `WeightSy
 compares:
 
 - the engine's weights read back against the actor's full tensors: bitwise equal (a copy,
-  fp32 to fp32; the CPU kernel's packed linear weights and LM head are read back exactly
-  through the kernels, see `_local_weights`; for the tied model this is what catches a
-  head left with the first load's packed weights);
+  fp32 to fp32; the LM head is read back through its kernel, see `_local_weights`; for the
+  tied model this is what catches a head left with the first load's weights). On CPU the
+  engine keeps plain linear weights and the pushes copy into them (`in_place`), except with
+  ``lora_sync: adapter`` (vLLM's LoRA-wrapped layers: ``reload_weights``);
 - greedy responses against HF greedy on the same prompts, the same for every version of
   the weights and one longer than 128 tokens (vLLM's CPU block size), so a prefix cache
   not reset after a sync would serve full blocks of stale KV (it does: checked by
@@ -140,7 +141,8 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
     engine = VLLMGenerator(actor.model, scfg, runtime, PAD, eos)
     out: dict = {"startup_s": time.perf_counter() - t0, "eos": eos,
                  "rng_kept_by_startup": torch.equal(rng_before[0], torch.get_rng_state()),
-                 "set_num_threads_real": torch.set_num_threads is set_num_threads}
+                 "set_num_threads_real": torch.set_num_threads is set_num_threads,
+                 "in_place": engine.in_place}
     try:
         engine.generate_sequences(prompts_batch([3], seed=0, tag=99, greedy=True))
         out["generate_before_sync"] = "no error"
@@ -232,6 +234,7 @@ def _check(outs: list[dict], tp: int, adapter: bool = False) -> None:
     for rank, out in enumerate(outs):
         assert "sync_weights" in out["generate_before_sync"], out["generate_before_sync"]
         assert out["rng_kept_by_startup"] and out["set_num_threads_real"]
+        assert out["in_place"] is not adapter, "CPU pushes copy into plain weights; a LoRA engine reloads"
         for step, v in enumerate(out["versions"]):
             where = f"rank {rank}, weights version {step}"
             assert v["names_equal"] and not v["weights_unequal"], (where, v["weights_unequal"])
