@@ -463,6 +463,66 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
     assert [m["lr"] for m in steps] == pytest.approx([2e-3, 2e-3, 1e-5, 1e-5])
 
 
+def _running_with(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (a run folder: the job's own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                found.append(int(entry.name))
+    return alive(found)
+
+
+def test_a_crafted_checkpoint_metadata_is_refused_before_launch_and_never_runs(tmp_path, capsys, monkeypatch):
+    """Issue 22, item 10: every checkpoint's DCP `.metadata` replaced by a pickle whose
+    reduce calls os.system (its digest in COMMITTED updated too, as an attacker would) was
+    refused only by the ranks, after four DCP tracebacks. Now the launching process finds
+    it: exit 2, one line, no rank started, nothing left running, and the payload never
+    runs (neither there nor in a resume naming the folder)."""
+    import hashlib
+    import pickle
+
+    from shardwise.checkpoint.dcp import verify_checkpoint
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    run, marker = tmp_path / "run", tmp_path / "PAYLOAD_RAN"
+    base = ["train", SFT, f"run.dir={run}", *TINY, "checkpoint.every_steps=1", "checkpoint.export_hf=false",
+            "checkpoint.async=false"]
+    assert main([*base, "train.max_steps=2"]) == 0
+    capsys.readouterr()
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    crafted = pickle.dumps(Payload())
+    steps = sorted((run / "checkpoints").glob("step_*"))
+    assert len(steps) == 2
+    for step in steps:
+        (step / ".metadata").write_bytes(crafted)
+        committed = json.loads((step / "COMMITTED").read_text())
+        committed["files"][".metadata"] = {"bytes": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()}
+        (step / "COMMITTED").write_text(json.dumps(committed))
+    assert any("posix.system, which is not allowed" in p for p in verify_checkpoint(steps[-1]))
+
+    res = run_cli([*base[:2], "--nproc", "2", *base[2:], "train.max_steps=4"], timeout=120)
+    line = one_line(res)
+    assert "checkpoint.resume" in line and "no intact checkpoint" in line and "not allowed" in line, line
+    assert "shardwise launch" not in res.stderr, res.stderr  # refused before any rank started
+    assert _running_with(str(run)) == []
+    assert main([*base, "train.max_steps=4", f"checkpoint.resume={steps[0]}"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and "failed verification" in err[0] and "not allowed" in err[0], err
+    assert not marker.exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [p.name for p in steps]
+
+
 def test_a_ray_address_where_nothing_answers_fails_in_seconds(tmp_path, capsys, monkeypatch):
     """Issue 22, item 14: RAY_ADDRESS naming a port nobody listens on made Ray retry for
     minutes without a word; prepare now probes it and names it."""

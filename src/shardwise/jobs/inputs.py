@@ -56,8 +56,9 @@ def check_tokenizer(cfg: Config) -> None:
 
 
 def check_resume(cfg: Config, job: str | None = None) -> None:
-    """An explicit ``checkpoint.resume`` folder is a complete checkpoint (auto and never
-    need nothing; the checksums are verified by the ranks when they load). With `job`
+    """The checkpoint to resume passes the quick checks (`CheckpointManager.check_resumable`:
+    an explicit folder is a complete checkpoint, and with auto some checkpoint of the run
+    is; the checksums are verified by the ranks when they load). With `job`
     (``train``, ``rl``): the checkpoint to be resumed was written by that command for the
     same model (`check_same_job`), and the settings that differ from the saved run's are
     listed in one note (their new values apply)."""
@@ -65,13 +66,13 @@ def check_resume(cfg: Config, job: str | None = None) -> None:
     if resume == "never":
         return
     if resume == "auto":
-        if job is not None:
-            latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).latest()
-            if latest is not None:
-                check_same_job(cfg, job, latest, "run.dir")
+        latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).check_resumable()
+        if job is not None and latest is not None:
+            check_same_job(cfg, job, latest, "run.dir")
         return
     path = Path(resume).expanduser()
     if is_complete(path):
+        CheckpointManager(cfg.run.dir, cfg.checkpoint, None).check_resumable()
         if job is not None:
             check_same_job(cfg, job, path, "checkpoint.resume")
         return
