@@ -344,7 +344,10 @@ def test_signal_to_the_command_stops_every_rank_and_names_the_checkpoint(sig, co
         job.wait_for_checkpoint()
         if sig == signal.SIGINT:
             # Meanwhile a second job on the same run.dir (it would prune the first one's
-            # checkpoints and append to its metrics) stops at once, naming the first.
+            # checkpoints and append to its metrics) stops at once, naming the first, even
+            # after .shardwise.lock was deleted (issue 22, item 14: that let it in when the
+            # lock was a flock on that file; it is on the folder now).
+            (job.run_dir / ".shardwise.lock").unlink()
             res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={job.run_dir}", *TINY], timeout=120)
             line = one_line(res)
             assert "run.dir" in line and "in use by another shardwise job" in line and f"pid {job.proc.pid}" in line
