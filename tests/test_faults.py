@@ -544,21 +544,26 @@ def test_a_ray_address_where_nothing_answers_fails_in_seconds(tmp_path, capsys, 
 # ------------------------------------------------------------ a full disk
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1100 KiB tmpfs: room for one checkpoint of the tiny model (about 650 KiB) but not
-    two. Mounting needs root (CAP_SYS_ADMIN): skipped, saying so, where it is refused."""
-    mount = tmp_path / "small"
+@contextlib.contextmanager
+def _tmpfs(mount: Path, options: str):
+    """A tmpfs mounted at `mount` with `options` (e.g. ``size=1100k``, ``ro``). Mounting
+    needs root (CAP_SYS_ADMIN): skipped, saying so, where it is refused."""
     mount.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100k", "tmpfs", str(mount)],
-                         capture_output=True, text=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({res.stderr.strip() or res.returncode}): "
-                    "the full-disk test needs root")
+        pytest.skip(f"cannot mount a tmpfs ({options}) here ({res.stderr.strip() or res.returncode}): the test needs root")
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1100 KiB tmpfs: room for one checkpoint of the tiny model (about 650 KiB) but not
+    two."""
+    with _tmpfs(tmp_path / "small", "size=1100k") as mount:
+        yield mount
 
 
 def test_a_full_disk_during_a_checkpoint_names_what_is_intact(small_disk, tmp_path):
@@ -580,6 +585,27 @@ def test_a_full_disk_during_a_checkpoint_names_what_is_intact(small_disk, tmp_pa
     res = run_cli([*argv[:4], f"run.dir={big}", *argv[5:]], timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [json.loads(x)["step"] for x in (big / "metrics.jsonl").read_text().splitlines()][-1] == 3
+
+
+def test_a_full_disk_during_the_hf_export_names_it_and_the_intact_checkpoint(tmp_path):
+    """Issue 22, item 14: a full disk during the final HF export reported rank 1's `HF
+    export failed on rank 0 (see its error)` and never rank 0's `No space left on device`.
+    A 760 KiB tmpfs holds the final checkpoint of the tiny model (about 670 KiB) but not
+    the export after it (about 100 KiB): exit 74, one line naming the folder, the free
+    space and the export's size, the partial folder removed, the checkpoint intact."""
+    from shardwise.checkpoint.dcp import verify_checkpoint
+
+    with _tmpfs(tmp_path / "small", "size=760k") as disk:
+        run = disk / "run"
+        res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={run}", *TINY, "train.max_steps=1",
+                       "checkpoint.every_steps=0", "checkpoint.async=false"], timeout=180)
+        line = one_line(res, code=74)
+        ckpt = run / "checkpoints" / "step_00000001"
+        assert f"HF export to '{run / 'hf'}' could not be written: the disk holding it is full" in line, line
+        assert "free, the export needs about" in line and "partial folder was removed" in line, line
+        assert f"{ckpt} is intact" in line and f"shardwise export {ckpt} {run / 'hf'}" in line, line
+        assert not (run / "hf").exists() and verify_checkpoint(ckpt) == []
+        assert _running_with(str(run)) == []
 
 
 def test_sigterm_to_rl_stops_it_with_143_and_leaves_nothing(tmp_path):

@@ -204,7 +204,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     metrics = open_metrics(cfg, enabled=runtime.is_main, after_step=engine.step)
     try:
         summary = _train(cfg, runtime, engine, data, ckpt, metrics, max_steps)
-        summary |= _finish(cfg, runtime, engine, hf_config, tokenizer, tok_dir, vision, encoder_task)
+        summary |= _finish(cfg, runtime, engine, ckpt, hf_config, tokenizer, tok_dir, vision, encoder_task)
     except BaseException:
         metrics.close(failed=True)
         raise
@@ -242,8 +242,8 @@ def _train(cfg: Config, runtime: Runtime, engine: TrainEngine, data: SFTData, ck
             "metrics": str(run_dir / "metrics.jsonl"), "checkpoint": str(ckpt.latest() or "")}
 
 
-def _finish(cfg: Config, runtime: Runtime, engine: TrainEngine, hf_config, tokenizer, tok_dir, vision,
-            encoder_task: bool) -> dict:
+def _finish(cfg: Config, runtime: Runtime, engine: TrainEngine, ckpt: CheckpointManager, hf_config, tokenizer,
+            tok_dir, vision, encoder_task: bool) -> dict:
     """Exports, the held-out accuracy and the plot: the rest of the summary."""
     run_dir = Path(cfg.run.dir)
     summary: dict[str, Any] = {}
@@ -251,7 +251,7 @@ def _finish(cfg: Config, runtime: Runtime, engine: TrainEngine, hf_config, token
         summary["adapter"] = str(export_adapter(engine.model, run_dir / "adapter", base=cfg.model.path))
     if cfg.checkpoint.export_hf and (not cfg.model.lora.enabled or cfg.checkpoint.export_merged):
         out = run_dir / "hf"
-        export_model(engine.model, out, hf_config, tokenizer_dir=tok_dir)
+        export_model(engine.model, out, hf_config, tokenizer_dir=tok_dir, checkpoint=ckpt.latest())
         if vision is not None and runtime.is_main:
             vision.save(out)
         if runtime.is_main:
