@@ -429,6 +429,7 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
     folder and a resume with another model are refused before anything is written; a
     resume with a new learning rate trains with it (it kept the saved one) and says what
     changed. In-process, one rank."""
+    from shardwise.checkpoint.dcp import file_digest
     from shardwise.cli import main
 
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -453,10 +454,16 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
     refused([*base, "train.max_steps=4", "model.config.intermediate_size=48"], "another model's state",
             "model.config.intermediate_size", "64", "48")
     latest = sorted((run / "checkpoints").glob("step_*"))[-1]
-    original = (latest / "meta.json").read_text()
+    original, committed = (latest / "meta.json").read_text(), (latest / "COMMITTED").read_text()
     (latest / "meta.json").write_text(json.dumps(dict(json.loads(original), job="rl")))
+    # as an RL run would have committed it (a meta.json that fails its digest is a damaged
+    # checkpoint, skipped before its job is looked at)
+    marker = json.loads(committed)
+    marker["files"]["meta.json"] = file_digest(latest / "meta.json")
+    (latest / "COMMITTED").write_text(json.dumps(marker))
     refused([*base, "train.max_steps=4"], "checkpoint of `shardwise rl`", "`shardwise train`")
-    (latest / "meta.json").write_text(original)  # the bytes its COMMITTED digest covers
+    (latest / "meta.json").write_text(original)
+    (latest / "COMMITTED").write_text(committed)
 
     assert main([*base, "train.max_steps=4", "train.optimizer.lr=1e-5"]) == 0
     err = capsys.readouterr().err
