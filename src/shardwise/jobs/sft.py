@@ -55,6 +55,7 @@ from shardwise.jobs.inputs import (
     check_model,
     check_resume,
     check_tokenizer,
+    check_tokens,
     vision_inputs,
 )
 from shardwise.jobs.tracking import open_metrics
@@ -94,6 +95,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
         records = encoder.prepare_inputs(cfg, spec, load_hf_config(cfg.model))
     else:
         records = check_data(cfg, cfg.data.response_key, sft=True)
+        check_tokens(cfg, records)
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is not None and budget < cfg.data.max_length:
         raise ConfigError("train.max_tokens_per_micro_batch", f"{budget} tokens is less than data.max_length="
