@@ -615,6 +615,33 @@ def test_a_full_disk_during_the_hf_export_names_it_and_the_intact_checkpoint(tmp
         assert _running_with(str(run)) == []
 
 
+def test_a_run_dir_on_a_read_only_filesystem_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    """Issue 22, item 14: a read-only run.dir gave tracebacks. Root writes through chmod, so
+    the test mounts a read-only tmpfs: run.dir on it, or a folder to be created under it,
+    exits 2 with one line before any rank starts (in-process for train and rl, and once
+    through the real command)."""
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        for run_dir in (ro, ro / "run"):
+            for command in (["train", SFT], ["rl", GRPO]):
+                assert main([*command, f"run.dir={run_dir}", "--nproc", "2"]) == 2, (run_dir, command)
+                lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+                assert len(lines) == 1 and "run.dir" in lines[0] and str(ro) in lines[0], lines
+                assert "not writable" in lines[0] or "cannot be written" in lines[0], lines
+        line = one_line(run_cli(["train", SFT, "--nproc", "2", f"run.dir={ro / 'run'}", *TINY], timeout=120))
+        assert "run.dir" in line and str(ro) in line, line
+        assert list(ro.iterdir()) == []
+        # where os.access says yes (root over NFS, ACLs) the write probe still finds it
+        from shardwise.errors import ConfigError
+        from shardwise.jobs.rundir import _probe_write
+
+        with pytest.raises(ConfigError, match="cannot be written .Read-only file system."):
+            _probe_write(ro)
+
+
 def test_sigterm_to_rl_stops_it_with_143_and_leaves_nothing(tmp_path):
     """Issue 22, items 4-5: SIGTERM to `shardwise rl` died by SIGABRT with Ray's C++ stack
     dump (ray.init had replaced the SIGTERM handler), and a second signal during Ray's

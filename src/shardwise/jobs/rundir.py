@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -245,10 +246,24 @@ RUN_FILES = {"metrics.jsonl": "file", "hf": "folder", "checkpoints": "folder", "
 """What a run writes into run.dir, and what each must be (`check_run_dir`)."""
 
 
+def _probe_write(folder: Path) -> None:
+    """Create and remove an empty file in `folder`: what `os.access` cannot see (a network
+    filesystem that maps root to nobody, ACLs, a filesystem remounted read-only) fails
+    here, not in the ranks."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".shardwise-probe-", dir=folder)
+    except OSError as e:
+        raise ConfigError("run.dir", f"{str(folder)!r} cannot be written ({e.strerror or e})",
+                          "name a folder on a writable filesystem with free space") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
 def check_run_dir(run_dir: str | os.PathLike[str]) -> None:
     """ConfigError on ``run.dir`` before anything starts when the folder cannot hold a run:
     empty (the whole run would land in the working directory), a file, a symlink loop, not
-    writable, or holding a file where the run writes a folder (``hf``) or the reverse
+    writable (by its permissions, or a read-only filesystem: `_probe_write`), or holding a file where the run writes a folder (``hf``) or the reverse
     (``metrics.jsonl``) — found only after training before."""
     text = str(run_dir).strip()
     if text in ("", "."):
@@ -265,6 +280,7 @@ def check_run_dir(run_dir: str | os.PathLike[str]) -> None:
     nearest = path if exists else next((p for p in path.parents if p.exists()), Path("."))
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise ConfigError("run.dir", f"{str(nearest)!r} is not writable", "name a folder this user can write")
+    _probe_write(nearest)
     for name, kind in RUN_FILES.items():
         p = path / name
         wrong = (kind == "file" and p.is_dir()) or (kind == "folder" and p.exists() and not p.is_dir())
