@@ -48,6 +48,9 @@ class Bad:
     """Config path relative to tmp_path, for rows about the file itself (e.g. a missing one)."""
     files: tuple[tuple[str, str], ...] = ()
     """(relative path, text) written under tmp_path before the run; "{tmp}" in overrides is tmp_path."""
+    command: str = "plan"
+    """`train` for rows about the data or tokenizer, which only a job's `prepare` reads
+    (``--nproc`` = world, run.dir under tmp_path; refused before any rank starts)."""
 
 
 ROWS = [
@@ -190,6 +193,11 @@ ROWS = [
                  id="flash-attention-not-installed",
                  marks=[pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
                                            reason="flash_attn is installed: the choice is valid here")]),
+    # ---- found only inside the ranks before (issue 22, item 14); now in `prepare`
+    pytest.param(Bad(("data.max_length=1",), "data.max_length", "set data.max_length >= ", command="train"),
+                 id="max-length-keeps-no-response-token"),
+    pytest.param(Bad(("model.config.vocab_size=1",), "model.config.vocab_size", "set vocab_size >= 60",
+                     command="train"), id="vocab-smaller-than-tokenizer"),
     # ---- the config file and the command line
     pytest.param(Bad(key="{cfg}", hint="does not exist", config="missing.yaml"), id="config-file-missing"),
     pytest.param(Bad(key="{cfg}", hint="must hold a mapping of sections, got list", yaml="- a\n- b\n"),
@@ -215,11 +223,11 @@ ROWS = [
 ]
 
 SUBPROCESS_ROWS = {"unknown-key-depth2", "bad-dtype", "fsdp-size-not-dividing-world", "index-out-of-range",
-                   "invalid-yaml"}
+                   "invalid-yaml", "max-length-keeps-no-response-token"}
 
 
 def _argv(bad: Bad, tmp_path: Path, example: str) -> tuple[list[str], str]:
-    """The `shardwise plan` argv for a row, and the config path it uses."""
+    """The `shardwise plan` (or `train`) argv for a row, and the config path it uses."""
     for rel, text in bad.files:
         f = tmp_path / rel
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -232,6 +240,8 @@ def _argv(bad: Bad, tmp_path: Path, example: str) -> tuple[list[str], str]:
     else:
         cfg = example
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in bad.overrides]
+    if bad.command == "train":
+        return ["train", cfg, *overrides, f"run.dir={tmp_path / 'run'}", "--nproc", str(bad.world)], cfg
     return ["plan", cfg, *overrides, "--world-size", str(bad.world)], cfg
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 import shutil
 import time
@@ -40,6 +41,7 @@ from dist.common import (
     micro_batches_of,
 )
 from dist.launcher import run_ranks
+from torch.distributed.checkpoint.metadata import Metadata
 
 from shardwise.checkpoint.dcp import (
     COMMITTED,
@@ -430,7 +432,8 @@ def test_interrupted_saves_are_never_resumed(interrupted):
 
 def _fake_checkpoint(folder: Path, step: int, committed: bool = True) -> Path:
     folder.mkdir(parents=True)
-    (folder / ".metadata").write_bytes(b"")
+    # an empty DCP Metadata: what the restricted unpickler of verify_checkpoint accepts
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
     (folder / "meta.json").write_text(json.dumps({"step": step}))
     if committed:
         (folder / COMMITTED).write_text("{}")

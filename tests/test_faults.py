@@ -344,7 +344,10 @@ def test_signal_to_the_command_stops_every_rank_and_names_the_checkpoint(sig, co
         job.wait_for_checkpoint()
         if sig == signal.SIGINT:
             # Meanwhile a second job on the same run.dir (it would prune the first one's
-            # checkpoints and append to its metrics) stops at once, naming the first.
+            # checkpoints and append to its metrics) stops at once, naming the first, even
+            # after .shardwise.lock was deleted (issue 22, item 14: that let it in when the
+            # lock was a flock on that file; it is on the folder now).
+            (job.run_dir / ".shardwise.lock").unlink()
             res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={job.run_dir}", *TINY], timeout=120)
             line = one_line(res)
             assert "run.dir" in line and "in use by another shardwise job" in line and f"pid {job.proc.pid}" in line
@@ -426,6 +429,7 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
     folder and a resume with another model are refused before anything is written; a
     resume with a new learning rate trains with it (it kept the saved one) and says what
     changed. In-process, one rank."""
+    from shardwise.checkpoint.dcp import file_digest
     from shardwise.cli import main
 
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -450,10 +454,16 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
     refused([*base, "train.max_steps=4", "model.config.intermediate_size=48"], "another model's state",
             "model.config.intermediate_size", "64", "48")
     latest = sorted((run / "checkpoints").glob("step_*"))[-1]
-    original = (latest / "meta.json").read_text()
+    original, committed = (latest / "meta.json").read_text(), (latest / "COMMITTED").read_text()
     (latest / "meta.json").write_text(json.dumps(dict(json.loads(original), job="rl")))
+    # as an RL run would have committed it (a meta.json that fails its digest is a damaged
+    # checkpoint, skipped before its job is looked at)
+    marker = json.loads(committed)
+    marker["files"]["meta.json"] = file_digest(latest / "meta.json")
+    (latest / "COMMITTED").write_text(json.dumps(marker))
     refused([*base, "train.max_steps=4"], "checkpoint of `shardwise rl`", "`shardwise train`")
-    (latest / "meta.json").write_text(original)  # the bytes its COMMITTED digest covers
+    (latest / "meta.json").write_text(original)
+    (latest / "COMMITTED").write_text(committed)
 
     assert main([*base, "train.max_steps=4", "train.optimizer.lr=1e-5"]) == 0
     err = capsys.readouterr().err
@@ -461,6 +471,66 @@ def test_resume_refuses_another_jobs_or_models_state_and_applies_new_settings(tm
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert [m["lr"] for m in steps] == pytest.approx([2e-3, 2e-3, 1e-5, 1e-5])
+
+
+def _running_with(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (a run folder: the job's own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                found.append(int(entry.name))
+    return alive(found)
+
+
+def test_a_crafted_checkpoint_metadata_is_refused_before_launch_and_never_runs(tmp_path, capsys, monkeypatch):
+    """Issue 22, item 10: every checkpoint's DCP `.metadata` replaced by a pickle whose
+    reduce calls os.system (its digest in COMMITTED updated too, as an attacker would) was
+    refused only by the ranks, after four DCP tracebacks. Now the launching process finds
+    it: exit 2, one line, no rank started, nothing left running, and the payload never
+    runs (neither there nor in a resume naming the folder)."""
+    import hashlib
+    import pickle
+
+    from shardwise.checkpoint.dcp import verify_checkpoint
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    run, marker = tmp_path / "run", tmp_path / "PAYLOAD_RAN"
+    base = ["train", SFT, f"run.dir={run}", *TINY, "checkpoint.every_steps=1", "checkpoint.export_hf=false",
+            "checkpoint.async=false"]
+    assert main([*base, "train.max_steps=2"]) == 0
+    capsys.readouterr()
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    crafted = pickle.dumps(Payload())
+    steps = sorted((run / "checkpoints").glob("step_*"))
+    assert len(steps) == 2
+    for step in steps:
+        (step / ".metadata").write_bytes(crafted)
+        committed = json.loads((step / "COMMITTED").read_text())
+        committed["files"][".metadata"] = {"bytes": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()}
+        (step / "COMMITTED").write_text(json.dumps(committed))
+    assert any("posix.system, which is not allowed" in p for p in verify_checkpoint(steps[-1]))
+
+    res = run_cli([*base[:2], "--nproc", "2", *base[2:], "train.max_steps=4"], timeout=120)
+    line = one_line(res)
+    assert "checkpoint.resume" in line and "no intact checkpoint" in line and "not allowed" in line, line
+    assert "shardwise launch" not in res.stderr, res.stderr  # refused before any rank started
+    assert _running_with(str(run)) == []
+    assert main([*base, "train.max_steps=4", f"checkpoint.resume={steps[0]}"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and "failed verification" in err[0] and "not allowed" in err[0], err
+    assert not marker.exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [p.name for p in steps]
 
 
 def test_a_ray_address_where_nothing_answers_fails_in_seconds(tmp_path, capsys, monkeypatch):
@@ -481,21 +551,26 @@ def test_a_ray_address_where_nothing_answers_fails_in_seconds(tmp_path, capsys, 
 # ------------------------------------------------------------ a full disk
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1100 KiB tmpfs: room for one checkpoint of the tiny model (about 650 KiB) but not
-    two. Mounting needs root (CAP_SYS_ADMIN): skipped, saying so, where it is refused."""
-    mount = tmp_path / "small"
+@contextlib.contextmanager
+def _tmpfs(mount: Path, options: str):
+    """A tmpfs mounted at `mount` with `options` (e.g. ``size=1100k``, ``ro``). Mounting
+    needs root (CAP_SYS_ADMIN): skipped, saying so, where it is refused."""
     mount.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100k", "tmpfs", str(mount)],
-                         capture_output=True, text=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({res.stderr.strip() or res.returncode}): "
-                    "the full-disk test needs root")
+        pytest.skip(f"cannot mount a tmpfs ({options}) here ({res.stderr.strip() or res.returncode}): the test needs root")
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1100 KiB tmpfs: room for one checkpoint of the tiny model (about 650 KiB) but not
+    two."""
+    with _tmpfs(tmp_path / "small", "size=1100k") as mount:
+        yield mount
 
 
 def test_a_full_disk_during_a_checkpoint_names_what_is_intact(small_disk, tmp_path):
@@ -517,6 +592,54 @@ def test_a_full_disk_during_a_checkpoint_names_what_is_intact(small_disk, tmp_pa
     res = run_cli([*argv[:4], f"run.dir={big}", *argv[5:]], timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [json.loads(x)["step"] for x in (big / "metrics.jsonl").read_text().splitlines()][-1] == 3
+
+
+def test_a_full_disk_during_the_hf_export_names_it_and_the_intact_checkpoint(tmp_path):
+    """Issue 22, item 14: a full disk during the final HF export reported rank 1's `HF
+    export failed on rank 0 (see its error)` and never rank 0's `No space left on device`.
+    A 760 KiB tmpfs holds the final checkpoint of the tiny model (about 670 KiB) but not
+    the export after it (about 100 KiB): exit 74, one line naming the folder, the free
+    space and the export's size, the partial folder removed, the checkpoint intact."""
+    from shardwise.checkpoint.dcp import verify_checkpoint
+
+    with _tmpfs(tmp_path / "small", "size=760k") as disk:
+        run = disk / "run"
+        res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={run}", *TINY, "train.max_steps=1",
+                       "checkpoint.every_steps=0", "checkpoint.async=false"], timeout=180)
+        line = one_line(res, code=74)
+        ckpt = run / "checkpoints" / "step_00000001"
+        assert f"HF export to '{run / 'hf'}' could not be written: the disk holding it is full" in line, line
+        assert "free, the export needs about" in line and "partial folder was removed" in line, line
+        assert f"{ckpt} is intact" in line and f"shardwise export {ckpt} {run / 'hf'}" in line, line
+        assert not (run / "hf").exists() and verify_checkpoint(ckpt) == []
+        assert _running_with(str(run)) == []
+
+
+def test_a_run_dir_on_a_read_only_filesystem_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    """Issue 22, item 14: a read-only run.dir gave tracebacks. Root writes through chmod, so
+    the test mounts a read-only tmpfs: run.dir on it, or a folder to be created under it,
+    exits 2 with one line before any rank starts (in-process for train and rl, and once
+    through the real command)."""
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        for run_dir in (ro, ro / "run"):
+            for command in (["train", SFT], ["rl", GRPO]):
+                assert main([*command, f"run.dir={run_dir}", "--nproc", "2"]) == 2, (run_dir, command)
+                lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+                assert len(lines) == 1 and "run.dir" in lines[0] and str(ro) in lines[0], lines
+                assert "not writable" in lines[0] or "cannot be written" in lines[0], lines
+        line = one_line(run_cli(["train", SFT, "--nproc", "2", f"run.dir={ro / 'run'}", *TINY], timeout=120))
+        assert "run.dir" in line and str(ro) in line, line
+        assert list(ro.iterdir()) == []
+        # where os.access says yes (root over NFS, ACLs) the write probe still finds it
+        from shardwise.errors import ConfigError
+        from shardwise.jobs.rundir import _probe_write
+
+        with pytest.raises(ConfigError, match="cannot be written .Read-only file system."):
+            _probe_write(ro)
 
 
 def test_sigterm_to_rl_stops_it_with_143_and_leaves_nothing(tmp_path):

@@ -293,7 +293,7 @@ def _disk_full_line(cfg: Config, line: str) -> str:
         for p in sorted(folder.glob("*.tmp-*")) if folder.is_dir() else []:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
-    if "checkpoint of step" in line:
+    if "checkpoint of step" in line or line.startswith("HF export to "):  # it says both already
         return line
     free = shutil.disk_usage(cfg.run.dir).free if Path(cfg.run.dir).is_dir() else None
     extra = [f"{free / 2**20:.1f} MiB free in {cfg.run.dir}" if free is not None else None,

@@ -47,12 +47,14 @@ Public interface::
         .latest() -> Path | None                          structural check only (is_complete)
         .resolve_resume() -> Path | None                  collective when a group exists; verifies;
                                                           ConfigError('checkpoint.resume')
+        .check_resumable() -> Path | None                 before launch: quick checks, same ConfigError
         .load(engine, path) -> dict                       collective; returns `extra`; CheckpointError
         .prune() -> list[Path]                            rank 0
         .close()                                          collective
     step_dir_name(step) -> str
     is_complete(path) -> bool
-    verify_checkpoint(path, ranks=(0, 1)) -> list[str]   problems (empty: intact); no process group
+    verify_checkpoint(path, ranks=(0, 1), digests=True) -> list[str]   problems (empty: intact); no process group
+    metadata_problem(path) -> str | None                .metadata refused by the restricted unpickler
     file_digest(path) -> {"bytes": int, "sha256": str}
     read_meta(path) -> dict
     SafeFileSystemReader(path), SafeLoadPlanner()   for any dcp.load of these folders
@@ -102,7 +104,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINTS_DIR", "COMMITTED", "META_FILE", "CheckpointManager", "SafeFileSystemReader",
            "SafeLoadPlanner", "apply_optimizer_settings", "file_digest", "incomplete_reason", "is_complete",
-           "read_meta", "saved_job", "step_dir_name", "verify_checkpoint"]
+           "metadata_problem", "read_meta", "saved_job", "step_dir_name", "verify_checkpoint"]
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMITTED = "COMMITTED"
@@ -229,10 +231,14 @@ def _read_committed(p: Path) -> tuple[dict[str, Any] | None, str | None]:
     return marker, None
 
 
-def verify_checkpoint(path: str | os.PathLike[str], ranks: tuple[int, int] = (0, 1)) -> list[str]:
+def verify_checkpoint(path: str | os.PathLike[str], ranks: tuple[int, int] = (0, 1),
+                      digests: bool = True) -> list[str]:
     """What is wrong with a checkpoint folder: missing files, sizes or SHA-256 digests that
-    differ from those COMMITTED records, meta.json or COMMITTED that are not JSON. Empty
-    when intact. Reads files only (no process group).
+    differ from those COMMITTED records, meta.json or COMMITTED that are not JSON, a DCP
+    ``.metadata`` that the restricted unpickler refuses (`metadata_problem`: a crafted
+    pickle is found here, before any rank hands it to DCP). Empty when intact. Reads files
+    only (no process group). ``digests=False`` compares sizes only: the quick look the
+    launching process takes before launch (the ranks hash the files when they load).
 
     ``ranks=(rank, world)`` checks the share of this rank: file i of the sorted list in
     COMMITTED when ``i % world == rank``; the structural checks (is_complete, the JSON of
@@ -257,6 +263,9 @@ def verify_checkpoint(path: str | os.PathLike[str], ranks: tuple[int, int] = (0,
         else:
             if not isinstance(meta, dict):
                 problems.append(f"{META_FILE} is not a JSON object")
+        problem = metadata_problem(p)
+        if problem is not None:
+            problems.append(problem)
     files = marker.get("files")
     if files is None:
         return problems
@@ -270,7 +279,7 @@ def verify_checkpoint(path: str | os.PathLike[str], ranks: tuple[int, int] = (0,
         size = f.stat().st_size
         if size != want.get("bytes"):
             problems.append(f"{name} has {size} bytes, COMMITTED says {want.get('bytes')}")
-        elif file_digest(f)["sha256"] != want.get("sha256"):
+        elif digests and file_digest(f)["sha256"] != want.get("sha256"):
             problems.append(f"{name} fails its sha256 checksum")
     return problems
 
@@ -371,6 +380,21 @@ class _MetadataUnpickler(pickle.Unpickler):
             if isinstance(obj, type):  # DCP's dataclasses and enums, never a function
                 return obj
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+def metadata_problem(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong with a checkpoint's DCP ``.metadata`` (None: it reads as DCP's
+    Metadata through the restricted unpickler, which imports nothing else and calls no
+    function). DCP itself logs each failed read with a traceback on every rank before it
+    raises; reading it here first turns that into one line."""
+    try:
+        with open(Path(path) / DCP_METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:  # a crafted or damaged pickle raises anything
+        return f"{DCP_METADATA} cannot be read ({_short(exc)})"
+    if not isinstance(metadata, Metadata):
+        return f"{DCP_METADATA} is not DCP metadata (it holds a {type(metadata).__name__})"
+    return None
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -741,26 +765,56 @@ class CheckpointManager:
                                         bad, problem, candidate)
                     return candidate
                 damaged.append((str(candidate), problems[0]))
-            if damaged:
-                bad, problem = damaged[0]
-                raise ConfigError("checkpoint.resume",
-                                  f"no intact checkpoint in {self.dir}: {bad} is damaged ({problem})"
-                                  + (f", and so are the {len(damaged) - 1} older" if len(damaged) > 1 else ""),
-                                  "set checkpoint.resume=never to start over, or name a checkpoint folder")
+            self._none_intact(damaged)
             return None
         path = Path(resume).expanduser()
         if is_complete(path):
             problems = self._verify_agreed(path)
             if not problems:
                 return path
-            raise ConfigError("checkpoint.resume", f"{path} failed verification: {problems[0]}",
-                              "resume from another checkpoint folder, or use auto to take the "
-                              "newest one that verifies")
+            _failed_verification(path, problems)
         hint = "use auto, never, or a folder like <run.dir>/checkpoints/step_00000100"
         inner = CheckpointManager(path, self.cfg, self.runtime).latest() if path.is_dir() else None
         if inner is not None:
             hint = f"did you mean {inner}?"
         raise ConfigError("checkpoint.resume", f"{resume!r} {incomplete_reason(path)}", hint)
+
+    def check_resumable(self) -> Path | None:
+        """Before launch, in the launching process (no process group): what
+        `resolve_resume` will take, by the quick checks (structure, sizes, a `.metadata` the
+        restricted unpickler reads; the ranks hash the files when they load). The same
+        ConfigError as `resolve_resume` when no checkpoint passes: found before launch, no
+        rank ever starts (every checkpoint damaged, or crafted, used to be found by the
+        ranks, with DCP's tracebacks and the job's processes still ending seconds later)."""
+        resume = self.cfg.resume
+        if resume == "never":
+            return None
+        if resume == "auto":
+            damaged: list[tuple[str, str]] = []
+            for _, candidate in reversed(self._complete_steps()):
+                problems = verify_checkpoint(candidate, digests=False)
+                if not problems:
+                    return candidate
+                damaged.append((str(candidate), problems[0]))
+            self._none_intact(damaged)
+            return None
+        path = Path(resume).expanduser()
+        if is_complete(path):
+            problems = verify_checkpoint(path, digests=False)
+            if problems:
+                _failed_verification(path, problems)
+            return path
+        return None
+
+    def _none_intact(self, damaged: list[tuple[str, str]]) -> None:
+        """ConfigError when every checkpoint of the run is damaged (`damaged`: newest
+        first, (folder, its first problem))."""
+        if damaged:
+            bad, problem = damaged[0]
+            raise ConfigError("checkpoint.resume",
+                              f"no intact checkpoint in {self.dir}: {bad} is damaged ({problem})"
+                              + (f", and so are the {len(damaged) - 1} older" if len(damaged) > 1 else ""),
+                              "set checkpoint.resume=never to start over, or name a checkpoint folder")
 
     # -- pruning
     def prune(self) -> list[Path]:
@@ -801,6 +855,9 @@ class CheckpointManager:
         problem, meta, rng = None, None, None
         try:
             meta = _read_meta_checked(path)
+            bad_metadata = metadata_problem(path)
+            if bad_metadata is not None:
+                raise CheckpointError(f"checkpoint {path}: {bad_metadata}")
             saved_world = meta.get("world_size")
             rng = _read_rng(path, self.runtime.rank, int(saved_world) if saved_world is not None else None)
         except CheckpointError as exc:
@@ -830,6 +887,11 @@ class CheckpointManager:
             log.info("resumed from %s (step %d, saved by %d ranks, loaded by %d)", path,
                      engine.step, meta["world_size"], self.runtime.world_size)
         return meta["extra"]
+
+
+def _failed_verification(path: Path, problems: list[str]) -> None:
+    raise ConfigError("checkpoint.resume", f"{path} failed verification: {problems[0]}",
+                      "resume from another checkpoint folder, or use auto to take the newest one that verifies")
 
 
 def _local_bytes(state: Any) -> int:

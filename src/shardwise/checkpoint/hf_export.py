@@ -57,6 +57,11 @@ from shardwise.checkpoint.dcp import (
     COMMITTED,
     DCP_METADATA,
     SafeFileSystemReader,
+    _free_bytes,
+    _human,
+    _nearly_full,
+    _out_of_space,
+    _short,
     verify_checkpoint,
 )
 from shardwise.config.dtypes import to_torch_dtype
@@ -66,7 +71,7 @@ from shardwise.data.tokenizer import (
     has_tokenizer_files,
     locate_tokenizer,
 )
-from shardwise.errors import ShardwiseError
+from shardwise.errors import DiskFullError, ShardwiseError
 from shardwise.fsdp.build import build_full
 from shardwise.fsdp.gather import full_tensor
 from shardwise.models import lora
@@ -261,7 +266,7 @@ def _shares_storage(t: torch.Tensor, value: torch.Tensor) -> bool:
 
 def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir: str | Path | None = None,
                  dtype: torch.dtype | str | None = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportReport:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, checkpoint: Path | None = None) -> ExportReport:
     """Write a live (FSDP2-sharded or plain) HF model as an HF folder at `out_dir`.
 
     Collective: every rank calls it with the same arguments; rank 0 writes, and every rank
@@ -269,6 +274,12 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
     (written as config.json with `architectures` and `dtype` set to what was written);
     `dtype` (torch dtype or name) casts floating tensors, default: as stored (the master
     dtype). `tokenizer_dir`: its tokenizer files are copied. Returns an `ExportReport`.
+
+    A failure on rank 0 is raised on every rank as rank 0's own error line (a peer used to
+    report "failed on rank 0 (see its error)", and the launcher showed that one). A full
+    disk is a `DiskFullError` (exit status 74) naming the folder, the free space and the
+    export's size, and `checkpoint` (the run's last committed checkpoint, which the
+    export can be written from later); the partial folder is removed.
     """
     out = Path(out_dir)
     dtype = _resolve_dtype(dtype)
@@ -312,12 +323,25 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
                 _copy_tokenizer(Path(tokenizer_dir), out)
         except Exception as exc:
             error = exc
+    full_line = None
+    if error is not None and rank == 0 and (_out_of_space(error) or _nearly_full(out)):
+        need = sum(e.nbytes for e in entries)
+        shutil.rmtree(out, ignore_errors=True)
+        kept = (f"the last committed checkpoint {checkpoint} is intact (free space, then `shardwise export "
+                f"{checkpoint} {out}` writes the export from it)" if checkpoint is not None
+                else "checkpoints already committed are intact (free space, or move run.dir to a larger disk)")
+        full_line = (f"HF export to {str(out)!r} could not be written: the disk holding it is full "
+                     f"({_human(_free_bytes(out))} free, the export needs about {_human(need)}); the partial "
+                     f"folder was removed; {kept}")
     if dist.is_initialized():
-        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32,
-                          device=_collective_device())
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if error is None and not int(ok):
-            raise RuntimeError(f"HF export to {str(out)!r} failed on rank 0 (see its error)")
+        box = [None if error is None else (full_line, _short(error))] if rank == 0 else [None]
+        dist.broadcast_object_list(box, src=0, group=None, device=_collective_device())
+        if box[0] is not None and error is None:
+            full_line, reason = box[0]
+            if full_line is None:
+                raise RuntimeError(f"HF export to {str(out)!r} failed on rank 0: {reason}")
+    if full_line is not None:
+        raise DiskFullError(full_line) from None
     if error is not None:
         raise error
     return ExportReport(out_dir=out, files=files, num_tensors=len(entries) if rank == 0 else 0,

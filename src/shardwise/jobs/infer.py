@@ -63,6 +63,7 @@ from shardwise.jobs.inputs import (
     check_data,
     check_model,
     check_tokenizer,
+    check_tokens,
     vision_inputs,
 )
 from shardwise.jobs.tracking import open_metrics
@@ -122,6 +123,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     if cfg.infer.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
         vllm_engine.check_supported(load_hf_config(cfg.model), "infer", "model.config")
     check_tokenizer(cfg)
+    check_tokens(cfg)
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
     records = load_prompts(cfg, scored=name is not None)

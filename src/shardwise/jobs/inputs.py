@@ -18,10 +18,11 @@ from typing import Any
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete, read_meta, saved_job
 from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
-from shardwise.data.collate import tokenize_prompt, tokenize_record
+from shardwise.data.collate import _UNLIMITED, example_loss_tokens, tokenize_prompt, tokenize_record
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import (
     build_char_tokenizer,
+    check_vocab,
     has_tokenizer_files,
     load_tokenizer,
     locate_tokenizer,
@@ -56,8 +57,9 @@ def check_tokenizer(cfg: Config) -> None:
 
 
 def check_resume(cfg: Config, job: str | None = None) -> None:
-    """An explicit ``checkpoint.resume`` folder is a complete checkpoint (auto and never
-    need nothing; the checksums are verified by the ranks when they load). With `job`
+    """The checkpoint to resume passes the quick checks (`CheckpointManager.check_resumable`:
+    an explicit folder is a complete checkpoint, and with auto some checkpoint of the run
+    is; the checksums are verified by the ranks when they load). With `job`
     (``train``, ``rl``): the checkpoint to be resumed was written by that command for the
     same model (`check_same_job`), and the settings that differ from the saved run's are
     listed in one note (their new values apply)."""
@@ -65,13 +67,13 @@ def check_resume(cfg: Config, job: str | None = None) -> None:
     if resume == "never":
         return
     if resume == "auto":
-        if job is not None:
-            latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).latest()
-            if latest is not None:
-                check_same_job(cfg, job, latest, "run.dir")
+        latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).check_resumable()
+        if job is not None and latest is not None:
+            check_same_job(cfg, job, latest, "run.dir")
         return
     path = Path(resume).expanduser()
     if is_complete(path):
+        CheckpointManager(cfg.run.dir, cfg.checkpoint, None).check_resumable()
         if job is not None:
             check_same_job(cfg, job, path, "checkpoint.resume")
         return
@@ -209,6 +211,33 @@ def check_chat(cfg: Config, records: list[dict[str, Any]], sft: bool, vl: bool) 
             tokenize_record(tokenizer, r, d.max_length, d.train_on)
         else:
             tokenize_prompt(tokenizer, r["prompt"], d.max_length, where=r["where"])
+
+
+def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> None:
+    """What the ranks found only after launch (issue 22, item 14), with the job's tokenizer:
+    the model's ``vocab_size`` holds every token id it makes; and with SFT `records` (text
+    or chat, not images), ``data.max_length`` keeps a trained (response) token of some
+    example (at 1, none kept one and the first global batch failed on every rank). The
+    error names the smallest value that works."""
+    tokenizer = job_tokenizer(cfg)
+    check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
+    if not records or any("image" in r for r in records):
+        return
+    d = cfg.data
+    if any(example_loss_tokens(tokenize_record(tokenizer, r, d.max_length, d.train_on)[0]) for r in records):
+        return
+    firsts = []
+    for r in records:
+        mask = tokenize_record(tokenizer, r, _UNLIMITED, d.train_on)[0]["loss_mask"]
+        firsts += [next((i + 1 for i, m in enumerate(mask) if m and i > 0), None)]  # position 0 is never a label
+    needed = [n for n in firsts if n is not None]
+    if not needed:
+        raise ConfigError("data.train_on", f"{d.train_on}: no example of {d.source!r} has a token to train on",
+                          "set data.train_on=all, or check data.response_key / the assistant turns")
+    raise ConfigError("data.max_length", f"{d.max_length} keeps no trained (response) token of any of the "
+                      f"{len(records)} examples (their prompts are longer)",
+                      f"set data.max_length >= {max(needed)}, the smallest that keeps a trained token of every "
+                      "example, or more to keep whole responses")
 
 
 def job_tokenizer(cfg: Config):

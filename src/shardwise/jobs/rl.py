@@ -38,6 +38,7 @@ from shardwise.jobs.inputs import (
     check_model,
     check_resume,
     check_tokenizer,
+    check_tokens,
     vision_inputs,
 )
 from shardwise.jobs.tracking import open_metrics
@@ -83,6 +84,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
     check_tokenizer(cfg)
     check_resume(cfg, "rl")
+    check_tokens(cfg)
     records = check_data(cfg, cfg.data.ground_truth_key or cfg.data.response_key, scoring=True)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
     check_data_sources(fn, records)

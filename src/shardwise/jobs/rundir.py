@@ -4,10 +4,14 @@ A second job on the same ``run.dir`` would prune the first one's checkpoints, ap
 metrics and overwrite its export; it stops instead with a `ConfigError` on ``run.dir``
 that names the holder (process id, host, command, start time).
 
-The lock is an advisory ``flock`` held by the process that launched the job (the
-`shardwise` command, or rank 0 under a torchrun the user started) for the whole run. The
-operating system releases it when that process ends, however it ends, so a crashed job
-never leaves a stale lock behind. Ranks started by a `shardwise` process that holds the
+The lock is an advisory ``flock`` on the run folder itself (a descriptor of the directory),
+held by the process that launched the job (the `shardwise` command, or rank 0 under a
+torchrun the user started) for the whole run. The file ``.shardwise.lock`` only tells who
+holds it: deleting that file used to free the lock (a second job then appended to the
+first one's metrics), while the folder cannot be deleted or replaced under a running job
+without ending the run anyway. A filesystem that refuses ``flock`` on a directory gets the
+lock on the file, as before. The operating system releases the lock when that process
+ends, however it ends, so a crashed job never leaves a stale lock behind. Ranks started by a `shardwise` process that holds the
 lock find its path in ``SHARDWISE_RUN_DIR_HELD`` and do not lock again.
 
 The lock is per job, not per node. The launchers of a multi-node job (`shardwise train
@@ -26,6 +30,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,24 +74,25 @@ class RunDirLock:
         `check_run_dir`'s when the folder cannot be the run's; creates nothing (a quick look
         before the slower input checks)."""
         check_run_dir(self.run_dir)
-        if fcntl is None or self.held_by_launcher or not self.path.is_file():
+        if fcntl is None or self.held_by_launcher or not self.run_dir.is_dir():
             return
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
+        fd = _open_target(self.run_dir, self.path)
+        if fd is None:
             return
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._refused()
         except OSError:
-            self._refused(fd)
+            pass
         else:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
 
-    def _refused(self, fd: int) -> None:
+    def _refused(self) -> None:
         """The lock is held: by this job's other node (return), or by another job (raise)."""
-        holder = _read_holder(fd)
+        holder = _read_holder(self.path)
         if self.job is not None and holder.get("job") == self.job:
             self.peer_holder = holder
             return
@@ -94,27 +100,31 @@ class RunDirLock:
         nodes = ("; the lock is per job: the nodes of one job share it by naming the same rendezvous and --nnodes"
                  if self.job or holder.get("job") else "")
         raise ConfigError("run.dir", f"{str(self.run_dir)!r} is in use by another shardwise job "
-                          f"({_describe_holder(holder)}{mine})",
+                          f"({_describe_holder(holder, self.run_dir)}{mine})",
                           f"wait for that job to end, or set run.dir to another folder{nodes}") from None
 
     def acquire(self) -> RunDirLock:
         if fcntl is None or self.held_by_launcher or self._fd is not None:
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = _open_target(self.run_dir, self.path)
+        assert lock_fd is not None  # the folder exists: only a folder we cannot open fails, and then the file opens
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                self._refused(fd)
-            finally:
-                os.close(fd)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            self._refused()
+            return self
+        except OSError:  # no flock here at all: run unlocked, as without fcntl
+            os.close(lock_fd)
             return self
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
                 "started": datetime.datetime.now().isoformat(timespec="seconds"), "job": self.job}
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
-        self._fd = fd
+        os.close(fd)
+        self._fd = lock_fd
         return self
 
     def release(self) -> None:
@@ -135,13 +145,38 @@ class RunDirLock:
         self.release()
 
 
-def _read_holder(fd: int) -> dict:
-    """The holder's details ({} when unknown), waiting up to `HOLDER_WAIT_S` for a holder
-    that has just taken the lock to write them."""
+def _open_target(run_dir: Path, lock_file: Path) -> int | None:
+    """A descriptor to flock: the run folder's own (it survives the deletion of the
+    lock file), or the lock file's where the filesystem cannot flock a directory (some
+    network filesystems); None when neither opens."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: flock works on this folder
+            return fd
+        except OSError:
+            os.close(fd)
+            fd = None
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return fd
+    try:
+        return os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+
+
+def _read_holder(path: Path) -> dict:
+    """The holder's details from the lock file ({} when unknown), waiting up to
+    `HOLDER_WAIT_S` for a holder that has just taken the lock to write them."""
     deadline = time.monotonic() + HOLDER_WAIT_S
     while True:
         try:
-            info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+            info = json.loads(path.read_bytes()[:4096].decode() or "{}")
         except (OSError, ValueError):
             info = {}
         if info or time.monotonic() > deadline:
@@ -149,9 +184,31 @@ def _read_holder(fd: int) -> dict:
         time.sleep(0.05)
 
 
-def _describe_holder(info: dict) -> str:
+def _lock_holder_pid(folder: Path) -> int | None:
+    """The process holding a flock on `folder`, from /proc/locks (Linux; same machine)."""
+    try:
+        st = folder.stat()
+        wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == wanted:
+                return int(parts[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _describe_holder(info: dict, folder: Path | None = None) -> str:
     if not info:
-        return "holder unknown"
+        pid = _lock_holder_pid(folder) if folder is not None else None
+        if pid is None:
+            return f"holder unknown: its {LOCK_FILE} is gone"
+        try:
+            cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+        except OSError:
+            cmd = "?"
+        cmd = cmd if len(cmd) <= 200 else cmd[:197] + "..."
+        return f"pid {pid} on {socket.gethostname()}, `{cmd}`; its {LOCK_FILE} is gone"
     text = f"pid {info.get('pid')} on {info.get('host')}, `{info.get('command')}`, started {info.get('started')}"
     return text + (f", the {info['job']}" if info.get("job") else "")
 
@@ -189,10 +246,24 @@ RUN_FILES = {"metrics.jsonl": "file", "hf": "folder", "checkpoints": "folder", "
 """What a run writes into run.dir, and what each must be (`check_run_dir`)."""
 
 
+def _probe_write(folder: Path) -> None:
+    """Create and remove an empty file in `folder`: what `os.access` cannot see (a network
+    filesystem that maps root to nobody, ACLs, a filesystem remounted read-only) fails
+    here, not in the ranks."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".shardwise-probe-", dir=folder)
+    except OSError as e:
+        raise ConfigError("run.dir", f"{str(folder)!r} cannot be written ({e.strerror or e})",
+                          "name a folder on a writable filesystem with free space") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
 def check_run_dir(run_dir: str | os.PathLike[str]) -> None:
     """ConfigError on ``run.dir`` before anything starts when the folder cannot hold a run:
     empty (the whole run would land in the working directory), a file, a symlink loop, not
-    writable, or holding a file where the run writes a folder (``hf``) or the reverse
+    writable (by its permissions, or a read-only filesystem: `_probe_write`), or holding a file where the run writes a folder (``hf``) or the reverse
     (``metrics.jsonl``) — found only after training before."""
     text = str(run_dir).strip()
     if text in ("", "."):
@@ -209,6 +280,7 @@ def check_run_dir(run_dir: str | os.PathLike[str]) -> None:
     nearest = path if exists else next((p for p in path.parents if p.exists()), Path("."))
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise ConfigError("run.dir", f"{str(nearest)!r} is not writable", "name a folder this user can write")
+    _probe_write(nearest)
     for name, kind in RUN_FILES.items():
         p = path / name
         wrong = (kind == "file" and p.is_dir()) or (kind == "folder" and p.exists() and not p.is_dir())

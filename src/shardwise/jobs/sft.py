@@ -55,6 +55,7 @@ from shardwise.jobs.inputs import (
     check_model,
     check_resume,
     check_tokenizer,
+    check_tokens,
     vision_inputs,
 )
 from shardwise.jobs.tracking import open_metrics
@@ -94,6 +95,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
         records = encoder.prepare_inputs(cfg, spec, load_hf_config(cfg.model))
     else:
         records = check_data(cfg, cfg.data.response_key, sft=True)
+        check_tokens(cfg, records)
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is not None and budget < cfg.data.max_length:
         raise ConfigError("train.max_tokens_per_micro_batch", f"{budget} tokens is less than data.max_length="
@@ -204,7 +206,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     metrics = open_metrics(cfg, enabled=runtime.is_main, after_step=engine.step)
     try:
         summary = _train(cfg, runtime, engine, data, ckpt, metrics, max_steps)
-        summary |= _finish(cfg, runtime, engine, hf_config, tokenizer, tok_dir, vision, encoder_task)
+        summary |= _finish(cfg, runtime, engine, ckpt, hf_config, tokenizer, tok_dir, vision, encoder_task)
     except BaseException:
         metrics.close(failed=True)
         raise
@@ -242,8 +244,8 @@ def _train(cfg: Config, runtime: Runtime, engine: TrainEngine, data: SFTData, ck
             "metrics": str(run_dir / "metrics.jsonl"), "checkpoint": str(ckpt.latest() or "")}
 
 
-def _finish(cfg: Config, runtime: Runtime, engine: TrainEngine, hf_config, tokenizer, tok_dir, vision,
-            encoder_task: bool) -> dict:
+def _finish(cfg: Config, runtime: Runtime, engine: TrainEngine, ckpt: CheckpointManager, hf_config, tokenizer,
+            tok_dir, vision, encoder_task: bool) -> dict:
     """Exports, the held-out accuracy and the plot: the rest of the summary."""
     run_dir = Path(cfg.run.dir)
     summary: dict[str, Any] = {}
@@ -251,7 +253,7 @@ def _finish(cfg: Config, runtime: Runtime, engine: TrainEngine, hf_config, token
         summary["adapter"] = str(export_adapter(engine.model, run_dir / "adapter", base=cfg.model.path))
     if cfg.checkpoint.export_hf and (not cfg.model.lora.enabled or cfg.checkpoint.export_merged):
         out = run_dir / "hf"
-        export_model(engine.model, out, hf_config, tokenizer_dir=tok_dir)
+        export_model(engine.model, out, hf_config, tokenizer_dir=tok_dir, checkpoint=ckpt.latest())
         if vision is not None and runtime.is_main:
             vision.save(out)
         if runtime.is_main:
