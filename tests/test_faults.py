@@ -557,6 +557,31 @@ def test_sigterm_to_rl_stops_it_with_143_and_leaves_nothing(tmp_path):
         out.close()
 
 
+def test_a_reward_function_that_ends_the_controller_is_named_and_leaves_nothing(tmp_path):
+    """Issue 22, item 15: a reward function calling os._exit(3) ended `shardwise rl` with
+    exit 3, no line, and Ray's agents running on. The supervising parent names the function,
+    the row and the last checkpoint in one line, stops Ray's processes, exits 3."""
+    run = tmp_path / "run"
+    mark = f"shardwise-test-{os.getpid()}-{time.monotonic_ns()}"
+    (tmp_path / "quitter.py").write_text(
+        "import os, pathlib\n"
+        "def leave(prompt, response, ground_truth):\n"
+        f"    if list(pathlib.Path({str(run / 'checkpoints')!r}).glob('step_*/COMMITTED')):\n"
+        "        os._exit(3)  # in the step after the first checkpoint\n"
+        "    return 0.0\n")
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={run}", "model.path=null", *TINY, "train.max_steps=4",
+                   "checkpoint.every_steps=1", "checkpoint.async=false", "rl.heldout_eval=false",
+                   "rl.reward.function=quitter:leave"], timeout=300, cwd=tmp_path,
+                  env={"SHARDWISE_TEST_MARK": mark})
+    line = one_line(res, code=3)
+    assert "exited with status 3 in reward function quitter.leave on row 0" in line, line
+    assert "os._exit" in line and "Ray's processes of the run were stopped" in line, line
+    assert str(run / "checkpoints" / "step_") in line, line  # where the same command resumes
+    left = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if _environ(p).get("SHARDWISE_TEST_MARK") == mark]
+    assert not alive(left), [Path(f"/proc/{p}/cmdline").read_bytes() for p in alive(left)]
+
+
 def test_a_run_dir_that_cannot_hold_the_run_is_refused_before_launch(tmp_path, capsys, monkeypatch):
     """Issue 22, item 14: run.dir="" wrote the whole run into the working directory, a file
     or a symlink loop as run.dir gave tracebacks, and run.dir/hf being a file or

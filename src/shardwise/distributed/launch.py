@@ -414,13 +414,14 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(pid: int, only: Callable[[str], bool] | None = None) -> None:
+def kill_tree(pid: int, only: Callable[[str], bool] | None = None) -> list[int]:
     """SIGKILL every process under `pid` (not `pid` itself); with `only`, those whose
-    command line (arguments joined by spaces) it accepts."""
+    command line (arguments joined by spaces) it accepts. Returns the pids signalled."""
     pids = _descendants(pid)
     if only is not None:
         pids = [p for p in pids if only(_cmdline(p))]
     _kill_all(pids)
+    return pids
 
 
 def _cmdline(pid: int) -> str:
