@@ -353,6 +353,7 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
         return 0
     if _under_torchrun():
         launch.die_with_parent()
+        launch.record_activity()
     prepared = job.prepare(cfg)
     runtime = init_distributed()
     lock = RunDirLock(cfg.run.dir, command_line())

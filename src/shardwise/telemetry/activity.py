@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["SharedRecord", "doing", "install", "installed"]
+__all__ = ["SharedRecord", "doing", "install", "installed", "read_file"]
 
 _SIZE = 4096
 """Bytes of the shared page; an activity is cut to `_TEXT_LIMIT` characters to fit."""
@@ -27,11 +27,18 @@ _TEXT_LIMIT = 1000
 
 
 class SharedRecord:
-    """A JSON object in an anonymous shared page (``MAP_SHARED``): made by the parent before
-    `os.fork`, written by the child, read by the parent once the child has ended."""
+    """A JSON object in a shared page (``MAP_SHARED``): anonymous, made by the parent before
+    `os.fork`, written by the child, read by the parent once the child has ended; or, with
+    `path`, a file's page (a rank under torchrun: its launcher reads the file, `read_file`,
+    after the rank died; the kernel keeps what a dead process wrote to a mapped file)."""
 
-    def __init__(self) -> None:
-        self._map = mmap.mmap(-1, _SIZE)
+    def __init__(self, path: str | None = None) -> None:
+        if path is None:
+            self._map = mmap.mmap(-1, _SIZE)
+        else:
+            with open(path, "w+b") as f:
+                f.truncate(_SIZE)
+                self._map = mmap.mmap(f.fileno(), _SIZE)
         self._fields: dict[str, Any] = {}
 
     def update(self, **fields: Any) -> None:
@@ -47,11 +54,24 @@ class SharedRecord:
         self.update(said=True, status=status)
 
     def read(self) -> dict[str, Any]:
-        raw = self._map[:].split(b"\0", 1)[0]
-        try:
-            return json.loads(raw) if raw else {}
-        except ValueError:  # written while the child died: nothing reliable in it
-            return {}
+        return _parse(self._map[:])
+
+
+def _parse(page: bytes) -> dict[str, Any]:
+    raw = page.split(b"\0", 1)[0]
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:  # written while the process died: nothing reliable in it
+        return {}
+
+
+def read_file(path: str) -> dict[str, Any]:
+    """The record a process kept in the file `path` ({} when there is none)."""
+    try:
+        with open(path, "rb") as f:
+            return _parse(f.read(_SIZE))
+    except OSError:
+        return {}
 
 
 _record: SharedRecord | None = None
