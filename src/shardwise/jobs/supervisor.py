@@ -137,14 +137,16 @@ def _kill_ray_left() -> None:
     them, until a look finds none or `_SWEEP_S` passed (an agent of a dying raylet may
     still be on its way here)."""
     deadline = time.monotonic() + _SWEEP_S
+    killed: set[int] = set()
     while True:
         try:
-            killed = kill_tree(os.getpid(), only=_is_ray_process)
+            new = set(kill_tree(os.getpid(), only=_is_ray_process)) - killed  # a killed one may linger a moment
         except OSError:  # /proc unreadable: nothing more can be done
             return
         _reap()
-        if not killed or time.monotonic() >= deadline:
+        if not new or time.monotonic() >= deadline:
             return
+        killed |= new
         time.sleep(0.1)
 
 
