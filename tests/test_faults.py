@@ -231,13 +231,17 @@ def test_rl_resume_from_a_missing_folder_through_the_real_command(tmp_path):
 # ------------------------------------------------------------ failures inside ranks
 
 
-@pytest.mark.parametrize("fn,extra,words", [
-    ("score", [], ["picky.score raised ValueError: cannot score"]),
+@pytest.mark.parametrize("fn,extra,words,codes", [
+    ("score", [], ["picky.score raised ValueError: cannot score"], {2}),
     # issue 22: a function that never returns (and swallows exceptions) blocked the job forever
     ("stuck", ["infer.reward_timeout_s=1"], ["picky.stuck did not return within 1 s on row 0",
-                                            "infer.reward_timeout_s"]),
-], ids=["raises", "never_returns"])
-def test_a_user_error_on_one_rank_ends_the_job_in_seconds(fn, extra, words, tmp_path):
+                                            "infer.reward_timeout_s"], {2}),
+    # issue 22: one that ends the rank without an error is named with the rank's status (the
+    # command's is the one torchrun saw first: the rank's, or 1 of its peer that lost it)
+    ("leave", [], ["rank 1 failed: ProcessExit: exited with status 3 in reward function picky.leave on row 0"],
+     {1, 3}),
+], ids=["raises", "never_returns", "os_exit"])
+def test_a_user_error_on_one_rank_ends_the_job_in_seconds(fn, extra, words, codes, tmp_path):
     # A reward function that fails on rank 1's prompts only: rank 0 has gone on to gather
     # the results and would wait there for the process group's timeout.
     model = tmp_path / "model"
@@ -256,12 +260,17 @@ def test_a_user_error_on_one_rank_ends_the_job_in_seconds(fn, extra, words, tmp_
         "            time.sleep(3600)\n"
         "        except Exception:\n"
         "            pass\n"
+        "    return 0.0\n"
+        "def leave(prompt, response, ground_truth):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        os._exit(3)\n"
         "    return 0.0\n")
     t0 = time.monotonic()
     res = run_cli(["infer", INFER, "--nproc", "2", f"run.dir={tmp_path / 'run'}", f"model.path={model}",
                    f"infer.reward=picky:{fn}", "infer.num_prompts=8", "infer.max_new_tokens=2", *extra],
                   timeout=180, cwd=tmp_path)
-    line = one_line(res, code=2)
+    assert res.returncode in codes, res.stderr[-3000:]
+    line = one_line(res, code=res.returncode)
     for w in words:
         assert w in line, line
     assert time.monotonic() - t0 < 120
@@ -678,6 +687,31 @@ def test_sigterm_to_rl_stops_it_with_143_and_leaves_nothing(tmp_path):
         _kill_tree(proc.pid)
         proc.wait()
         out.close()
+
+
+def test_a_reward_function_that_ends_the_controller_is_named_and_leaves_nothing(tmp_path):
+    """Issue 22, item 15: a reward function calling os._exit(3) ended `shardwise rl` with
+    exit 3, no line, and Ray's agents running on. The supervising parent names the function,
+    the row and the last checkpoint in one line, stops Ray's processes, exits 3."""
+    run = tmp_path / "run"
+    mark = f"shardwise-test-{os.getpid()}-{time.monotonic_ns()}"
+    (tmp_path / "quitter.py").write_text(
+        "import os, pathlib\n"
+        "def leave(prompt, response, ground_truth):\n"
+        f"    if list(pathlib.Path({str(run / 'checkpoints')!r}).glob('step_*/COMMITTED')):\n"
+        "        os._exit(3)  # in the step after the first checkpoint\n"
+        "    return 0.0\n")
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={run}", "model.path=null", *TINY, "train.max_steps=4",
+                   "checkpoint.every_steps=1", "checkpoint.async=false", "rl.heldout_eval=false",
+                   "rl.reward.function=quitter:leave"], timeout=300, cwd=tmp_path,
+                  env={"SHARDWISE_TEST_MARK": mark})
+    line = one_line(res, code=3)
+    assert "exited with status 3 in reward function quitter.leave on row 0" in line, line
+    assert "os._exit" in line and "Ray's processes of the run were stopped" in line, line
+    assert str(run / "checkpoints" / "step_") in line, line  # where the same command resumes
+    left = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if _environ(p).get("SHARDWISE_TEST_MARK") == mark]
+    assert not alive(left), [Path(f"/proc/{p}/cmdline").read_bytes() for p in alive(left)]
 
 
 def test_a_run_dir_that_cannot_hold_the_run_is_refused_before_launch(tmp_path, capsys, monkeypatch):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from shardwise.checkpoint.dcp import CHECKPOINTS_DIR, CheckpointManager
 from shardwise.config import describe, load_config
 from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
-from shardwise.config.schema import Config
+from shardwise.config.schema import CheckpointConfig, Config
 from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
 from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc, check_plan
@@ -48,6 +48,7 @@ from shardwise.fsdp.comm import step_comm
 from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
 from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
+from shardwise.jobs.supervisor import record_run_dir, supervise
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError, shutdown_ray
 from shardwise.rl.workers.hybrid import CRITIC_DIR
@@ -278,7 +279,11 @@ def _under_torchrun() -> bool:
 
 def _last_checkpoint_line(cfg: Config) -> str:
     """Where a stopped run can resume from, in words."""
-    latest = CheckpointManager(cfg.run.dir, cfg.checkpoint, None).latest()
+    return _checkpoint_line_at(cfg.run.dir)
+
+
+def _checkpoint_line_at(run_dir: str) -> str:
+    latest = CheckpointManager(run_dir, CheckpointConfig(), None).latest()
     if latest is None:
         return "no checkpoint was committed yet"
     return f"the last committed checkpoint is {latest} (the same command resumes from it)"
@@ -348,6 +353,7 @@ def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict]
         return 0
     if _under_torchrun():
         launch.die_with_parent()
+        launch.record_activity()
     prepared = job.prepare(cfg)
     runtime = init_distributed()
     lock = RunDirLock(cfg.run.dir, command_line())
@@ -457,6 +463,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     nproc = args.nproc or ranks or 1
     check_run_dir(cfg.run.dir)
     RunDirLock(cfg.run.dir, command_line()).check_free()
+    record_run_dir(cfg.run.dir)  # for a supervising parent's line, should this process end abruptly
     prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
     print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
@@ -692,6 +699,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "debug", False):
         os.environ[launch.DEBUG_ENV] = "1"  # the ranks and Ray workers inherit it
+    if args.command == "rl" and argv is None:
+        # The command itself (not a call from code): the controller runs user code (reward
+        # functions), which may end it without a word; a parent process says what happened.
+        return supervise(lambda: _run(args), "the RL controller", _checkpoint_line_at)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except BaseException as e:  # noqa: BLE001 - sorted below; what is not ours is re-raised

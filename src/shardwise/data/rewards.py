@@ -38,6 +38,7 @@ from shardwise.data import scorers
 from shardwise.data.batch import Batch
 from shardwise.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, get_builtin_task
 from shardwise.errors import ConfigError, DataError, ShardwiseError, did_you_mean
+from shardwise.telemetry import activity
 
 __all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
            "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences"]
@@ -282,11 +283,14 @@ def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_s
     (also when the call takes longer than `timeout_s`)."""
     where = f"row {row} (prompt {_short(prompt)})"
     try:
-        if isinstance(fn, VerlReward):
-            value = _within(timeout_s, lambda: fn(prompt, response, truth, data_source=data_source,
-                                                  extra_info=extra_info))
-        else:
-            value = _within(timeout_s, lambda: fn(prompt, response, truth))
+        # Recorded for a supervising parent: a function that ends the process (os._exit)
+        # or crashes it raises nothing here, and the parent's line names it.
+        with activity.doing(f"reward function {_describe(fn)} on {where}"):
+            if isinstance(fn, VerlReward):
+                value = _within(timeout_s, lambda: fn(prompt, response, truth, data_source=data_source,
+                                                      extra_info=extra_info))
+            else:
+                value = _within(timeout_s, lambda: fn(prompt, response, truth))
     except _Timeout:
         raise RewardFunctionError(f"reward function {_describe(fn)} did not return within {timeout_s:g} s on {where}, "
                                   f"response {_short(response)}; make it faster or raise {timeout_key}") from None

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from shardwise.distributed.runtime import free_port
 from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
+from shardwise.telemetry import activity
 
 ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
 """Folder where each failing rank writes ``rank<r>.json`` (set by `launch_torchrun`)."""
@@ -375,6 +376,21 @@ def leave(code: int) -> NoReturn:
 # ------------------------------------------------------------------- launching side
 
 
+def activity_file(rank: int) -> str:
+    """The file of the error folder where rank `rank` keeps its activity
+    (`shardwise.telemetry.activity`: the reward function and row it is in)."""
+    return f"activity-rank{rank}.bin"
+
+
+def record_activity() -> None:
+    """This rank's activity goes to its file in the launcher's error folder: a rank that ends
+    without a word (user code calling os._exit, a crash) is reported with what it was doing."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK", "")
+    if folder and rank.isdigit() and os.path.isdir(folder):
+        with contextlib.suppress(OSError):
+            activity.install(activity.SharedRecord(os.path.join(folder, activity_file(int(rank)))))
+
+
 def read_failures(folder: str | os.PathLike[str]) -> list[Failure]:
     out = []
     for p in sorted(Path(folder).glob("*.json")):
@@ -414,13 +430,14 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(pid: int, only: Callable[[str], bool] | None = None) -> None:
+def kill_tree(pid: int, only: Callable[[str], bool] | None = None) -> list[int]:
     """SIGKILL every process under `pid` (not `pid` itself); with `only`, those whose
-    command line (arguments joined by spaces) it accepts."""
+    command line (arguments joined by spaces) it accepts. Returns the pids signalled."""
     pids = _descendants(pid)
     if only is not None:
         pids = [p for p in pids if only(_cmdline(p))]
     _kill_all(pids)
+    return pids
 
 
 def _cmdline(pid: int) -> str:

@@ -33,10 +33,12 @@ from shardwise.distributed.launch import (
     LAUNCHER_FILE,
     RENDEZVOUS_FAILED,
     SAVED_CPP_LOG_ENV,
+    activity_file,
     debug_enabled,
     describe_exit,
     die_with_parent,
 )
+from shardwise.telemetry import activity
 
 
 def _note(folder: str | None, name: str, **fields: object) -> None:
@@ -80,8 +82,9 @@ def main(argv: list[str]) -> int:
         # likely the cause, and its peers' files only say that they lost it.
         for r, f in e.failures.items():
             if not (folder and (Path(folder) / f"rank{r}.json").exists()):
-                _note(folder, f"launcher-rank{r}.json", rank=r, type="ProcessExit", message=describe_exit(f.exitcode),
-                      traceback=str(e))
+                doing = activity.read_file(str(Path(folder) / activity_file(r))).get("doing") if folder else None
+                _note(folder, f"launcher-rank{r}.json", rank=r, type="ProcessExit",
+                      message=describe_exit(f.exitcode) + (f" in {doing}" if doing else ""), traceback=str(e))
         rank, failure = e.get_first_failure()
         if debug_enabled():
             print(str(e), file=sys.stderr)
