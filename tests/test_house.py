@@ -96,6 +96,41 @@ def test_inference_needs_nothing_of_rl():
                     f"{name}:{node.lineno} imports {mods}"
 
 
+def _private_torch(node: ast.AST) -> str | None:
+    """The dotted torch name `node` reaches with a private part (``torch.x._y``), if any."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        names = [f"{node.module}.{a.name}" for a in node.names]
+    elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.Attribute):
+        parts, cur = [node.attr], node.value
+        while isinstance(cur, ast.Attribute):
+            parts.append(cur.attr)
+            cur = cur.value
+        if not isinstance(cur, ast.Name):
+            return None
+        names = [".".join([cur.id, *reversed(parts)])]
+    else:
+        return None
+    for name in names:
+        parts = name.split(".")
+        if parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__") for p in parts[1:]):
+            return name
+    return None
+
+
+def test_no_private_torch_internals():
+    """The declared torch range is what the suite runs: shardwise uses torch's public API
+    only (a private module or attribute can change in any release)."""
+    found = []
+    for name, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            hit = _private_torch(node)
+            if hit:
+                found.append(f"{name}:{node.lineno} uses {hit}")
+    assert not found, "private torch names:\n" + "\n".join(sorted(set(found)))
+
+
 def test_imports_sit_at_the_top_of_each_module():
     """Inside a function only optional dependencies are imported, so a module's
     dependencies are read at its top."""

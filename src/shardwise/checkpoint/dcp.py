@@ -73,6 +73,7 @@ import re
 import secrets
 import shutil
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import (
     CheckpointException,  # a BaseException: caught by name
 )
@@ -411,13 +411,38 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+def _set_path(root: dict, path: tuple, value: Any) -> None:
+    """Put `value` at `path` (keys and list indexes) in the nested state dict `root`,
+    making the dicts (a str key next) and lists (an int index next, grown with None) on the
+    way: how DCP's default planner puts an unflattened entry back (its own helper,
+    ``_traverse.set_element``, is private; this one behaves the same)."""
+
+    def grow(seq: Any, index: int) -> None:
+        while len(seq) <= index:
+            seq.append(None)
+
+    container: Any = root
+    for key, nxt in zip(path, path[1:]):
+        fresh: Any = {} if type(nxt) is str else []
+        if isinstance(container, Mapping):
+            container = container.setdefault(key, fresh)
+        else:
+            grow(container, key)
+            if container[key] is None:
+                container[key] = fresh
+            container = container[key]
+    if type(path[-1]) is int:
+        grow(container, path[-1])
+    container[path[-1]] = value
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """Non-tensor entries (optimizer param_groups: numbers, strings, tuples) with weights_only."""
 
     def load_bytes(self, read_item, value) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            _set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
