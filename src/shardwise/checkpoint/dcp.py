@@ -780,18 +780,7 @@ class CheckpointManager:
         if resume == "auto":
             # rank 0's listing, so every rank walks the same candidates
             candidates = self._rank0_value([str(p) for _, p in reversed(self._complete_steps())])
-            damaged: list[tuple[str, str]] = []
-            for candidate in map(Path, candidates):
-                problems = self._verify_agreed(candidate)
-                if not problems:
-                    if self.runtime.is_main:
-                        for bad, problem in damaged:
-                            log.warning("checkpoint %s is damaged (%s); resuming from %s instead",
-                                        bad, problem, candidate)
-                    return candidate
-                damaged.append((str(candidate), problems[0]))
-            self._none_intact(damaged)
-            return None
+            return self._first_intact(map(Path, candidates), self._verify_agreed, warn=self.runtime.is_main)
         path = Path(resume).expanduser()
         if is_complete(path):
             problems = self._verify_agreed(path)
@@ -815,20 +804,30 @@ class CheckpointManager:
         if resume == "never":
             return None
         if resume == "auto":
-            damaged: list[tuple[str, str]] = []
-            for _, candidate in reversed(self._complete_steps()):
-                problems = verify_checkpoint(candidate, digests=False)
-                if not problems:
-                    return candidate
-                damaged.append((str(candidate), problems[0]))
-            self._none_intact(damaged)
-            return None
+            return self._first_intact((p for _, p in reversed(self._complete_steps())),
+                                      lambda p: verify_checkpoint(p, digests=False), warn=False)
         path = Path(resume).expanduser()
         if is_complete(path):
             problems = verify_checkpoint(path, digests=False)
             if problems:
                 _failed_verification(path, problems)
             return path
+        return None
+
+    def _first_intact(self, candidates, verify, warn: bool) -> Path | None:
+        """The first of `candidates` (newest first) without problems by `verify`; with
+        `warn`, a warning naming each damaged one skipped. None, or `_none_intact`'s
+        ConfigError, when there is none."""
+        damaged: list[tuple[str, str]] = []
+        for candidate in candidates:
+            problems = verify(candidate)
+            if not problems:
+                if warn:
+                    for bad, problem in damaged:
+                        log.warning("checkpoint %s is damaged (%s); resuming from %s instead", bad, problem, candidate)
+                return candidate
+            damaged.append((str(candidate), problems[0]))
+        self._none_intact(damaged)
         return None
 
     def _none_intact(self, damaged: list[tuple[str, str]]) -> None:
