@@ -29,6 +29,7 @@ them out: packed rows with rl.packing, its default; TRL's counted in its loss fo
     python benchmarks/rl_vs_trl.py --steps 5        # a quick check that both sides run
     python benchmarks/rl_vs_trl.py --task long      # the long-answer task (`shardwise train
                                                     # examples/sft_long.yaml --nproc 2` first)
+    python benchmarks/rl_vs_trl.py --smoke --model runs/sft_reverse/hf   # shardwise's side, 2 steps (make test)
 
 Writes rl_vs_trl.{json,md,png} to --out (default results/rl_vs_trl) and prints the table.
 Needs the config's SFT model (its model.path; the demo's: `make demo`; the long task's:

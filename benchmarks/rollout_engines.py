@@ -14,7 +14,8 @@ fresh run folder, once per engine, and reads its metrics.jsonl:
 
 Writes rollout_engines.{json,md,png} to --out (default results/rollout_engines) and prints
 the table. Needs ray and vllm (make test installs both); the demo's SFT model
-(runs/sft_reverse/hf, `make demo`) unless --model-overrides names another.
+(runs/sft_reverse/hf, `make demo`) unless --model-overrides names another; --smoke (make
+test) needs neither vllm nor the SFT model.
 """
 
 from __future__ import annotations
