@@ -233,7 +233,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/encoder_memory"), help="results folder")
     p.add_argument("--only", type=str, default=None, help=f"comma-separated subset of: {','.join(names)}")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run (default 300)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the benchmark runs (make test): full_shard only (unless --only), a 1-layer "
+                        "BERT of hidden 64, vocab 128, 4 rows of 8 tokens, 1 step; its numbers mean nothing")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.only = args.only or "full_shard"
+        args.layers, args.hidden, args.vocab, args.seq_len, args.global_batch, args.steps = 1, 64, 128, 8, 4, 1
     if args.hidden % 64 or min(args.layers, args.steps, args.seq_len, args.vocab) < 1:
         p.error("--hidden must be a multiple of 64; --layers, --steps, --seq-len, --vocab at least 1")
     if args.global_batch % 4:

@@ -497,12 +497,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/gpu_throughput"), help="results folder")
     p.add_argument("--only", help=f"comma-separated subset of: {','.join(names)}")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the benchmark runs (make test): shardwise_no_compile only (unless --only; "
+                        "no compile time), the CPU mode's tiny Llama, 1+1 steps of one 16-token row per rank; "
+                        "its numbers mean nothing")
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cpu":
+            print("gpu_throughput: torch sees no CUDA device: running the CPU mode (a tiny Llama on gloo ranks, "
+                  "fp32), which shows that every row runs and takes its settings, not the GPU target "
+                  "(--device cuda on a GPU machine)", flush=True)
     elif args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
     mode = MODES[args.device]
+    if args.smoke:
+        args.only = args.only or "shardwise_no_compile"
+        args.model = args.model or CPU_MODEL
+        args.nproc = args.nproc or mode.nproc
+        args.rows, args.seq_len, args.warmup, args.steps = args.nproc, 16, 1, 1
     for key in ("model", "nproc", "rows", "seq_len", "warmup", "steps", "peak_flops"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(mode, key))

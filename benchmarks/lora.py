@@ -131,7 +131,8 @@ def run_train(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "shardwise.cli", "train", str(SFT_CONFIG), "--nproc", str(args.nproc),
            f"run.dir={run_dir}", f"train.max_steps={args.sft_steps}", "train.log_every=1", "checkpoint.every_steps=0",
-           "checkpoint.export_hf=false", "checkpoint.resume=never", *VARIANTS[variant]]
+           "checkpoint.export_hf=false", "checkpoint.resume=never", *VARIANTS[variant],
+           *(["data.num_examples=256"] if args.smoke else [])]  # --smoke: not 32,000 demonstrations to make
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
         res = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -325,7 +326,8 @@ def write_plot(path: Path, res: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     groups = [("demo", 2, {v: res["demo_plan"][v] for v in VARIANTS})]
-    groups += [(s, w, {v: res["big_plan"][(s, w, v)] for v in PLAN_VARIANTS}) for s in SHAPES for w in PLAN_WORLDS]
+    groups += [(s, w, {v: res["big_plan"][(s, w, v)] for v in PLAN_VARIANTS})
+               for s, w in dict.fromkeys((s, w) for s, w, _ in res["big_plan"])]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.27
     for j, v in enumerate(PLAN_VARIANTS):
@@ -372,7 +374,15 @@ def main() -> int:
     p.add_argument("--skip-rl", action="store_true", help="no RL jobs (they need runs/sft_reverse/hf and vllm)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--out", type=Path, default=REPO / "results" / "lora")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the benchmark runs (make test): 1 process per run, no RL jobs, 2 SFT steps "
+                        "(1 left out of tokens/s) run beside the held-state runs, the plan rows of llama2-7b on 8 "
+                        "ranks only; its numbers mean nothing")
     args = p.parse_args()
+    if args.smoke:
+        args.skip_rl, args.sft_steps, args.sft_warmup, args.nproc = True, 2, 1, 1
+    shapes = {"llama2-7b": SHAPES["llama2-7b"]} if args.smoke else SHAPES
+    worlds = PLAN_WORLDS[:1] if args.smoke else PLAN_WORLDS
     args.out = args.out.resolve()
     for d in ("logs", "raw", "runs"):
         (args.out / d).mkdir(parents=True, exist_ok=True)
@@ -386,15 +396,17 @@ def main() -> int:
     # Byte counts do not depend on speed: the held-state runs go on in the background while
     # the plans are made; the timed runs below run one at a time.
     say(f"held state: _train_worker.py, full and lora, 2 steps each, in the background ({args.nproc} ranks each)")
-    with ThreadPoolExecutor(len(VARIANTS)) as pool:
+    with ThreadPoolExecutor(2 * len(VARIANTS)) as pool:
         held = {v: pool.submit(held_state, v, args) for v in VARIANTS}
-        say(f"plan: demo model on {args.nproc} ranks, {', '.join(SHAPES)} on {PLAN_WORLDS} ranks (meta device)")
+        # --smoke times nothing worth reading: its SFT runs go beside the rest, not one at a time
+        smoke_sft = {v: pool.submit(run_train, v, args) for v in VARIANTS} if args.smoke else {}
+        say(f"plan: demo model on {args.nproc} ranks, {', '.join(shapes)} on {worlds} ranks (meta device)")
         for v in VARIANTS:
             r = res["demo_plan"][v] = plan(SFT_CONFIG, args.nproc, VARIANTS[v])
             say(f"  plan demo x{args.nproc} {v}: "
                 + (r["error"] if "error" in r else f"{r['total'] / MIB:.2f} MiB/rank"))
-        for shape, cfg in SHAPES.items():
-            for world in PLAN_WORLDS:
+        for shape, cfg in shapes.items():
+            for world in worlds:
                 common = [f"model.config={json.dumps(cfg)}", "model.dtype=fp32",
                           "fsdp.mixed_precision.param_dtype=bf16", "fsdp.mixed_precision.reduce_dtype=fp32",
                           "train.micro_batch_size=1", f"train.global_batch_size={world}"]
@@ -407,7 +419,12 @@ def main() -> int:
             say(f"  held state {v}: " + (f"unavailable: {r['error']}" if "error" in r else
                                          f"{r['total'] / MIB:.2f} MiB/rank"))
 
-    jobs = [("sft", v) for v in VARIANTS]
+        for v, fut in smoke_sft.items():
+            r = res["sft_runs"][v] = fut.result()
+            say(f"  SFT {v}, {args.sft_steps} steps: " + (f"unavailable: {r['error']}" if "error" in r else
+                                                        f"{r['tokens_per_s']:.0f} tokens/s"))
+
+    jobs = [] if args.smoke else [("sft", v) for v in VARIANTS]
     if not args.skip_rl:
         adapter = adapter_sync_exists()
         jobs += [("rl", name) for name in RL_ORDER if adapter or name != "vllm lora adapter"]
@@ -435,7 +452,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     (args.out / "lora.json").write_text(json.dumps(
         {"machine": machine_info(args), "args": {k: str(v) for k, v in vars(args).items()}, "variants": VARIANTS,
-         "plan_variants": PLAN_VARIANTS, "shapes": SHAPES, "wall_s": wall, "rows": rows,
+         "plan_variants": PLAN_VARIANTS, "shapes": shapes, "wall_s": wall, "rows": rows,
          "sft_tokens_per_s_steps": {v: r.get("tokens_per_s_steps") for v, r in res["sft_runs"].items()},
          "rl_reward": {k: r.get("reward") for k, r in res["rl"].items()}}, indent=2) + "\n")
     write_plot(args.out / "lora.png", res)

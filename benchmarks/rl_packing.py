@@ -157,7 +157,12 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16, help="rows per micro-batch of the fixed settings")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "rl_packing")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a check that the benchmark runs (make test): --means 12 --rows 4 --micro 2 --repeats 1; "
+                         "its numbers mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.means, args.rows, args.micro, args.repeats = [12], 4, 2, 1
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
     rows_out = []
     for mean in args.means:

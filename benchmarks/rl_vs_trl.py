@@ -29,6 +29,7 @@ them out: packed rows with rl.packing, its default; TRL's counted in its loss fo
     python benchmarks/rl_vs_trl.py --steps 5        # a quick check that both sides run
     python benchmarks/rl_vs_trl.py --task long      # the long-answer task (`shardwise train
                                                     # examples/sft_long.yaml --nproc 2` first)
+    python benchmarks/rl_vs_trl.py --smoke --model runs/sft_reverse/hf   # shardwise's side, 2 steps (make test)
 
 Writes rl_vs_trl.{json,md,png} to --out (default results/rl_vs_trl) and prints the table.
 Needs the config's SFT model (its model.path; the demo's: `make demo`; the long task's:
@@ -232,10 +233,10 @@ def step_records(cfg: Config, steps: int) -> list[dict[str, str]]:
 
 def trl_requirements() -> list[str]:
     """torch (installed first, alone: the version shardwise runs on, so a CPU build stays
-    one), then TRL's pins, shardwise's transformers and its pillow (the worker's import of
-    shardwise.data.tasks loads the built-in image tasks' module, shardwise.data.visual)."""
-    return [f"torch=={version('torch').split('+')[0]}", *TRL_PINS, f"transformers=={version('transformers')}",
-            f"pillow=={version('pillow')}"]
+    one), then TRL's pins and shardwise's transformers. Nothing else of shardwise's: the
+    shardwise modules the worker imports load with what these bring (tests/test_benchmarks_smoke.py
+    imports them with shardwise's other dependencies, pillow among them, hidden)."""
+    return [f"torch=={version('torch').split('+')[0]}", *TRL_PINS, f"transformers=={version('transformers')}"]
 
 
 def ensure_venv(venv: Path, skip_install: bool) -> Path:
@@ -270,9 +271,9 @@ def venv_versions(py: Path) -> dict[str, str]:
 # ---------------------------------------------------------------------- the two runs
 
 
-def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
-    """TRL's run; its steps as ``{"step", "reward", "t"}`` (seconds since its first step
-    began) and the startup seconds (launch to the first step)."""
+def trl_inputs(cfg: Config, args: argparse.Namespace) -> Path:
+    """TRL's inputs in ``--out/trl``: the prompt records of every step and the worker's spec;
+    returns the spec's path."""
     work = args.out / "trl"
     if work.exists():
         subprocess.run(["rm", "-rf", str(work)], check=True)
@@ -284,8 +285,16 @@ def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
             "lr_factors": [lr_factor(i, s, args.steps) for i in range(args.steps)],
             "grpo_config": grpo_config(cfg, args.nproc, args.steps, work)}
     (work / "spec.json").write_text(json.dumps(spec, indent=2))
+    return work / "spec.json"
+
+
+def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's run; its steps as ``{"step", "reward", "t"}`` (seconds since its first step
+    began) and the startup seconds (launch to the first step)."""
+    spec = trl_inputs(cfg, args)
+    work = spec.parent
     cmd = [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           str(WORKER), str(work / "spec.json")]
+           str(WORKER), str(spec)]
     # the thread count shardwise's run gets (_rl_job.run_rl); nothing of shardwise's venv
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ACCELERATE_USE_CPU": "true",
@@ -542,7 +551,16 @@ def main() -> int:
     p.add_argument("--window", type=int, default=10, help="steps in the final mean reward")
     p.add_argument("--smooth", type=int, default=5, help="steps in the plot's moving average")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--skip-trl", action="store_true",
+                   help="shardwise's side only: TRL's inputs are written, but no TRL venv is made and TRL does not run")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the benchmark runs (make test): --skip-trl, 2 steps, 1 process, "
+                        "2 prompts x 2 samples, no held-out evaluation; its numbers mean nothing")
     args = p.parse_args()
+    smoke_overrides = []
+    if args.smoke:
+        args.skip_trl, args.steps, args.nproc, args.window, args.smooth = True, 2, 1, 1, 1
+        smoke_overrides = ["train.global_batch_size=2", "rl.rollout.n=2", "rl.heldout_eval=false"]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     config = (args.config or TASKS[args.task]).resolve()
@@ -553,15 +571,19 @@ def main() -> int:
     if not (model / "config.json").is_file():
         first = "`make demo`" if args.task == "reverse" else "`shardwise train examples/sft_long.yaml --nproc 2`"
         raise SystemExit(f"rl_vs_trl: no model folder at {model}: run {first} or pass --model")
-    overrides = [f"model.path={model}", "train.log_every=1"]
+    overrides = [f"model.path={model}", "train.log_every=1", *smoke_overrides]
     cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}", f"rl.rollout.engine={args.engine}"])
     setting_rows = settings(cfg, args.nproc, args.steps)
 
-    py = ensure_venv(args.venv, args.skip_trl_install)
-    versions = {"trl": venv_versions(py),
-                "shardwise": {p: version(p) for p in ("shardwise", "torch", "transformers", "ray")}}
+    versions = {"shardwise": {p: version(p) for p in ("shardwise", "torch", "transformers", "ray")}}
+    if args.skip_trl:
+        trl_inputs(cfg, args)
+        print(f"rl_vs_trl: --skip-trl: TRL's inputs in {args.out / 'trl'}, no TRL run", flush=True)
+    else:
+        py = ensure_venv(args.venv, args.skip_trl_install)
+        versions["trl"] = venv_versions(py)
     runs: dict[str, dict[str, Any]] = {}
-    for name in ("trl", "shardwise"):
+    for name in ("shardwise",) if args.skip_trl else ("trl", "shardwise"):
         r = run_trl(py, cfg, args) if name == "trl" else run_shardwise(config, overrides, args)
         if "error" not in r:
             summarise(r, args.window)

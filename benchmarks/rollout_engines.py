@@ -14,7 +14,8 @@ fresh run folder, once per engine, and reads its metrics.jsonl:
 
 Writes rollout_engines.{json,md,png} to --out (default results/rollout_engines) and prints
 the table. Needs ray and vllm (make test installs both); the demo's SFT model
-(runs/sft_reverse/hf, `make demo`) unless --model-overrides names another.
+(runs/sft_reverse/hf, `make demo`) unless --model-overrides names another; --smoke (make
+test) needs neither vllm nor the SFT model.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ SCENARIOS = {
              "train.micro_batch_size=16"],
 }
 ENGINES = ("hf", "vllm")
+SMOKE_MODEL = ("model.config={model_type: qwen3, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, "
+               "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 32, vocab_size: 64, "
+               "max_position_embeddings: 64, tie_word_embeddings: false}")
+SMOKE_OVERRIDES = ["model.path=null", SMOKE_MODEL, "train.global_batch_size=2", "rl.rollout.n=2",
+                   "rl.heldout_eval=false"]
+"""--smoke's job: a random 1-layer Qwen3 (no SFT model needed), 2 prompts x 2 samples, no
+held-out evaluation."""
 
 
 def run_one(name: str, engine: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -128,11 +136,23 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, default=REPO / "results" / "rollout_engines")
     p.add_argument("--model-overrides", nargs="*", default=[], help="e.g. model.path=runs/other/hf")
+    p.add_argument("--engines", default=None, help="rollout engines, of (default all): " + ", ".join(ENGINES))
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the benchmark runs (make test): the demo job only, HF engine only (unless "
+                        "--engines; vLLM's start-up alone is ~10 s per run), 2 steps, 1 process, "
+                        "on a random 1-layer Qwen3 (no SFT model needed); its numbers mean nothing")
     args = p.parse_args()
+    engines = list(ENGINES if args.engines is None else [e.strip() for e in args.engines.split(",") if e.strip()])
+    if not engines or any(e not in ENGINES for e in engines):
+        p.error(f"--engines: choose from {', '.join(ENGINES)}")
+    if args.smoke:
+        args.only, args.steps, args.nproc = "demo", 2, 1
+        engines = engines if args.engines is not None else ["hf"]
+        args.model_overrides = [*SMOKE_OVERRIDES, *args.model_overrides]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.only.split(","):
-        for engine in ENGINES:
+        for engine in engines:
             r = run_one(name, engine, SCENARIOS[name], args)
             rows.append(r)
             print(f"{name} {engine}: " + (f"unavailable: {r['error']}" if "error" in r else

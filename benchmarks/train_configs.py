@@ -350,7 +350,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder")
     p.add_argument("--only", type=str, default=None, help=f"comma-separated subset of: {','.join(names)}")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check that the benchmark runs (make test): the baseline only (unless --only), "
+                        "1 run of 1+1 steps of 16 tokens; its numbers mean nothing")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.only = args.only or BASELINE
+        args.runs, args.warmup, args.steps, args.seq_len = 1, 1, 1, 16
     if min(args.nproc, args.steps, args.warmup, args.runs, args.micro) < 1:
         p.error("--nproc, --steps, --warmup, --runs and --micro must be at least 1")
     if not 4 <= args.seq_len <= MAX_SEQ_LEN:

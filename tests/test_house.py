@@ -30,10 +30,12 @@ LAYERS = [
 """Lowest first: a module may import from its own layer and the ones below, never above."""
 
 LAZY_ALLOWED = {"ray", "matplotlib", "tensorboard", "vllm", "torch.utils.tensorboard", "pyarrow", "wandb",
-                "mlflow"}
+                "mlflow", "PIL"}
 """Optional dependencies (heavy, or needed by one kind of input: pyarrow reads .parquet
-files; wandb and mlflow by one value of run.loggers), the only imports allowed inside
-function bodies."""
+files; wandb and mlflow by one value of run.loggers; PIL draws the built-in image tasks'
+pictures, and shardwise.data.tasks, which every text task loads, must not need it:
+benchmarks/_trl_grpo_worker.py runs in TRL's venv, which has no pillow), the only imports
+allowed inside function bodies."""
 
 
 def _layer(module: str) -> int | None:

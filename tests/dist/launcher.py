@@ -11,6 +11,7 @@ Public interface::
     run_ranks(fn, world_size, *args, timeout=180.0, init_pg=False, env=None) -> list
     run_torchrun(argv, nproc, timeout=300.0, env=None, cwd=None) -> subprocess.CompletedProcess
     run_cli(argv, timeout=120.0, env=None, cwd=None) -> subprocess.CompletedProcess
+    run_python(argv, timeout=120.0, env=None, cwd=None) -> subprocess.CompletedProcess
     at_once(*calls) -> list
 
 ``at_once`` runs independent commands side by side (each call in a thread of its own,
@@ -623,6 +624,17 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m shardwise.cli *argv``, killable and captured like ``run_torchrun``."""
     return _run_killable([sys.executable, "-m", "shardwise.cli", *map(str, argv)], timeout, env, cwd)
+
+
+def run_python(
+    argv: Sequence[str],
+    timeout: float = 120.0,
+    env: Mapping[str, str | None] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``python *argv`` (a script and its arguments, e.g. a benchmark), killable and captured
+    like ``run_torchrun``."""
+    return _run_killable([sys.executable, *map(str, argv)], timeout, env, cwd)
 
 
 def at_once(*calls: Callable[[], Any]) -> list[Any]:

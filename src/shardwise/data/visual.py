@@ -19,9 +19,14 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from PIL import Image, ImageDraw
+if TYPE_CHECKING:
+    from PIL import Image
+
+# PIL is imported where an image is drawn, not here: shardwise.data.tasks imports this module
+# for its table of built-in tasks, and the text tasks' users (benchmarks/_trl_grpo_worker.py in
+# TRL's own venv, which has no pillow) must not need it.
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -38,6 +43,8 @@ LAZY_ANSWER = "red"
 
 
 def _image(rng: random.Random, colour: str) -> Image.Image:
+    from PIL import Image, ImageDraw
+
     bg = tuple(rng.randint(200, 255) for _ in range(3))
     img = Image.new("RGB", (IMAGE_PIXELS, IMAGE_PIXELS), bg)
     size = rng.randint(20, 40)
