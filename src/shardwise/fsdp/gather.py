@@ -6,10 +6,11 @@ else uses the public `FSDPModule` / `DTensor` API. What it touches, and why, is 
 `_PrivateState`: `gathered_for_generation` must put back each unit's reshard-after-forward
 setting exactly as it was, and torch has no public way to read that setting or to set an
 int one (``set_reshard_after_forward`` takes a bool). Checked against torch 2.13.0 (CPU,
-run by the test suite) and 2.14.1 (its source): both keep the list
+run by the test suite), 2.14.1 (its source) and 2.15.0 (its source, and the suite run on
+it): all keep the list
 ``FSDPState._fsdp_param_groups``; torch 2.11 has one ``_fsdp_param_group`` instead (seen
 on a GPU machine), which `_PrivateState.param_groups` reads too. `FSDPState._lazy_init`
-(the root's set-up before a generation that starts in an inner unit) is in both.
+(the root's set-up before a generation that starts in an inner unit) is in all three.
 """
 
 from __future__ import annotations
