@@ -48,7 +48,7 @@ from shardwise.fsdp.comm import step_comm
 from shardwise.fsdp.projection import load_hardware, profiles, project
 from shardwise.jobs import export, infer, preview, rl, sft
 from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
-from shardwise.jobs.supervisor import record_run_dir, supervise
+from shardwise.jobs.supervisor import record_run_dir, record_said, supervise
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError, shutdown_ray
 from shardwise.rl.workers.hybrid import CRITIC_DIR
@@ -472,8 +472,10 @@ def cmd_rl(args: argparse.Namespace) -> int:
             summary = rl.run(prepared)
         except KeyboardInterrupt:
             sig = interrupts[-1] if interrupts else "SIGINT"
-            print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
-            return 143 if sig == "SIGTERM" else 130
+            status = 143 if sig == "SIGTERM" else 130
+            print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr, flush=True)
+            record_said(status)  # a signal during Ray's shutdown below ends it with this status, no other line
+            return status
         except Exception as e:
             if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
                 e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)

@@ -35,7 +35,7 @@ from shardwise.distributed.launch import describe_exit, kill_tree
 from shardwise.rl.cluster import _is_ray_process
 from shardwise.telemetry import activity
 
-__all__ = ["abrupt_status", "supervise"]
+__all__ = ["abrupt_status", "record_said", "record_run_dir", "supervise"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -84,6 +84,16 @@ def record_run_dir(run_dir: str) -> None:
     record = activity.installed()
     if record is not None:
         record.update(run_dir=str(run_dir))
+
+
+def record_said(status: int) -> None:
+    """The supervised command has printed its last line and will end with `status`; what is
+    left is clean-up (Ray's shutdown). Should a further signal end it there (a second
+    SIGTERM inside Ray's own shutdown takes the default action), the parent adds no line of
+    its own: it stops Ray's leftovers and exits with `status`."""
+    record = activity.installed()
+    if record is not None:
+        record.finish(status)
 
 
 def _child(command: Callable[[], int], record: activity.SharedRecord, parent: int) -> int:
