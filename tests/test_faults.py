@@ -27,6 +27,7 @@ from dist.common import TINY_QWEN3
 from dist.launcher import (
     REPO_ROOT,
     SRC_DIR,
+    Background,
     _kill_tree,
     _process_tree,
     alive,
@@ -300,18 +301,14 @@ def test_a_failing_rank_ends_its_peers_in_seconds(mode, codes, words):
 # ------------------------------------------------------------ signals and orphans
 
 
-class Job:
+class Job(Background):
     """A `shardwise train` running in the background, in a session of its own."""
 
     def __init__(self, tmp_path: Path, *overrides: str):
         self.run_dir = tmp_path / "run"
-        self.out = open(tmp_path / "out.txt", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardwise.cli", "train", SFT, "--nproc", "2", f"run.dir={self.run_dir}",
-             *TINY, "train.max_steps=100000", "checkpoint.every_steps=3", "checkpoint.async=false",
-             "train.log_every=1", *overrides],
-            stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1"})
+        super().__init__(["train", SFT, "--nproc", "2", f"run.dir={self.run_dir}", *TINY, "train.max_steps=100000",
+                          "checkpoint.every_steps=3", "checkpoint.async=false", "train.log_every=1", *overrides],
+                         tmp_path / "out.txt")
 
     def wait_for_checkpoint(self, timeout: float = 180) -> None:
         """Until a checkpoint is committed (any step: keep_last prunes the early ones)."""
@@ -322,20 +319,6 @@ class Job:
             assert self.proc.poll() is None, self.output()
             time.sleep(0.5)
         raise AssertionError("no checkpoint within the timeout\n" + self.output())
-
-    def pids(self) -> list[int]:
-        return _process_tree(self.proc.pid)
-
-    def output(self) -> str:
-        self.out.flush()
-        self.out.seek(0)
-        return self.out.read()[-4000:]
-
-    def close(self) -> None:
-        _kill_tree(self.proc.pid)
-        self.proc.wait()
-        self.out.close()
-
 
 
 def _gone_within(pids: list[int], seconds: float) -> float:

@@ -13,13 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, _process_tree, alive, at_once, free_port, run_cli
+from dist.launcher import REPO_ROOT, SRC_DIR, Background, _process_tree, alive, at_once, free_port, run_cli
 
 SFT = str(REPO_ROOT / "examples" / "sft_arithmetic.yaml")
 TRAIN = [SFT, TINY_QWEN3, "data.max_length=16", "train.micro_batch_size=4", "train.log_every=1",
@@ -138,26 +137,12 @@ def test_a_failing_rank_on_one_node_names_the_cause_on_every_node():
     assert elapsed < 60, elapsed  # rank 0 waited in a barrier with a 600 s timeout
 
 
-class Node:
+class Node(Background):
     """One node of a `shardwise train` job in the background, in a session of its own."""
 
     def __init__(self, tmp_path: Path, node: int, nodes: int, port: int, *overrides: str):
-        self.out = open(tmp_path / f"node{node}.txt", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardwise.cli", "train", *TRAIN, "--nproc", "1", *static(node, nodes, port),
-             *overrides], stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-
-    def output(self) -> str:
-        self.out.flush()
-        self.out.seek(0)
-        return self.out.read()[-4000:]
-
-    def close(self) -> None:
-        _kill_tree(self.proc.pid)
-        self.proc.wait()
-        self.out.close()
-
+        super().__init__(["train", *TRAIN, "--nproc", "1", *static(node, nodes, port), *overrides],
+                         tmp_path / f"node{node}.txt", env={"PYTHONUNBUFFERED": "1"})
 
 
 @pytest.mark.parametrize("victim,sig", [

@@ -637,6 +637,32 @@ def run_python(
     return _run_killable([sys.executable, *map(str, argv)], timeout, env, cwd)
 
 
+class Background:
+    """``python -m shardwise.cli *argv`` in the background, in a session of its own, its
+    output (stdout and stderr) in the file `out_path`."""
+
+    def __init__(self, argv: Sequence[str], out_path: str | os.PathLike[str], env: Mapping[str, str] | None = None):
+        self.out = open(out_path, "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shardwise.cli", *map(str, argv)], stdout=self.out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1", **(env or {})})
+
+    def pids(self) -> list[int]:
+        return _process_tree(self.proc.pid)
+
+    def output(self) -> str:
+        """The last 4000 characters of its output so far."""
+        self.out.flush()
+        self.out.seek(0)
+        return self.out.read()[-4000:]
+
+    def close(self) -> None:
+        _kill_tree(self.proc.pid)
+        self.proc.wait()
+        self.out.close()
+
+
 def at_once(*calls: Callable[[], Any]) -> list[Any]:
     """Call each of ``calls`` in a thread of its own, all at once; their results in order.
     Every call runs to its end (each command has its own timeout) before the first
