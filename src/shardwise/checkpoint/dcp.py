@@ -104,7 +104,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINTS_DIR", "COMMITTED", "META_FILE", "CheckpointManager", "SafeFileSystemReader",
            "SafeLoadPlanner", "apply_optimizer_settings", "file_digest", "incomplete_reason", "is_complete",
-           "metadata_problem", "read_meta", "saved_job", "step_dir_name", "verify_checkpoint"]
+           "metadata_problem", "read_meta", "saved_job", "step_dir_name", "verify_checkpoint",
+           # the disk-space helpers, shared with the HF export (checkpoint.hf_export)
+           "free_bytes", "human_bytes", "nearly_full", "out_of_space", "short_error"]
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMITTED = "COMMITTED"
@@ -172,13 +174,13 @@ def _read_meta_checked(path: Path) -> dict[str, Any]:
     try:
         meta = read_meta(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {META_FILE} cannot be read ({_short(exc)})") from None
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} cannot be read ({short_error(exc)})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: {META_FILE} is not a JSON object")
     return meta
 
 
-def _short(exc: BaseException, limit: int = 200) -> str:
+def short_error(exc: BaseException, limit: int = 200) -> str:
     """`Type: first line of the message`, at most `limit` characters."""
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -219,13 +221,13 @@ def _read_committed(p: Path) -> tuple[dict[str, Any] | None, str | None]:
     try:
         text = (p / COMMITTED).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        return None, f"{COMMITTED} cannot be read ({_short(exc)})"
+        return None, f"{COMMITTED} cannot be read ({short_error(exc)})"
     if not text.strip():
         return {}, None
     try:
         marker = json.loads(text)
     except json.JSONDecodeError as exc:
-        return None, f"{COMMITTED} is not valid JSON ({_short(exc)})"
+        return None, f"{COMMITTED} is not valid JSON ({short_error(exc)})"
     if not isinstance(marker, dict) or not isinstance(marker.get("files", {}), dict):
         return None, f"{COMMITTED} is not a JSON object with a 'files' mapping"
     return marker, None
@@ -259,7 +261,7 @@ def verify_checkpoint(path: str | os.PathLike[str], ranks: tuple[int, int] = (0,
         try:
             meta = read_meta(p)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            problems.append(f"{META_FILE} cannot be read ({_short(exc)})")
+            problems.append(f"{META_FILE} cannot be read ({short_error(exc)})")
         else:
             if not isinstance(meta, dict):
                 problems.append(f"{META_FILE} is not a JSON object")
@@ -332,13 +334,13 @@ def _read_rng(folder: Path, rank: int, saved_world: int | None) -> tuple[dict, d
         if "torch_cpu" not in tensors:
             raise KeyError("no 'torch_cpu' tensor")
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {folder}: {tensors_path.name} cannot be read ({_short(exc)})") from None
+        raise CheckpointError(f"checkpoint {folder}: {tensors_path.name} cannot be read ({short_error(exc)})") from None
     try:
         state = json.loads(json_path.read_text())
         if not isinstance(state, dict) or not {"python", "numpy"} <= state.keys():
             raise KeyError("no 'python' and 'numpy' states")
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {folder}: {json_path.name} cannot be read ({_short(exc)})") from None
+        raise CheckpointError(f"checkpoint {folder}: {json_path.name} cannot be read ({short_error(exc)})") from None
     return tensors, state
 
 
@@ -391,7 +393,7 @@ def metadata_problem(path: str | os.PathLike[str]) -> str | None:
         with open(Path(path) / DCP_METADATA, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as exc:  # a crafted or damaged pickle raises anything
-        return f"{DCP_METADATA} cannot be read ({_short(exc)})"
+        return f"{DCP_METADATA} cannot be read ({short_error(exc)})"
     if not isinstance(metadata, Metadata):
         return f"{DCP_METADATA} is not DCP metadata (it holds a {type(metadata).__name__})"
     return None
@@ -648,7 +650,7 @@ class CheckpointManager:
         ok = error is None
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         mine = (ok, files if ok else None, None if ok else _dcp_cause(error), self._state_bytes,
-                not ok and _out_of_space(error))
+                not ok and out_of_space(error))
         gathered: list[Any] = [None] * world if self.runtime.is_main else []
         if world > 1:
             dist.gather_object(mine, gathered if self.runtime.is_main else None, dst=0, group=group)
@@ -658,7 +660,7 @@ class CheckpointManager:
         full: str | None = None
         if self.runtime.is_main:
             failed = [f"rank {r}: {why}" for r, (good, _, why, _, _) in enumerate(gathered) if not good]
-            if failed and (any(g[4] for g in gathered) or _nearly_full(self.dir)):
+            if failed and (any(g[4] for g in gathered) or nearly_full(self.dir)):
                 full = self._disk_full_line(step, tmp, sum(g[3] for g in gathered))
             if failed:
                 outcome = "writing failed on " + "; ".join(failed)
@@ -672,8 +674,8 @@ class CheckpointManager:
                             merged[name] = file_digest(tmp / name)
                     self._write_committed(tmp, final, step, merged)
                 except Exception as exc:
-                    outcome = f"committing failed on rank 0: {_short(exc)}"
-                    if _out_of_space(exc) or _nearly_full(self.dir):
+                    outcome = f"committing failed on rank 0: {short_error(exc)}"
+                    if out_of_space(exc) or nearly_full(self.dir):
                         full = self._disk_full_line(step, tmp, sum(g[3] for g in gathered))
         box = [outcome, full]
         if world > 1:
@@ -688,12 +690,12 @@ class CheckpointManager:
         """Rank 0, after a save failed for want of space: remove the partial folder and say
         what was lost and what is intact."""
         shutil.rmtree(tmp, ignore_errors=True)
-        free = _free_bytes(self.dir)
+        free = free_bytes(self.dir)
         need = max(_folder_bytes(self.latest()), state_bytes)
         latest = self.latest()
         kept = f"the last committed checkpoint {latest} is intact" if latest else "no checkpoint was committed before"
         return (f"checkpoint of step {step} could not be written: the disk holding {self.dir} is full "
-                f"({_human(free)} free, a checkpoint needs about {_human(need)}); {kept}; the partial folder "
+                f"({human_bytes(free)} free, a checkpoint needs about {human_bytes(need)}); {kept}; the partial folder "
                 f"{tmp.name} was removed (free space, or move run.dir to a larger disk, and run the same command "
                 "to resume)")
 
@@ -704,11 +706,11 @@ class CheckpointManager:
             return
         latest = self.latest()
         need = _folder_bytes(latest) if latest is not None else 0
-        free = _free_bytes(self.dir)
+        free = free_bytes(self.dir)
         if need and free is not None and free < need:
             self._warned_short = True
             log.warning("checkpoint of step %d may not fit: %s free in %s, the last checkpoint took %s",
-                        step, _human(free), self.dir, _human(need))
+                        step, human_bytes(free), self.dir, human_bytes(need))
 
     def _write_committed(self, tmp: Path, final: Path, step: int, files: dict[str, dict[str, Any]]) -> None:
         marker = {"step": step, "world_size": self.runtime.world_size, "files": dict(sorted(files.items()))}
@@ -933,7 +935,7 @@ def _local_bytes(state: Any) -> int:
     return total
 
 
-def _out_of_space(exc: BaseException | None) -> bool:
+def out_of_space(exc: BaseException | None) -> bool:
     """`exc` (or what it wraps: DCP gathers the ranks' errors) says the disk is full."""
     seen = 0
     while exc is not None and seen < 10:
@@ -945,7 +947,7 @@ def _out_of_space(exc: BaseException | None) -> bool:
         if isinstance(failures, dict):
             for inner in failures.values():
                 inner = inner[0] if isinstance(inner, tuple) else inner
-                if isinstance(inner, BaseException) and _out_of_space(inner):
+                if isinstance(inner, BaseException) and out_of_space(inner):
                     return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
@@ -956,12 +958,12 @@ _NEARLY_FULL = 1 << 20
 reports a full disk as "unexpected pos", without ENOSPC)."""
 
 
-def _nearly_full(folder: Path) -> bool:
-    free = _free_bytes(folder)
+def nearly_full(folder: Path) -> bool:
+    free = free_bytes(folder)
     return free is not None and free < _NEARLY_FULL
 
 
-def _free_bytes(folder: Path) -> int | None:
+def free_bytes(folder: Path) -> int | None:
     for p in (folder, *folder.parents):
         if p.exists():
             try:
@@ -977,7 +979,7 @@ def _folder_bytes(folder: Path | None) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _human(n: int | None) -> str:
+def human_bytes(n: int | None) -> str:
     if n is None:
         return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -1004,8 +1006,8 @@ def _dcp_cause(exc: BaseException) -> str:
         inner = failures[rank]
         inner = inner[0] if isinstance(inner, tuple) else inner
         if isinstance(inner, BaseException):
-            return f"rank {rank}: {_short(inner)}"
-    return _short(exc)
+            return f"rank {rank}: {short_error(inner)}"
+    return short_error(exc)
 
 
 def _fsync_dir(path: Path) -> None:

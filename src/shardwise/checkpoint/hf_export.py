@@ -57,11 +57,11 @@ from shardwise.checkpoint.dcp import (
     COMMITTED,
     DCP_METADATA,
     SafeFileSystemReader,
-    _free_bytes,
-    _human,
-    _nearly_full,
-    _out_of_space,
-    _short,
+    free_bytes,
+    human_bytes,
+    nearly_full,
+    out_of_space,
+    short_error,
     verify_checkpoint,
 )
 from shardwise.config.dtypes import to_torch_dtype
@@ -324,17 +324,17 @@ def export_model(model: nn.Module, out_dir: str | Path, hf_config, tokenizer_dir
         except Exception as exc:
             error = exc
     full_line = None
-    if error is not None and rank == 0 and (_out_of_space(error) or _nearly_full(out)):
+    if error is not None and rank == 0 and (out_of_space(error) or nearly_full(out)):
         need = sum(e.nbytes for e in entries)
         shutil.rmtree(out, ignore_errors=True)
         kept = (f"the last committed checkpoint {checkpoint} is intact (free space, then `shardwise export "
                 f"{checkpoint} {out}` writes the export from it)" if checkpoint is not None
                 else "checkpoints already committed are intact (free space, or move run.dir to a larger disk)")
         full_line = (f"HF export to {str(out)!r} could not be written: the disk holding it is full "
-                     f"({_human(_free_bytes(out))} free, the export needs about {_human(need)}); the partial "
+                     f"({human_bytes(free_bytes(out))} free, the export needs about {human_bytes(need)}); the partial "
                      f"folder was removed; {kept}")
     if dist.is_initialized():
-        box = [None if error is None else (full_line, _short(error))] if rank == 0 else [None]
+        box = [None if error is None else (full_line, short_error(error))] if rank == 0 else [None]
         dist.broadcast_object_list(box, src=0, group=None, device=_collective_device())
         if box[0] is not None and error is None:
             full_line, reason = box[0]
