@@ -32,139 +32,22 @@ from shardwise.checkpoint.dcp import CHECKPOINTS_DIR, CheckpointManager
 from shardwise.config import describe, load_config
 from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
 from shardwise.config.schema import CheckpointConfig, Config
-from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
 from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc, check_plan
 from shardwise.distributed.runtime import (
     Runtime,
-    env_world,
     init_distributed,
     seed_everything,
     teardown,
 )
 from shardwise.errors import EXIT_DISK_FULL, ConfigError, ShardwiseError, as_disk_full
-from shardwise.fsdp.build import plan_for
-from shardwise.fsdp.comm import step_comm
-from shardwise.fsdp.projection import load_hardware, profiles, project
-from shardwise.jobs import export, infer, preview, rl, sft
+from shardwise.jobs import export, infer, plan, preview, report, rl, sft
+from shardwise.jobs.report import format_plan  # noqa: F401 - tests import it from here
 from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
 from shardwise.jobs.supervisor import record_run_dir, record_said, supervise
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError, shutdown_ray
 from shardwise.rl.workers.hybrid import CRITIC_DIR
-
-EXIT_USER_ERROR = launch.EXIT_USER_ERROR
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def format_plan(plan) -> str:
-    """The plan as a readable table."""
-    m = plan.mesh
-    lines = [
-        f"world size {plan.world_size}  mesh {dict(zip(m.dim_names, m.shape))}  "
-        f"strategy {m.strategy}  data-parallel {m.dp_size}  master dtype {plan.model_dtype}",
-        "",
-    ]
-    head = ["#", "unit", "from", "param", "reduce", "output", "cast in", "store", "reshard", "offload", "recompute",
-            "prefetch fwd/bwd", "params", "trainable"]
-    rows = []
-    for i, u in enumerate(plan.units):
-        rows.append([
-            str(i), u.path or "<root>", ",".join(u.sources), u.param_dtype, u.reduce_dtype,
-            u.output_dtype or "-", "yes" if u.cast_forward_inputs else "no", u.storage_dtype, str(u.reshard_after_forward).lower(),
-            "cpu" if u.offload else "-", "yes" if u.recompute else "-",
-            f"{len(u.prefetch_forward)}/{len(u.prefetch_backward)}", f"{u.num_params:,}",
-            f"{u.trainable_params:,}" if u.trainable_params else "-",
-        ])
-    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines.append(fmt.format(*head))
-    lines.append(fmt.format(*["-" * w for w in widths]))
-    lines += [fmt.format(*r) for r in rows]
-    extra = []
-    if plan.ignored:
-        extra.append("ignored (not sharded): " + ", ".join(plan.ignored))
-    recompute_only = [p for p in plan.recompute if p not in {u.path for u in plan.units}]
-    if recompute_only:
-        extra.append("recompute (inside units): " + ", ".join(recompute_only))
-    if plan.tiled_mlp:
-        extra.append(f"tiled MLP ({plan.tiled_mlp_shards} slices of the sequence): " + ", ".join(plan.tiled_mlp))
-    if plan.compiled:
-        extra.append("compiled (torch.compile, one per unit): " + ", ".join(plan.compiled))
-    if plan.buffer_casts:
-        extra.append("layered precision: " + ", ".join(f"{p}={d}" for p, d in plan.buffer_casts.items()))
-    if plan.frozen:
-        extra.append(f"frozen parameters: {len(plan.frozen)}"
-                     + (f" ({', '.join(plan.frozen[:3])}{', ...' if len(plan.frozen) > 3 else ''})"))
-    if extra:
-        lines += [""] + extra
-    peak = {k: max(r[k] for r in plan.memory_per_rank_bytes) for k in plan.memory_per_rank_bytes[0]}
-    lines += ["", "per-rank memory (largest rank; params + grads + AdamW state): "
-              + "  ".join(f"{k} {_human_bytes(v)}" for k, v in peak.items())]
-    if plan.lora is not None:
-        lo = plan.lora
-        with_, without = peak["total"], max(r["total"] for r in lo.memory_per_rank_bytes_without_lora)
-        change = f"saves {1 - with_ / without:.0%}" if with_ <= without else f"adds {with_ / without - 1:.0%}"
-        lines.append(f"LoRA (r={lo.r}, {len(lo.targets)} adapters on {len(lo.units)} units): trainable "
-                     f"{lo.trainable_params:,} of {lo.total_params:,} parameters "
-                     f"({lo.trainable_params / lo.total_params:.1%}); per-rank memory with LoRA "
-                     f"{_human_bytes(with_)} vs {_human_bytes(without)} without ({change})")
-    if plan.comm is not None:
-        lines += _comm_lines(plan)
-    for note in plan.warnings:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
-
-
-_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A"}
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f}"
-
-
-def _comm_lines(plan) -> list[str]:
-    """Per unit: MiB each rank moves per optimizer step by collective, what it sends, and
-    which collectives cross nodes."""
-    c = plan.comm
-    head = ["unit", "AG MiB", "RS MiB", "AR MiB", "A2A MiB", "sent MiB", "network"]
-    rows = []
-    for uc in c.units:
-        by = uc.bytes_by_kind()
-        inter = sorted({_SHORT[x.kind] + {"forward": " fwd", "backward": " bwd"}.get(x.phase, "")
-                        if x.kind == "all_gather" else _SHORT[x.kind] for x in uc.collectives if x.inter_node})
-        net = "-" if not uc.collectives else ("inside nodes" if not inter else "between nodes: " + ", ".join(inter))
-        rows.append([uc.path or "<root>", *[_mib(by[k]) for k in _SHORT], _mib(uc.wire_bytes()), net])
-    total = c.bytes_per_step()
-    rows.append(["total", *[_mib(total[k]) for k in _SHORT], _mib(sum(c.wire_bytes_per_step().values())), ""])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = "  ".join(("{:<%d}" if i in (0, 6) else "{:>%d}") % w for i, w in enumerate(widths))
-    return ["", f"communication per optimizer step, per rank ({c.accumulation} micro-batch(es) of "
-            f"{c.micro_batch_size} x {c.seq_len} tokens; {c.gpus_per_node} GPUs per node; buffer sizes, "
-            "sent = ring wire bytes):",
-            fmt.format(*head), fmt.format(*["-" * w for w in widths]), *[fmt.format(*r) for r in rows]]
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
-
-
-def format_projection(proj, hw) -> str:
-    """The projected step in two lines."""
-    fits = "fits" if proj.fits else "does NOT fit"
-    return (f"projected on {hw.name} ({hw.description}), MFU {proj.mfu:.3f}: "
-            f"{proj.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, step {_seconds(proj.step_s)} "
-            f"(compute {_seconds(proj.compute_s)}, exposed communication {_seconds(proj.exposed_comm_s)}, "
-            f"optimizer {_seconds(proj.optimizer_s)}; all communication {_seconds(proj.comm_s)})\n"
-            f"memory per rank {_human_bytes(proj.memory_bytes)} (activations {_human_bytes(proj.activation_bytes)}) "
-            f"of {_human_bytes(int(hw.memory_bytes))}: {fits}")
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
@@ -179,97 +62,11 @@ def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """The sharding plan of a config; see shardwise.jobs.plan."""
     local_files_only()
     cfg, ranks = _load(args)
-    hw = load_hardware(args.hardware) if args.hardware is not None else None
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        raise ConfigError("--mfu", f"{args.mfu} is not a fraction in (0, 1]", "e.g. --mfu 0.35")
-    if (args.mfu is not None or args.scan is not None) and hw is None:
-        raise ConfigError("--hardware", "--mfu and --scan project a step time and need a hardware profile",
-                          f"add --hardware {' | '.join(profiles())} or a profile file")
-    gpus_per_node = args.gpus_per_node or (hw.gpus_per_node if hw is not None else 8)
-    if gpus_per_node < 1:
-        raise ConfigError("--gpus-per-node", f"{gpus_per_node} is not a positive number of GPUs", "e.g. 8")
-    if args.scan is not None:
-        return _plan_scan(args, cfg, hw, gpus_per_node)
-    world = args.world_size if args.world_size is not None else ranks or env_world()[1]
-    model, plan, projection = _plan_at(args, cfg, world, hw, gpus_per_node)
-    if args.json:
-        out = plan.to_json()
-        if projection is not None:
-            out["projection"] = projection.to_json()
-        print(json.dumps(out, indent=2))
-    else:
-        print(format_plan(plan))
-        if projection is not None:
-            print("\n" + format_projection(projection, hw))
-        if args.rl and cfg.model.lora.enabled and cfg.rl.reference.enabled:
-            print("rl: the reference policy is the actor with its LoRA adapters disabled (no reference model "
-                  "in memory)")
-    return 0
-
-
-def _plan_at(args: argparse.Namespace, cfg: Config, world: int, hw, gpus_per_node: int,
-             accumulation: int | None = None):
-    """(meta model, plan with its step's communication, projection or None) at `world`
-    ranks. `accumulation`: micro-batches per step to keep (a --scan keeps each rank's
-    step), instead of the config's global batch."""
-    spec = mesh_spec(cfg.parallel, world)
-    if hw is not None and world > gpus_per_node and world % gpus_per_node:
-        raise ConfigError("--world-size", f"{world} ranks do not fill whole nodes of {gpus_per_node} GPUs",
-                          f"use a multiple of {gpus_per_node}, or set --gpus-per-node")
-    if args.rl:  # an RL config: global_batch_size counts prompts, micro_batch_size rows per forward
-        check_rl_rows(cfg, spec.dp_size)
-    elif accumulation is None:
-        accumulation = check_sft_batch(cfg.train, spec.dp_size)
-    model, plan = plan_for(cfg, spec, cfg.model.task)
-    if args.rl:  # an RL step's micro-batches follow its rollouts: no step shape to count
-        if hw is not None:
-            raise ConfigError("--hardware", "the step-time projection covers SFT configs, not --rl ones")
-        return model, plan, None
-    plan.comm = step_comm(model, plan, spec, accumulation=accumulation, micro_batch_size=cfg.train.micro_batch_size,
-                          max_length=cfg.data.max_length, gpus_per_node=gpus_per_node)
-    return model, plan, (project(model, plan, plan.comm, hw, args.mfu) if hw is not None else None)
-
-
-def _scan_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(n < 1 for n in sizes):
-        raise ConfigError("--scan", f"{text!r} is not a comma-separated list of world sizes", "e.g. --scan 8,64,512")
-    return sizes
-
-
-def _plan_scan(args: argparse.Namespace, cfg: Config, hw, gpus_per_node: int) -> int:
-    """One projected row per world size; each rank keeps the step of the first size
-    (micro-batches per step), so the global batch grows with the data-parallel size."""
-    sizes = _scan_sizes(args.scan)
-    accumulation = check_sft_batch(cfg.train, mesh_spec(cfg.parallel, sizes[0]).dp_size)
-    rows = []
-    for world in sizes:
-        _, plan, proj = _plan_at(args, cfg, world, hw, gpus_per_node, accumulation)
-        rows.append((world, plan, proj))
-    if args.json:
-        print(json.dumps({"hardware": hw.name, "scan": [
-            {"world_size": w, "mesh": p.mesh.to_json(), "comm_bytes_per_step": p.comm.bytes_per_step(),
-             "projection": pr.to_json()} for w, p, pr in rows]}, indent=2))
-        return 0
-    head = ["world", "mesh", "tokens/s/GPU", "step", "compute", "exposed comm", "comm MiB/rank",
-            "memory/rank", "fits"]
-    table = [[str(w), "x".join(map(str, p.mesh.shape)), f"{pr.tokens_per_s_per_gpu:,.0f}", _seconds(pr.step_s),
-              _seconds(pr.compute_s), _seconds(pr.exposed_comm_s), _mib(sum(p.comm.bytes_per_step().values())),
-              _human_bytes(pr.memory_bytes), "yes" if pr.fits else "NO"] for w, p, pr in rows]
-    widths = [max(len(r[i]) for r in [head, *table]) for i in range(len(head))]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    mfu = rows[0][2].mfu
-    print(f"projected on {hw.name} ({hw.description}); MFU {mfu:.3f}; {accumulation} micro-batch(es) of "
-          f"{cfg.train.micro_batch_size} x {rows[0][1].comm.seq_len} tokens per rank and step")
-    print(fmt.format(*head))
-    print(fmt.format(*["-" * w for w in widths]))
-    for r in table:
-        print(fmt.format(*r))
+    plan.show(cfg, args.world_size, ranks, hardware=args.hardware, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
+              scan=args.scan, rl=args.rl, as_json=args.json)
     return 0
 
 
@@ -396,62 +193,14 @@ def _lock_on_rank0(lock: RunDirLock, runtime: Runtime) -> None:
         raise problem[0]
 
 
-def _print_paths(summary: dict, keys: Sequence[str]) -> None:
-    for key in keys:
-        if summary.get(key):
-            print(f"  {key:<10} {summary[key]}")
-
-
-def _report_train(cfg: Config, summary: dict) -> None:
-    final = summary["final"]
-    print(f"done: {summary['steps']} steps, final loss {final.get('loss', float('nan')):.4f}")
-    if "accuracy" in summary:
-        print(f"  held-out accuracy (greedy): {summary['accuracy']:.1%}")
-    _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "plot"))
-
-
-def _report_infer(cfg: Config, s: dict) -> None:
-    mode = "greedy" if s["greedy"] else f"temperature {cfg.infer.temperature}, top_p {cfg.infer.top_p}"
-    print(f"done: {s['prompts']} prompts x {s['samples_per_prompt']} ({mode}), {s['world_size']} ranks")
-    if "accuracy" in s:
-        print(f"  accuracy ({s['reward']}): {s['accuracy']:.1%}")
-    elif "score_mean" in s:
-        print(f"  mean score ({s['reward']}): {s['score_mean']:.4f}")
-    print(f"  response length {s['response_length_mean']:.1f} tokens (mean), "
-          f"{s['ended_with_eos']:.0%} ended with eos; {s['tokens_per_s']:.0f} tokens/s over {s['seconds']:.1f} s")
-    _print_paths(s, ("output", "summary"))
-
-
-def _report_rl(cfg: Config, summary: dict) -> None:
-    last = summary["history"][-1] if summary.get("history") else {}
-    print(f"done: {summary['steps']} {cfg.rl.algorithm} steps"
-          + (f", final reward {last['reward/mean']:.3f}" if last else ""))
-    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
-    if before is not None and after is not None:
-        start = summary.get("resumed_from_step")
-        label = "before RL" if not start else f"at step {start} (resumed)"
-        print(f"  held-out accuracy (greedy): {label} {before:.1%}, after RL {after:.1%}")
-        sb, sa = summary.get("sampled_before"), summary.get("sampled_after")
-        if sb and sa:
-            print(f"  held-out sampled (T={cfg.rl.rollout.temperature:g}): "
-                  + ", ".join(f"{k} {sb[k]:.1%} -> {sa[k]:.1%}" for k in sb))
-    timing = summary.get("timing") or {}
-    if timing.get("time/step"):
-        step_s = timing["time/step"]
-        phases = {k[5:]: v for k, v in timing.items() if k != "time/step"}
-        print(f"  seconds per step {step_s:.2f} (mean; "
-              + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
-    _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "plot"))
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     """Supervised fine-tuning; see shardwise.jobs.sft."""
-    return _torchrun_job(args, sft, _report_train)
+    return _torchrun_job(args, sft, report.train)
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
     """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
-    return _torchrun_job(args, infer, _report_infer)
+    return _torchrun_job(args, infer, report.infer)
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
@@ -485,7 +234,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
                 resume.error_file = e.error_file
                 raise resume from e
             raise
-    _report_rl(cfg, summary)
+    report.rl(cfg, summary)
     return 0
 
 
