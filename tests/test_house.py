@@ -98,6 +98,15 @@ def test_inference_needs_nothing_of_rl():
                     f"{name}:{node.lineno} imports {mods}"
 
 
+def test_the_plan_knows_nothing_of_the_communication_model():
+    """The communication model reads a plan and returns its own result
+    (`shardwise.fsdp.comm.step_comm`); the plan imports nothing of it, not even a type."""
+    found = [f"line {node.lineno} imports {t}" for node, targets in _imports(ast.parse(
+        (PACKAGE / "fsdp" / "plan.py").read_text())) for t in targets
+             if t == "shardwise.fsdp.comm" or (t == "shardwise.fsdp" and any(a.name == "comm" for a in node.names))]
+    assert not found, "shardwise/fsdp/plan.py: " + "; ".join(found)
+
+
 def _private_torch(node: ast.AST) -> str | None:
     """The dotted torch name `node` reaches with a private part (``torch.x._y``), if any."""
     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

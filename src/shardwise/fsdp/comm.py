@@ -127,6 +127,14 @@ class StepComm:
                 "seq_len": self.seq_len, "gpus_per_node": self.gpus_per_node,
                 "wire_bytes_per_step": self.wire_bytes_per_step()}
 
+    def plan_json(self, units: list[dict]) -> dict:
+        """The plan's JSON with this step's figures (`shardwise.fsdp.plan.PlanFigures`): each
+        unit's bytes by collective kind are added to its entry of `units` (in place); returns
+        the step's totals and this object's JSON, for the plan's top level."""
+        for u in units:
+            u["comm_bytes"] = self.unit(u["path"]).bytes_by_kind()
+        return {"comm_bytes_per_step": self.bytes_per_step(), "comm": self.to_json()}
+
 
 def step_comm(model: nn.Module, plan, mesh: MeshSpec, *, accumulation: int, micro_batch_size: int,
               max_length: int, gpus_per_node: int) -> StepComm:

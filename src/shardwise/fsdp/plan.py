@@ -22,8 +22,10 @@ Rules (documented for users in README "Sharding plan"):
   forward order: unit i all-gathers units i+1..i+F ahead in forward and i-1..i-B in backward.
 - `train.compile`: every non-root unit's module is compiled (torch.compile, one per unit);
   the root never is (it holds the embeddings, the head and HF's mask / position glue).
-- Communication: `shardwise plan` attaches the collectives of one optimizer step
-  (`ShardingPlan.comm`, computed by `shardwise.fsdp.comm.step_comm` from this plan).
+- Communication: the collectives of one optimizer step are the communication model's
+  (`shardwise.fsdp.comm.step_comm` reads a plan and returns a `StepComm`); `shardwise plan`
+  keeps that result with the plan (`ShardingPlan.comm`), which knows it only as figures
+  that write themselves into the plan's JSON (`PlanFigures`).
 - `model.lora`: adapters live in the units of the modules they adapt (paths unchanged);
   the plan counts trainable / frozen parameters per unit and, in `LoraPlan`, the per-rank
   memory of the same model trained in full, so the saving shows before anything runs.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from torch import nn
 
@@ -47,9 +49,6 @@ from shardwise.models.lora import ADAPTER, is_lora_key, lora_modules, saved_modu
 from shardwise.models.patches.moe import SUPPORTED
 from shardwise.models.patterns import looks_like_class_name, match_pattern
 from shardwise.models.vision import vision_tower_path
-
-if TYPE_CHECKING:  # comm.py reads plans: the type only, no import cycle at run time
-    from shardwise.fsdp.comm import StepComm
 
 _ORDER = {"fp32": 2, "bf16": 1, "fp16": 1}
 
@@ -114,6 +113,16 @@ class LoraPlan:
                 "memory_per_rank_bytes_without_lora": per_rank_json(self.memory_per_rank_bytes_without_lora)}
 
 
+class PlanFigures(Protocol):
+    """A result computed from a plan and kept with it (the step's communication,
+    `shardwise.fsdp.comm.StepComm`): the plan's JSON carries its figures."""
+
+    def plan_json(self, units: list[dict]) -> dict:
+        """Add this result's figures to each unit's JSON (`Unit.to_json`, in place) and return
+        the keys it adds to the plan's JSON."""
+        ...
+
+
 @dataclass
 class ShardingPlan:
     world_size: int
@@ -135,9 +144,10 @@ class ShardingPlan:
     warnings: list[str] = field(default_factory=list)
     lora: LoraPlan | None = None
     """The adapters and the memory without them; None when `model.lora` is off."""
-    comm: StepComm | None = None
-    """The collectives of one optimizer step (`shardwise.fsdp.comm.step_comm`); set by
-    `shardwise plan` for an SFT config, None otherwise."""
+    comm: PlanFigures | None = None
+    """The collectives of one optimizer step (a `shardwise.fsdp.comm.StepComm`, which
+    `step_comm` computed from this plan); set by `shardwise plan` for an SFT config, None
+    otherwise."""
 
     def unit(self, path: str) -> Unit:
         for u in self.units:
@@ -152,11 +162,7 @@ class ShardingPlan:
 
     def to_json(self) -> dict:
         units = [u.to_json() for u in self.units]
-        comm = {}
-        if self.comm is not None:
-            for u in units:
-                u["comm_bytes"] = self.comm.unit(u["path"]).bytes_by_kind()
-            comm = {"comm_bytes_per_step": self.comm.bytes_per_step(), "comm": self.comm.to_json()}
+        comm = self.comm.plan_json(units) if self.comm is not None else {}
         return {
             "world_size": self.world_size,
             "mesh": self.mesh.to_json(),
