@@ -18,36 +18,26 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
-import torch.distributed as dist
-
-from shardwise.checkpoint.dcp import CHECKPOINTS_DIR, CheckpointManager
+from shardwise.checkpoint.dcp import resume_line
 from shardwise.config import describe, load_config
 from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
-from shardwise.config.schema import CheckpointConfig, Config
+from shardwise.config.schema import Config
 from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc, check_plan
-from shardwise.distributed.runtime import (
-    Runtime,
-    init_distributed,
-    seed_everything,
-    teardown,
-)
-from shardwise.errors import EXIT_DISK_FULL, ConfigError, ShardwiseError, as_disk_full
+from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
 from shardwise.jobs import export, infer, plan, preview, report, rl, sft
+from shardwise.jobs.launcher import run_job
 from shardwise.jobs.report import format_plan  # noqa: F401 - tests import it from here
 from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
 from shardwise.jobs.supervisor import record_run_dir, record_said, supervise
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError, shutdown_ray
-from shardwise.rl.workers.hybrid import CRITIC_DIR
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
@@ -55,7 +45,7 @@ def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
     if args.dialect is None:
         return load_config(args.config, args.overrides), None
     cfg, conv = load_dialect_config(args.config, args.dialect, args.overrides)
-    if not _under_torchrun():  # said once, by the launching process
+    if not launch.under_torchrun():  # said once, by the launching process
         for note in conv.notes:
             print(f"shardwise: note: not converted: {note}", file=sys.stderr)
     return cfg, conv.world_size
@@ -70,137 +60,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def cmd_train(args: argparse.Namespace) -> int:
+    """Supervised fine-tuning; see shardwise.jobs.sft."""
+    return _on_ranks(args, sft, report.train)
 
 
-def _last_checkpoint_line(cfg: Config) -> str:
-    """Where a stopped run can resume from, in words."""
-    return _checkpoint_line_at(cfg.run.dir)
+def cmd_infer(args: argparse.Namespace) -> int:
+    """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
+    return _on_ranks(args, infer, report.infer)
 
 
-def _checkpoint_line_at(run_dir: str) -> str:
-    latest = CheckpointManager(run_dir, CheckpointConfig(), None).latest()
-    if latest is None:
-        return "no checkpoint was committed yet"
-    return f"the last committed checkpoint is {latest} (the same command resumes from it)"
-
-
-def _disk_full_line(cfg: Config, line: str) -> str:
-    """After the ranks of a job stopped on a full disk: the partial checkpoint folders are
-    removed (no save is in flight any more), and a line that does not come from the
-    checkpoint itself gets the free space and the last committed checkpoint."""
-    removed = []
-    for folder in (Path(cfg.run.dir) / CHECKPOINTS_DIR, Path(cfg.run.dir) / CRITIC_DIR / CHECKPOINTS_DIR):
-        for p in sorted(folder.glob("*.tmp-*")) if folder.is_dir() else []:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p.name)
-    if "checkpoint of step" in line or line.startswith("HF export to "):  # it says both already
-        return line
-    free = shutil.disk_usage(cfg.run.dir).free if Path(cfg.run.dir).is_dir() else None
-    extra = [f"{free / 2**20:.1f} MiB free in {cfg.run.dir}" if free is not None else None,
-             _last_checkpoint_line(cfg),
-             f"partial checkpoint folder {', '.join(removed)} removed" if removed else None]
-    return "; ".join([line, *(e for e in extra if e)])
-
-
-def _torchrun_job(args: argparse.Namespace, job, report: Callable[[Config, dict], None]) -> int:
-    """A job's `prepare` (input errors exit 2 here, before any process starts), then
-    `--nproc` processes through torchrun (this node's, with ``--nnodes``), or this process
-    under an outer torchrun (or alone): `run` on every rank with what `prepare` built,
-    `report` on rank 0."""
+def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], None]) -> int:
+    """`job` on `--nproc` ranks through torchrun, or in this process; see shardwise.jobs.launcher."""
     check_nproc(args.nproc)
     nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                                    args.rdzv_endpoint, args.rdzv_timeout)
     local_files_only()
     cfg, ranks = _load(args)
-    check_run_dir(cfg.run.dir)  # also for a run in this process
-    nproc = _ranks_per_node(args.nproc, ranks, nodes)
-    if nproc and not _under_torchrun():
-        job_key = nodes.job if nodes else None
-        RunDirLock(cfg.run.dir, command_line(), job_key).check_free()
-        planned = job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1)).planned
-        print(check_plan(nproc, planned and planned[1], cfg.fsdp.offload.enabled).line(), file=sys.stderr)
-        dialect = ["--dialect", args.dialect] if args.dialect else []
-        with RunDirLock(cfg.run.dir, command_line(), job_key) as lock:
-            res = launch.launch_torchrun(nproc, [args.command, args.config, *dialect, *args.overrides],
-                                         env=lock.child_env(), nodes=nodes)
-        # Messages start on a line of their own: rank 0's progress bar may hold the last one.
-        if res.interrupted is not None:
-            print(f"\nshardwise: interrupted by {res.interrupted.name}; {_last_checkpoint_line(cfg)}", file=sys.stderr)
-            return launch.EXIT_INTERRUPTED.get(res.interrupted, 1)
-        if res.failure is not None:
-            line = res.failure.line()
-            if res.failure.user and res.failure.exit_status == EXIT_DISK_FULL:
-                line = _disk_full_line(cfg, line)
-            elif not res.failure.user:  # a bug: its traceback is kept (a user's error is its line)
-                where = f"rank {res.failure.rank}" + (f" on node {res.failure.node}" if res.failure.node is not None
-                                                       else "")
-                kept = write_error_file(cfg.run.dir, where, res.failure.traceback)
-                if kept is not None:
-                    line += f" (traceback in {kept})"
-            print(f"\nshardwise: {line}", file=sys.stderr)
-            if launch.debug_enabled() and not res.failure.user:
-                print(res.failure.traceback, file=sys.stderr, end="")
-            return res.failure.exit_status if res.failure.user else (res.returncode or 1)
-        if res.returncode != 0:
-            print(f"\nshardwise: torchrun {launch.describe_exit(res.returncode)}; {_last_checkpoint_line(cfg)}",
-                  file=sys.stderr)
-            return res.returncode if res.returncode > 0 else 128 - res.returncode
-        return 0
-    if _under_torchrun():
-        launch.die_with_parent()
-        launch.record_activity()
-    prepared = job.prepare(cfg)
-    runtime = init_distributed()
-    lock = RunDirLock(cfg.run.dir, command_line())
-    ok = False
-    try:
-        _lock_on_rank0(lock, runtime)
-        seed_everything(cfg.run.seed)
-        summary = job.run(prepared, runtime)
-        if runtime.is_main:
-            report(cfg, summary)
-        ok = True
-    finally:
-        lock.release()
-        teardown(graceful=ok)
-    return 0
-
-
-def _ranks_per_node(nproc: int | None, dialect_ranks: int | None, nodes: launch.Nodes | None) -> int | None:
-    """``--nproc``; without it, a dialect config's device count (over all nodes)."""
-    if nodes is None or nproc is not None:
-        return nproc or dialect_ranks
-    if dialect_ranks and dialect_ranks % nodes.count == 0:
-        return dialect_ranks // nodes.count
-    raise ConfigError("--nproc", f"is needed with --nnodes {nodes.count}: the number of ranks on each node",
-                      "e.g. --nproc 8 on a node of 8 GPUs")
-
-
-def _lock_on_rank0(lock: RunDirLock, runtime: Runtime) -> None:
-    """Rank 0 takes the run folder's lock (unless the launching `shardwise` holds it); every
-    rank raises the same ConfigError when another job holds it."""
-    problem: list[ConfigError | None] = [None]
-    if runtime.is_main:
-        try:
-            lock.acquire()
-        except ConfigError as e:
-            problem[0] = e
-    if runtime.world_size > 1:
-        dist.broadcast_object_list(problem, src=0)  # None or the error, from our own rank 0
-    if problem[0] is not None:
-        raise problem[0]
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """Supervised fine-tuning; see shardwise.jobs.sft."""
-    return _torchrun_job(args, sft, report.train)
-
-
-def cmd_infer(args: argparse.Namespace) -> int:
-    """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
-    return _torchrun_job(args, infer, report.infer)
+    dialect = ["--dialect", args.dialect] if args.dialect else []
+    return run_job(job, cfg, summary, nproc=args.nproc, config_ranks=ranks, nodes=nodes,
+                   argv=[args.command, args.config, *dialect, *args.overrides])
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
@@ -222,7 +101,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             sig = interrupts[-1] if interrupts else "SIGINT"
             status = 143 if sig == "SIGTERM" else 130
-            print(f"\nshardwise: interrupted by {sig}; {_last_checkpoint_line(cfg)}", file=sys.stderr, flush=True)
+            print(f"\nshardwise: interrupted by {sig}; {resume_line(cfg.run.dir)}", file=sys.stderr, flush=True)
             record_said(status)  # a signal during Ray's shutdown below ends it with this status, no other line
             return status
         except Exception as e:
@@ -230,7 +109,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
                 e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)
                                                 else "a worker", "".join(traceback.format_exception(e)))
             if isinstance(e, WorkerError):  # a worker failed or was lost with its node: where to resume from
-                resume = WorkerError(f"{e}; {_last_checkpoint_line(cfg)}")
+                resume = WorkerError(f"{e}; {resume_line(cfg.run.dir)}")
                 resume.error_file = e.error_file
                 raise resume from e
             raise
@@ -453,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "rl" and argv is None:
         # The command itself (not a call from code): the controller runs user code (reward
         # functions), which may end it without a word; a parent process says what happened.
-        return supervise(lambda: _run(args), "the RL controller", _checkpoint_line_at)
+        return supervise(lambda: _run(args), "the RL controller", resume_line)
     return _run(args)
 
 
@@ -470,7 +349,7 @@ def _exit_status(e: BaseException) -> int:
     whole job) and the rank leaves at once, without waiting for its peers. A failed Ray
     worker: one line (status 2 for a user error). Anything else in this process is a bug:
     Python's traceback."""
-    if _under_torchrun() and not isinstance(e, SystemExit):
+    if launch.under_torchrun() and not isinstance(e, SystemExit):
         launch.rank_failed(e)
     e = as_disk_full(e)
     if isinstance(e, ShardwiseError):
@@ -489,7 +368,7 @@ def _exit_status(e: BaseException) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if _under_torchrun():
+    if launch.under_torchrun():
         # A rank that finished (its group destroyed, its files closed) leaves without the
         # interpreter's shutdown: there, C++ threads of torch's process-group machinery were
         # seen to abort a rank that had completed its work ("terminate called without an

@@ -104,7 +104,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINTS_DIR", "COMMITTED", "META_FILE", "CheckpointManager", "SafeFileSystemReader",
            "SafeLoadPlanner", "apply_optimizer_settings", "file_digest", "incomplete_reason", "is_complete",
-           "metadata_problem", "read_meta", "saved_job", "step_dir_name", "verify_checkpoint",
+           "metadata_problem", "read_meta", "resume_line", "saved_job", "step_dir_name", "verify_checkpoint",
            # the disk-space helpers, shared with the HF export (checkpoint.hf_export)
            "free_bytes", "human_bytes", "nearly_full", "out_of_space", "short_error"]
 
@@ -956,6 +956,14 @@ def out_of_space(exc: BaseException | None) -> bool:
 _NEARLY_FULL = 1 << 20
 """Less free space than this after a failed write: the disk filled up (torch's zip writer
 reports a full disk as "unexpected pos", without ENOSPC)."""
+
+
+def resume_line(run_dir: str | os.PathLike[str]) -> str:
+    """Where a stopped run in `run_dir` can resume from, in words (for the line that says it stopped)."""
+    latest = CheckpointManager(run_dir, CheckpointConfig(), None).latest()
+    if latest is None:
+        return "no checkpoint was committed yet"
+    return f"the last committed checkpoint is {latest} (the same command resumes from it)"
 
 
 def nearly_full(folder: Path) -> bool:

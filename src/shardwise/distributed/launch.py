@@ -90,6 +90,11 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
+def under_torchrun() -> bool:
+    """This process is a rank that torchrun started (its environment names RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV) == "1"
 
@@ -182,6 +187,17 @@ def nodes_from_args(nnodes: int | None, node_rank: int | None, master_addr: str 
         raise ConfigError("--rdzv-endpoint", f"{rdzv_endpoint!r} is not HOST:PORT", "e.g. --rdzv-endpoint node0:29400")
     _check_port("--rdzv-endpoint", int(port_text))
     return Nodes(count, None, rdzv_endpoint, "c10d", timeout)
+
+
+def ranks_per_node(nproc: int | None, config_ranks: int | None, nodes: Nodes | None) -> int | None:
+    """The ranks to start on this node: ``--nproc``; without it, the device count of the
+    config's file (a dialect's, over all nodes), or None (no launch: this process runs)."""
+    if nodes is None or nproc is not None:
+        return nproc or config_ranks
+    if config_ranks and config_ranks % nodes.count == 0:
+        return config_ranks // nodes.count
+    raise ConfigError("--nproc", f"is needed with --nnodes {nodes.count}: the number of ranks on each node",
+                      "e.g. --nproc 8 on a node of 8 GPUs")
 
 
 def _check_port(flag: str, port: int) -> None:
@@ -459,6 +475,29 @@ class LaunchResult:
     returncode: int
     failure: Failure | None
     interrupted: signal.Signals | None
+
+    def line(self, resume: Callable[[], str]) -> str | None:
+        """What the launching side says of how the job ended (without ``shardwise: ``), or
+        None when it succeeded. `resume()`: where the run can resume from, in words, for an
+        interrupted job and one whose torchrun ended without a failure to report."""
+        if self.interrupted is not None:
+            return f"interrupted by {self.interrupted.name}; {resume()}"
+        if self.failure is not None:
+            return self.failure.line()
+        if self.returncode != 0:
+            return f"torchrun {describe_exit(self.returncode)}; {resume()}"
+        return None
+
+    @property
+    def exit_status(self) -> int:
+        """The launching `shardwise`'s exit status: 130 / 143 when interrupted by SIGINT /
+        SIGTERM, a user error's own status, torchrun's otherwise (128 + N when it was killed
+        by signal N; at least 1 after a failure)."""
+        if self.interrupted is not None:
+            return EXIT_INTERRUPTED.get(self.interrupted, 1)
+        if self.failure is not None:
+            return self.failure.exit_status if self.failure.user else (self.returncode or 1)
+        return self.returncode if self.returncode >= 0 else 128 - self.returncode
 
 
 def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
