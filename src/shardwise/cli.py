@@ -15,14 +15,11 @@ is the default of ``--nproc`` / ``--world-size``. ``convert`` writes the convert
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from shardwise.checkpoint.dcp import resume_line
 from shardwise.config import describe, load_config
@@ -31,13 +28,12 @@ from shardwise.config.schema import Config
 from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc, check_plan
 from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
-from shardwise.jobs import export, infer, plan, preview, report, rl, sft
+from shardwise.jobs import export, infer, plan, preview, report, rl, sft, supervisor
 from shardwise.jobs.launcher import run_job
 from shardwise.jobs.report import format_plan  # noqa: F401 - tests import it from here
-from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
-from shardwise.jobs.supervisor import record_run_dir, record_said, supervise
+from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line
 from shardwise.models.loading import local_files_only
-from shardwise.rl.cluster import WorkerError, shutdown_ray
+from shardwise.rl.cluster import WorkerError
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
@@ -91,63 +87,10 @@ def cmd_rl(args: argparse.Namespace) -> int:
     nproc = args.nproc or ranks or 1
     check_run_dir(cfg.run.dir)
     RunDirLock(cfg.run.dir, command_line()).check_free()
-    record_run_dir(cfg.run.dir)  # for a supervising parent's line, should this process end abruptly
+    supervisor.record_run_dir(cfg.run.dir)  # for a supervising parent's line, should this process end abruptly
     prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
     print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
-    interrupts: list[str] = []
-    with RunDirLock(cfg.run.dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
-        try:
-            summary = rl.run(prepared)
-        except KeyboardInterrupt:
-            sig = interrupts[-1] if interrupts else "SIGINT"
-            status = 143 if sig == "SIGTERM" else 130
-            print(f"\nshardwise: interrupted by {sig}; {resume_line(cfg.run.dir)}", file=sys.stderr, flush=True)
-            record_said(status)  # a signal during Ray's shutdown below ends it with this status, no other line
-            return status
-        except Exception as e:
-            if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
-                e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)
-                                                else "a worker", "".join(traceback.format_exception(e)))
-            if isinstance(e, WorkerError):  # a worker failed or was lost with its node: where to resume from
-                resume = WorkerError(f"{e}; {resume_line(cfg.run.dir)}")
-                resume.error_file = e.error_file
-                raise resume from e
-            raise
-    report.rl(cfg, summary)
-    return 0
-
-
-@contextlib.contextmanager
-def _ray_stopped(interrupts: list[str]) -> Iterator[None]:
-    """Ray is stopped on the way out of the block however it ends (`shutdown_ray`: more
-    signals during the shutdown do not interrupt it, a third kills what is left; after an
-    interrupt, signals until the process ends only say it is ending)."""
-    try:
-        yield
-    finally:
-        shutdown_ray(restore_signals=not interrupts)
-
-
-@contextlib.contextmanager
-def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
-    """SIGTERM ends the controller like Ctrl-C: the worker groups are stopped on the way out.
-    The names of the signals received are appended to `seen`."""
-    def handler(signum, _frame):
-        seen.append(signal.Signals(signum).name)
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, h in previous.items():
-            if not seen:
-                signal.signal(sig, h)
-            elif signal.getsignal(sig) is handler:  # interrupted and ending: more signals change nothing
-                signal.signal(sig, signal.SIG_IGN)
+    return supervisor.control(lambda: rl.run(prepared), cfg.run.dir, lambda summary: report.rl(cfg, summary))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -332,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "rl" and argv is None:
         # The command itself (not a call from code): the controller runs user code (reward
         # functions), which may end it without a word; a parent process says what happened.
-        return supervise(lambda: _run(args), "the RL controller", resume_line)
+        return supervisor.supervise(lambda: _run(args), "the RL controller", resume_line)
     return _run(args)
 
 

@@ -19,6 +19,12 @@ into this parent and the controller child:
   it when the child dies); when the child ended without its line, the parent kills Ray's
   processes of the run, prints one line naming how the child ended and what it was doing,
   and exits with the child's status (`abrupt_status`).
+
+`control` is the controller's side of the same ends: it runs the RL job holding the run
+folder's lock, with SIGTERM taken as Ctrl-C, and stops Ray on the way out however the run
+ends (`shardwise.rl.cluster.shutdown_ray`). An interrupt prints one line naming the signal
+and the last committed checkpoint (exit 130 / 143); a worker's failure names the
+checkpoint too; the traceback of a bug or of a worker is kept in the run folder.
 """
 
 from __future__ import annotations
@@ -28,14 +34,20 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
 
+from shardwise.checkpoint.dcp import resume_line
 from shardwise.distributed.launch import describe_exit, kill_tree
-from shardwise.rl.cluster import _is_ray_process
+from shardwise.errors import ShardwiseError
+from shardwise.jobs.rundir import RunDirLock, command_line, write_error_file
+from shardwise.rl.cluster import WorkerError, _is_ray_process, shutdown_ray
 from shardwise.telemetry import activity
 
-__all__ = ["abrupt_status", "record_said", "record_run_dir", "supervise"]
+__all__ = ["abrupt_status", "control", "record_said", "record_run_dir", "supervise"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -94,6 +106,66 @@ def record_said(status: int) -> None:
     record = activity.installed()
     if record is not None:
         record.finish(status)
+
+
+def control(run: Callable[[], dict[str, Any]], run_dir: str, report: Callable[[dict[str, Any]], None]) -> int:
+    """The RL controller's run (`run` returns the job's summary) and the exit status of the
+    command: see the module docstring. `report(summary)` prints the summary of a run that
+    ended, after Ray stopped and the lock of `run_dir` was released."""
+    interrupts: list[str] = []
+    with RunDirLock(run_dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
+        try:
+            summary = run()
+        except KeyboardInterrupt:
+            sig = interrupts[-1] if interrupts else "SIGINT"
+            status = 143 if sig == "SIGTERM" else 130
+            print(f"\nshardwise: interrupted by {sig}; {resume_line(run_dir)}", file=sys.stderr, flush=True)
+            record_said(status)  # a signal during Ray's shutdown below ends it with this status, no other line
+            return status
+        except Exception as e:
+            if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
+                e.error_file = write_error_file(run_dir, "the controller" if not isinstance(e, WorkerError)
+                                                else "a worker", "".join(traceback.format_exception(e)))
+            if isinstance(e, WorkerError):  # a worker failed or was lost with its node: where to resume from
+                resume = WorkerError(f"{e}; {resume_line(run_dir)}")
+                resume.error_file = e.error_file
+                raise resume from e
+            raise
+    report(summary)
+    return 0
+
+
+@contextlib.contextmanager
+def _ray_stopped(interrupts: list[str]) -> Iterator[None]:
+    """Ray is stopped on the way out of the block however it ends (`shutdown_ray`: more
+    signals during the shutdown do not interrupt it, a third kills what is left; after an
+    interrupt, signals until the process ends only say it is ending)."""
+    try:
+        yield
+    finally:
+        shutdown_ray(restore_signals=not interrupts)
+
+
+@contextlib.contextmanager
+def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
+    """SIGTERM ends the controller like Ctrl-C: the worker groups are stopped on the way out.
+    The names of the signals received are appended to `seen`."""
+    def handler(signum, _frame):
+        seen.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            if not seen:
+                signal.signal(sig, h)
+            elif signal.getsignal(sig) is handler:  # interrupted and ending: more signals change nothing
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _child(command: Callable[[], int], record: activity.SharedRecord, parent: int) -> int:
