@@ -98,6 +98,13 @@ def test_inference_needs_nothing_of_rl():
                     f"{name}:{node.lineno} imports {mods}"
 
 
+def test_the_cli_is_a_thin_entry_point():
+    """`shardwise.cli` is the argument parser and a dispatch table; each command's work lives
+    in `shardwise.jobs` (and below), where its data is."""
+    lines = len((PACKAGE / "cli.py").read_text().splitlines())
+    assert lines <= 260, f"shardwise/cli.py has {lines} lines: move what is not parsing or dispatch to shardwise.jobs"
+
+
 def test_the_plan_knows_nothing_of_the_communication_model():
     """The communication model reads a plan and returns its own result
     (`shardwise.fsdp.comm.step_comm`); the plan imports nothing of it, not even a type."""

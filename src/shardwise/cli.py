@@ -1,56 +1,40 @@
 """The `shardwise` command: plan | train | infer | rl | export | convert | data | config.
 
-Each command is a recipe of `shardwise.jobs`: ``prepare`` (every check the config and its
-files allow; exit status 2 and one line on stderr, before any process group, Ray worker or
-file of the run exists) and ``run``. The CLI parses arguments, takes the run folder's
-lock, launches torchrun for ``--nproc`` (`shardwise.distributed.launch`; with ``--nnodes``
-this node's ranks of a multi-node job) and prints the summary; the `Prepared` object goes on
-to ``run`` in the same process.
-
+The argument parser and a dispatch table (`COMMANDS`) over `shardwise.jobs`, where each
+command's work lives: its checks (``prepare``: exit status 2 and one line on stderr, before
+any process group, Ray worker or file of the run exists), the torchrun launch of ``--nproc``
+ranks (`jobs.launcher`), the RL controller under its supervisor (`jobs.supervisor`) and
+the tables and summaries printed (`jobs.report`). `_exit_status` says how an error ends it.
 ``--dialect roll|mindspeed|rlinf`` reads CONFIG as another system's config
 (`shardwise.config.dialects`): converted first, then the overrides; a device count in it
-is the default of ``--nproc`` / ``--world-size``. ``convert`` writes the converted YAML.
+is the default of ``--nproc`` / ``--world-size``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 
 from shardwise.checkpoint.dcp import resume_line
-from shardwise.config import describe, load_config
-from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
+from shardwise.config.dialects import DIALECTS
 from shardwise.config.schema import Config
 from shardwise.distributed import launch
-from shardwise.distributed.capacity import check_nproc, check_plan
-from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
-from shardwise.jobs import export, infer, plan, preview, report, rl, sft, supervisor
+from shardwise.distributed.capacity import check_nproc
+from shardwise.errors import ShardwiseError, as_disk_full
+from shardwise.jobs import configs, export, infer, plan, preview, report, rl, sft, supervisor
 from shardwise.jobs.launcher import run_job
 from shardwise.jobs.report import format_plan  # noqa: F401 - tests import it from here
-from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line
 from shardwise.models.loading import local_files_only
 from shardwise.rl.cluster import WorkerError
-
-
-def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
-    """The command's config, and the rank count its file names (a dialect's device list)."""
-    if args.dialect is None:
-        return load_config(args.config, args.overrides), None
-    cfg, conv = load_dialect_config(args.config, args.dialect, args.overrides)
-    if not launch.under_torchrun():  # said once, by the launching process
-        for note in conv.notes:
-            print(f"shardwise: note: not converted: {note}", file=sys.stderr)
-    return cfg, conv.world_size
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The sharding plan of a config; see shardwise.jobs.plan."""
     local_files_only()
-    cfg, ranks = _load(args)
+    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
     plan.show(cfg, args.world_size, ranks, hardware=args.hardware, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
               scan=args.scan, rl=args.rl, as_json=args.json)
     return 0
@@ -72,7 +56,7 @@ def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], N
     nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                                    args.rdzv_endpoint, args.rdzv_timeout)
     local_files_only()
-    cfg, ranks = _load(args)
+    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
     dialect = ["--dialect", args.dialect] if args.dialect else []
     return run_job(job, cfg, summary, nproc=args.nproc, config_ranks=ranks, nodes=nodes,
                    argv=[args.command, args.config, *dialect, *args.overrides])
@@ -83,14 +67,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     (default 1) form the FSDP process group. See shardwise.jobs.rl."""
     check_nproc(args.nproc)
     local_files_only()
-    cfg, ranks = _load(args)
-    nproc = args.nproc or ranks or 1
-    check_run_dir(cfg.run.dir)
-    RunDirLock(cfg.run.dir, command_line()).check_free()
-    supervisor.record_run_dir(cfg.run.dir)  # for a supervising parent's line, should this process end abruptly
-    prepared = rl.prepare(cfg, nproc)  # input errors exit 2 here, before Ray starts
-    print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
-    return supervisor.control(lambda: rl.run(prepared), cfg.run.dir, lambda summary: report.rl(cfg, summary))
+    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
+    return supervisor.control(rl, cfg, args.nproc or ranks or 1, report.rl)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -102,22 +80,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """Another system's config as a shardwise YAML; see shardwise.config.dialects."""
-    if args.out is not None:
-        check_out_file(args.out, args.file)
-    conv = read_dialect(args.file, args.dialect)
-    text = conv.to_yaml()
-    for note in conv.notes:
-        print(f"shardwise: note: not converted: {note}", file=sys.stderr)
-    if args.out is None:
-        print(text, end="")
-    else:
-        try:
-            with open(args.out, "w") as f:
-                f.write(text)
-        except OSError as e:
-            raise ConfigError("--out", f"{args.out!r} cannot be written: {e.strerror or e}") from None
-        print(f"converted {args.file} ({args.dialect}) -> {args.out}", file=sys.stderr)
+    """Another system's config as a shardwise YAML; see shardwise.jobs.configs."""
+    configs.convert(args.file, args.dialect, args.out)
     return 0
 
 
@@ -125,38 +89,16 @@ def cmd_data(args: argparse.Namespace) -> int:
     """The first examples (or prompts) of a config's data as its job feeds them; see
     shardwise.jobs.preview."""
     local_files_only()
-    cfg, _ = _load(args)
-    shown, tokenizer, total = preview.preview(cfg, args.n, args.prompts)
-    if args.json:
-        print(preview.format_json(shown, tokenizer))
-    else:
-        print(preview.format_text(shown, tokenizer, cfg.data.max_length, total))
+    cfg, _ = configs.load(args.config, args.overrides, args.dialect)
+    preview.show(cfg, args.n, args.prompts, as_json=args.json)
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """The resolved config, each value with its origin (default, file, dialect, override),
-    or with --defaults every key with its type, default and doc; see
-    shardwise.config.describe."""
-    path, overrides = args.config, list(args.overrides)
-    if path is not None and "=" in path and not os.path.exists(path):  # overrides alone, no file
-        path, overrides = None, [path, *overrides]
-    if path is None and not overrides and not args.defaults:
-        raise ConfigError("CONFIG", "name the config file to resolve",
-                          "or --defaults: every key with its type, default and doc")
-    resolved = None
-    if path is not None or overrides or args.dialect is not None:
-        resolved = describe.resolve(path, overrides, args.dialect)
-        for note in resolved.notes:
-            print(f"shardwise: note: not converted: {note}", file=sys.stderr)
-    keep = describe.keys_under(args.only) if args.only is not None else None
-    if args.defaults:
-        table = {k: v for k, v in describe.defaults(resolved).items() if keep is None or k in keep}
-        print(json.dumps(table, indent=2) if args.json else describe.format_defaults(table))
-        return 0
-    if keep is not None:
-        resolved.entries = [e for e in resolved.entries if e.key in keep]
-    print(json.dumps(resolved.to_json(), indent=2) if args.json else describe.format_resolved(resolved))
+    """The resolved config with each value's origin, or every key's type, default and doc;
+    see shardwise.jobs.configs."""
+    configs.show(args.config, list(args.overrides), args.dialect, only=args.only, defaults=args.defaults,
+                 as_json=args.json)
     return 0
 
 
@@ -182,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     dialect.add_argument("--dialect", choices=DIALECTS, default=None,
                          help="CONFIG is a ROLL, MindSpeed or RLinf config: converted first, then the overrides "
                               "(see `shardwise convert`)")
+    job = argparse.ArgumentParser(add_help=False)
+    job.add_argument("config")
+    job.add_argument("overrides", nargs="*", help="key.sub=value")
     nodes = argparse.ArgumentParser(add_help=False)
     g = nodes.add_argument_group("several machines", "the same command on every node (see the end of this help)")
     g.add_argument("--nnodes", type=int, default=None, help="number of nodes (machines) of the job (default 1)")
@@ -193,9 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "numbered as they arrive; --node-rank is not needed)")
     g.add_argument("--rdzv-timeout", type=int, default=None, help="seconds a node waits for the others at the "
                    f"rendezvous before the job fails (default {launch.RDZV_TIMEOUT_S})")
-    sp = sub.add_parser("plan", parents=[common, dialect], help="print the sharding plan of a config (no process group, no weights)")
-    sp.add_argument("config")
-    sp.add_argument("overrides", nargs="*", help="key.sub=value")
+    sp = sub.add_parser("plan", parents=[common, dialect, job], help="print the sharding plan of a config (no process group, no weights)")
     sp.add_argument("--world-size", type=int, default=None)
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--rl", action="store_true", help="CONFIG is for `shardwise rl` (its batch rules: "
@@ -208,22 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "recompute not counted); default: the profile's for the config's recompute")
     sp.add_argument("--scan", default=None, help="comma-separated world sizes, one projected row each "
                     "(each rank keeps the step of the first size), e.g. 8,64,512")
-    tp = sub.add_parser("train", parents=[common, dialect, nodes], help="supervised fine-tuning (SFT) with the FSDP2 train engine",
+    tp = sub.add_parser("train", parents=[common, dialect, job, nodes], help="supervised fine-tuning (SFT) with the FSDP2 train engine",
                         epilog=NODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tp.add_argument("config")
-    tp.add_argument("overrides", nargs="*", help="key.sub=value")
     tp.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun (with "
                     "--nnodes: this node's ranks)")
-    ip = sub.add_parser("infer", parents=[common, dialect, nodes], help="generate (and score) responses to data.source's prompts with the FSDP2 "
+    ip = sub.add_parser("infer", parents=[common, dialect, job, nodes], help="generate (and score) responses to data.source's prompts with the FSDP2 "
                         "infer engine", epilog=NODES_EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ip.add_argument("config")
-    ip.add_argument("overrides", nargs="*", help="key.sub=value")
     ip.add_argument("--nproc", type=int, default=None, help="start N local processes through torchrun (with "
                     "--nnodes: this node's ranks)")
-    rp = sub.add_parser("rl", parents=[common, dialect], help="RL post-training (GRPO, PPO): a single controller over Ray workers")
-    rp.add_argument("config")
-    rp.add_argument("overrides", nargs="*", help="key.sub=value")
+    rp = sub.add_parser("rl", parents=[common, dialect, job], help="RL post-training (GRPO, PPO): a single controller over Ray workers")
     rp.add_argument("--nproc", type=int, default=None, help="number of worker processes (Ray actors); default 1")
     ep = sub.add_parser("export", parents=[common], help="write an HF folder (config, safetensors, tokenizer) from a checkpoint")
     ep.add_argument("checkpoint_dir")
@@ -232,10 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "adapters) instead of the PEFT adapter folder")
     ep.add_argument("--force", action="store_true", help="write into OUT_DIR even if it holds files (another "
                     "model's config and weights are replaced)")
-    dp = sub.add_parser("data", parents=[common, dialect], help="show the first examples of a config's data as the "
+    dp = sub.add_parser("data", parents=[common, dialect, job], help="show the first examples of a config's data as the "
                         "job feeds them: chat template applied, trained tokens marked, truncation said")
-    dp.add_argument("config")
-    dp.add_argument("overrides", nargs="*", help="key.sub=value")
     dp.add_argument("--n", type=int, default=3, help="how many examples (default 3)")
     dp.add_argument("--json", action="store_true", help='one JSON object per example: {"input_ids", "loss_mask", '
                     '"text"} ({"prompt_ids", "prompt_text"} with --prompts)')
@@ -295,18 +230,13 @@ def _exit_status(e: BaseException) -> int:
     if launch.under_torchrun() and not isinstance(e, SystemExit):
         launch.rank_failed(e)
     e = as_disk_full(e)
-    if isinstance(e, ShardwiseError):
-        print(f"shardwise: {' '.join(str(e).split())}", file=sys.stderr)
-        if launch.debug_enabled():
-            traceback.print_exception(e)
-        return e.exit_status
-    if isinstance(e, WorkerError):
-        kept = getattr(e, "error_file", None)
-        print(f"shardwise: {' '.join(str(e).split())}" + (f" (traceback in {kept})" if kept else ""), file=sys.stderr)
-        if launch.debug_enabled():
-            traceback.print_exception(e)
-        return 1
-    raise e
+    if not isinstance(e, (ShardwiseError, WorkerError)):
+        raise e
+    kept = getattr(e, "error_file", None) if isinstance(e, WorkerError) else None
+    print(f"shardwise: {' '.join(str(e).split())}" + (f" (traceback in {kept})" if kept else ""), file=sys.stderr)
+    if launch.debug_enabled():
+        traceback.print_exception(e)
+    return e.exit_status if isinstance(e, ShardwiseError) else 1
 
 
 if __name__ == "__main__":

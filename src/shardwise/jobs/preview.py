@@ -22,7 +22,7 @@ from shardwise.data.collate import tokenize_prompt, tokenize_record
 from shardwise.errors import ConfigError
 from shardwise.jobs.inputs import check_causal_task, check_data, check_tokenizer, job_tokenizer, vision_inputs
 
-__all__ = ["Shown", "format_json", "format_text", "preview"]
+__all__ = ["Shown", "format_json", "format_text", "preview", "show"]
 
 _TEXT_MODEL = {"model_type": "qwen3"}
 """Stands for a model that does not exist yet (only whether it is a VL model matters here)."""
@@ -80,6 +80,13 @@ def preview(cfg: Config, n: int, prompts: bool) -> tuple[list[Shown], Any, int]:
             ex, length, lost = tokenize_record(tokenizer, r, d.max_length, d.train_on, prefix)
             shown.append(Shown(i, ex["input_ids"], ex["loss_mask"], length, lost, where))
     return shown, tokenizer, len(records)
+
+
+def show(cfg: Config, n: int, prompts: bool, as_json: bool = False) -> None:
+    """`shardwise data`: print the first `n` examples (or prompts) of `cfg`'s data, as text
+    with the trained tokens marked, or one JSON object per example."""
+    shown, tokenizer, total = preview(cfg, n, prompts)
+    print(format_json(shown, tokenizer) if as_json else format_text(shown, tokenizer, cfg.data.max_length, total))
 
 
 def _runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:

@@ -20,8 +20,8 @@ into this parent and the controller child:
   processes of the run, prints one line naming how the child ended and what it was doing,
   and exits with the child's status (`abrupt_status`).
 
-`control` is the controller's side of the same ends: it runs the RL job holding the run
-folder's lock, with SIGTERM taken as Ctrl-C, and stops Ray on the way out however the run
+`control` is the controller's side of the same ends: after the job's checks, it runs the
+RL job holding the run folder's lock, with SIGTERM taken as Ctrl-C, and stops Ray on the way out however the run
 ends (`shardwise.rl.cluster.shutdown_ray`). An interrupt prints one line naming the signal
 and the last committed checkpoint (exit 130 / 143); a worker's failure names the
 checkpoint too; the traceback of a bug or of a worker is kept in the run folder.
@@ -38,12 +38,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 from shardwise.checkpoint.dcp import resume_line
+from shardwise.config.schema import Config
+from shardwise.distributed.capacity import check_plan
 from shardwise.distributed.launch import describe_exit, kill_tree
 from shardwise.errors import ShardwiseError
-from shardwise.jobs.rundir import RunDirLock, command_line, write_error_file
+from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
 from shardwise.rl.cluster import WorkerError, _is_ray_process, shutdown_ray
 from shardwise.telemetry import activity
 
@@ -108,14 +111,22 @@ def record_said(status: int) -> None:
         record.finish(status)
 
 
-def control(run: Callable[[], dict[str, Any]], run_dir: str, report: Callable[[dict[str, Any]], None]) -> int:
-    """The RL controller's run (`run` returns the job's summary) and the exit status of the
-    command: see the module docstring. `report(summary)` prints the summary of a run that
-    ended, after Ray stopped and the lock of `run_dir` was released."""
+def control(job: ModuleType, cfg: Config, nproc: int, report: Callable[[Config, dict[str, Any]], None]) -> int:
+    """`shardwise rl` in this process, the single controller over `nproc` Ray workers: the
+    job's ``prepare(cfg, nproc)`` (input errors exit 2 here, before Ray starts), the capacity
+    line, then ``run(prepared)`` as the module docstring says; `report(cfg, summary)` prints
+    the summary of a run that ended, after Ray stopped and the run folder's lock was
+    released. Returns the exit status."""
+    run_dir = cfg.run.dir
+    check_run_dir(run_dir)
+    RunDirLock(run_dir, command_line()).check_free()
+    record_run_dir(run_dir)  # for a supervising parent's line, should this process end abruptly
+    prepared = job.prepare(cfg, nproc)
+    print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
     with RunDirLock(run_dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
         try:
-            summary = run()
+            summary = job.run(prepared)
         except KeyboardInterrupt:
             sig = interrupts[-1] if interrupts else "SIGINT"
             status = 143 if sig == "SIGTERM" else 130
@@ -131,7 +142,7 @@ def control(run: Callable[[], dict[str, Any]], run_dir: str, report: Callable[[d
                 resume.error_file = e.error_file
                 raise resume from e
             raise
-    report(summary)
+    report(cfg, summary)
     return 0
 
 
