@@ -19,13 +19,15 @@ __all__ = ["resolve_dots"]
 def resolve_dots(path: str | os.PathLike[str]) -> str:
     """`path` unchanged when it has no ``..`` part; otherwise the folder it leads to, as
     `os.path.realpath` finds it (symlinks followed as the OS follows them, missing parts
-    taken as plain folders, as ``mkdir(parents=True)`` would create them), relative to the
-    working directory when it lies inside it (``runs/new/../other`` -> ``runs/other``),
-    else absolute."""
+    taken as plain folders, as ``mkdir(parents=True)`` would create them); a relative path
+    stays relative to the working directory when it leads inside it (``runs/new/../other``
+    -> ``runs/other``), an absolute one absolute."""
     text = os.fspath(path)
     if ".." not in Path(text).parts:
         return text
     real = Path(os.path.realpath(text))
+    if Path(text).is_absolute():
+        return str(real)
     try:
         return str(real.relative_to(Path.cwd().resolve())) or "."
     except ValueError:
