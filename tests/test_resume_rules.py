@@ -133,3 +133,31 @@ def test_resume_with_nothing_left_to_train_says_so_and_reports_the_saved_loss(ti
     assert len(notes) == 1 and str(tiny_sft_run["checkpoint"].name) in notes[0] and "step 1" in notes[0], res.stderr
     loss = float(re.search(r"final loss (\S+)", res.stdout).group(1))
     assert math.isfinite(loss) and loss == pytest.approx(saved_loss, abs=1e-4), res.stdout
+
+
+@pytest.mark.parametrize("saved,now,expected", [
+    (("fixed", 0.1), ("fixed", 0.5), 0.5),  # a fixed coef applies (it used to keep the saved one)
+    (("adaptive", 0.1), ("adaptive", 0.1), 0.37),  # the adapted value goes on
+    (("adaptive", 0.1), ("adaptive", 0.2), 0.2),  # a new starting coef restarts it
+    (("adaptive", 0.1), ("fixed", 0.1), 0.1),
+])
+def test_rl_kl_in_reward_applies_on_resume(saved, now, expected):
+    """`rl.kl_in_reward` is ruled "applies": the controller state a checkpoint restores."""
+    from types import SimpleNamespace
+
+    from shardwise.data.sampler import GlobalBatchSampler
+    from shardwise.rl.algorithms import kl_controller
+    from shardwise.rl.trainer import Controller
+
+    def controller(kind: str, coef: float):
+        cfg = Config.model_validate({"rl": {"kl_in_reward": {"enabled": True, "controller": kind, "coef": coef}}})
+        k = cfg.rl.kl_in_reward
+        return SimpleNamespace(cfg=cfg, step=0, sampler=GlobalBatchSampler(8, 4, 0),
+                               kl_ctl=kl_controller(k.controller, k.coef, k.target, k.horizon))
+
+    before = controller(*saved)
+    before.kl_ctl.value = 0.37  # adapted during the saved run (a fixed one never moves, but the state holds it)
+    state = json.loads(json.dumps(Controller.state_dict(before)))  # as meta.json keeps it
+    after = controller(*now)
+    Controller.load_state_dict(after, state)
+    assert after.kl_ctl.value == pytest.approx(expected)
