@@ -110,3 +110,23 @@ def test_a_ground_truth_key_that_names_nothing_is_named_itself(key, tmp_path, ca
         assert code == 2 and len(err.splitlines()) == 1, err
         assert "data.ground_truth_key" in err and "data.response_key" not in err and repr(key) in err, err
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("out,fragment", [
+    ("nonexist/../d.yaml", "does not exist"),
+    ("sub/../d.yaml", "is the file being converted"),
+    ("sub/../sub", "is a directory"),
+])
+def test_convert_out_through_dotdot_is_refused(out, fragment, tmp_path, capsys, monkeypatch):
+    """A guard, not a fix: `convert --out` opens the path as given, which fails where the
+    check fails (a folder before `..` that does not exist), so it never wrote elsewhere."""
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    source = (REPO_ROOT / "tests" / "dialects" / "mindspeed_fsdp2.yaml").read_text()
+    (tmp_path / "d.yaml").write_text(source)
+    (tmp_path / "sub").mkdir()
+    assert main(["convert", "d.yaml", "--from", "mindspeed", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "'--out'" in err and fragment in err, err
+    assert (tmp_path / "d.yaml").read_text() == source and sorted(p.name for p in tmp_path.iterdir()) == ["d.yaml", "sub"]
