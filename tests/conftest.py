@@ -21,3 +21,31 @@ def sft_demo_model(tmp_path_factory) -> Path:
     hf = run_dir / "hf"
     assert (hf / "model.safetensors").is_file() or (hf / "model.safetensors.index.json").is_file()
     return hf
+
+
+@pytest.fixture(scope="session")
+def tiny_sft_run(tmp_path_factory) -> dict[str, Path]:
+    """One step of `shardwise train` (one process, ~15 s) from a saved tiny Qwen3 folder
+    (``model``, as model.path), and a second folder of the same shape and other weights
+    (``other_model``): ``run`` holds the committed checkpoint ``checkpoint`` (step 1),
+    ``argv`` is the command (without run.dir and max_steps). Tests that could write into the
+    run copy it first."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_sft")
+    shape = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=64)
+    for seed, name in ((0, "model"), (1, "other_model")):
+        torch.manual_seed(seed)
+        Qwen3ForCausalLM(shape).save_pretrained(root / name)
+    argv = ["train", str(REPO_ROOT / "examples" / "sft_arithmetic.yaml"), "model.config=null",
+            f"model.path={root / 'model'}", "train.global_batch_size=8", "train.micro_batch_size=4", "data.max_length=16",
+            "checkpoint.every_steps=1", "checkpoint.async=false", "checkpoint.export_hf=false"]
+    run = root / "run"
+    res = run_cli([*argv, f"run.dir={run}", "train.max_steps=1"], timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    checkpoint = run / "checkpoints" / "step_00000001"
+    assert (checkpoint / "COMMITTED").is_file()
+    return {"root": root, "model": root / "model", "other_model": root / "other_model", "run": run,
+            "checkpoint": checkpoint, "argv": argv}

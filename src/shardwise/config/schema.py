@@ -23,11 +23,15 @@ from pydantic import (
 )
 
 from shardwise.config.dtypes import canonical_dtype
+from shardwise.config.paths import resolve_dots
 from shardwise.errors import ConfigError
 from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, TRACKERS
 
 DType = Annotated[str, BeforeValidator(canonical_dtype)]
 """A dtype name (fp32/float32, bf16/bfloat16, fp16/float16/half, torch names), stored canonical."""
+
+OutPath = Annotated[str, AfterValidator(resolve_dots)]
+"""A path a job writes to: one with a ``..`` part is resolved first (`shardwise.config.paths`)."""
 
 NonNeg = Annotated[int, Field(ge=0, strict=True)]
 Pos = Annotated[int, Field(ge=1, strict=True)]
@@ -44,8 +48,9 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    dir: str = "runs/demo"
-    """Everything a run writes: metrics.jsonl, checkpoints/, hf/, plots. One job at a time."""
+    dir: OutPath = "runs/demo"
+    """Everything a run writes: metrics.jsonl, checkpoints/, hf/, plots. One job at a time.
+    A path with ``..`` is resolved first (runs/new/../other is runs/other, checked as such)."""
     seed: int = 0
     """Seed of model init, data order and sampling."""
     loggers: list[Annotated[str, AfterValidator(TRACKERS.check)]] = ["jsonl"]
@@ -665,8 +670,10 @@ class InferConfig(SamplingConfig):
     default: a built-in task's own scorer, no scoring for files."""
     reward_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """The longest one call of the reward function may take (as rl.reward.timeout_s)."""
-    output: str | None = None
-    """The JSONL file of generations; default run.dir/generations.jsonl."""
+    output: OutPath | None = None
+    """The JSONL file of generations; default run.dir/generations.jsonl. A path with ``..``
+    is resolved first; an existing file is replaced only when it holds generations of
+    `shardwise infer` (or nothing)."""
 
 
 class Config(Section):

@@ -5,7 +5,8 @@ a LoRA run's checkpoint -> a PEFT adapter folder, or the merged model with ``--m
 `prepare` checks the checkpoint folder (complete, and its files match the sizes and
 checksums its commit marker records) and the out folder (new or empty; a folder holding
 anything, another model say, only with ``--force``; never a file) before anything is
-written.
+written. An out folder with a ``..`` part is resolved first (`shardwise.config.paths`):
+``runs/new/../other_model`` is checked, and written, as ``runs/other_model``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from shardwise.checkpoint.dcp import (
     verify_checkpoint,
 )
 from shardwise.checkpoint.hf_export import ExportReport, export_checkpoint
+from shardwise.config.paths import resolve_dots
 from shardwise.errors import ConfigError
 
 __all__ = ["Prepared", "prepare", "run"]
@@ -36,7 +38,8 @@ class Prepared:
 def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False, force: bool = False) -> Prepared:
     """The folder is a complete, intact checkpoint and `out_dir` may be written (see the
     module docstring; `force`: a non-empty folder too); ConfigError on the argument otherwise."""
-    check_out_dir(Path(out_dir).expanduser(), force)
+    out = Path(resolve_dots(Path(out_dir).expanduser()))
+    check_out_dir(out, force, given=out_dir)
     ckpt = Path(checkpoint_dir).expanduser()
     if not is_complete(ckpt):
         inner = sorted(p for p in ckpt.glob("step_*") if is_complete(p)) if ckpt.is_dir() else []
@@ -46,25 +49,29 @@ def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False, force: bool
     if problems:
         raise ConfigError("CHECKPOINT_DIR", f"{str(ckpt)!r} failed verification: {problems[0]}",
                           "export an intact checkpoint (an older step)")
-    return Prepared(ckpt, Path(out_dir).expanduser(), merged)
+    return Prepared(ckpt, out, merged)
 
 
-def check_out_dir(out: Path, force: bool) -> None:
+def check_out_dir(out: Path, force: bool, given: str | None = None) -> None:
     """ConfigError on OUT_DIR when it is a file (or anything but a folder), or a folder that
     holds anything and `force` is off: an export writes config.json, weights and tokenizer
     files there and removes weight files it did not write, so another model's folder
-    would be overwritten without a word."""
+    would be overwritten without a word. `out`: the folder as resolved (`resolve_dots`);
+    `given`: as the user wrote it, also named when it differs."""
+    name = repr(str(out))
+    if given is not None and str(Path(given).expanduser()) != str(out):
+        name = f"{given!r} (that is {name})"
     if out.is_dir():
         try:
             held = sorted(p.name for p in out.iterdir())
         except OSError as e:
-            raise ConfigError("OUT_DIR", f"{str(out)!r} cannot be read: {e.strerror or e}") from None
+            raise ConfigError("OUT_DIR", f"{name} cannot be read: {e.strerror or e}") from None
         if held and not force:
             shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-            raise ConfigError("OUT_DIR", f"{str(out)!r} is not empty (it holds {shown})",
+            raise ConfigError("OUT_DIR", f"{name} is not empty (it holds {shown})",
                               "name a new or empty folder, or add --force to write over it")
     elif out.exists() or out.is_symlink():
-        raise ConfigError("OUT_DIR", f"{str(out)!r} is a file, not a folder",
+        raise ConfigError("OUT_DIR", f"{name} is a file, not a folder",
                           f"name a new folder, e.g. {out.with_name(out.name + '_hf')}")
 
 

@@ -56,6 +56,7 @@ from shardwise.engine import vllm_engine
 from shardwise.engine.generate import build_generator, prompt_batch
 from shardwise.engine.infer import InferEngine
 from shardwise.engine.weight_sync import WeightSync, bucket_bytes
+from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import (
@@ -64,6 +65,7 @@ from shardwise.jobs.inputs import (
     check_model,
     check_tokenizer,
     check_tokens,
+    ground_truth_key,
     vision_inputs,
 )
 from shardwise.jobs.tracking import open_metrics
@@ -103,11 +105,11 @@ def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
     """The records to generate for (see the module docstring); raises DataError /
     ConfigError for a source that cannot be read or holds no records."""
     n = cfg.infer.num_prompts
-    response_key = (cfg.data.ground_truth_key or cfg.data.response_key) if scored else None
+    response_key, name = ground_truth_key(cfg) if scored else (None, "data.response_key")
     if cfg.data.source.startswith(BUILTIN_PREFIX):
         return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS,
-                          heldout=True, scoring=scored)
-    records = check_data(cfg, response_key, scoring=scored)
+                          heldout=True, scoring=scored, response_name=name)
+    records = check_data(cfg, response_key, scoring=scored, response_name=name)
     return records[:n] if n else records
 
 
@@ -128,8 +130,55 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
     records = load_prompts(cfg, scored=name is not None)
     check_data_sources(fn, records, REWARD_KEY)
+    check_output(cfg)
     planned = plan_for(cfg, spec)
     return Prepared(cfg, spec, records, name, fn, planned)
+
+
+GENERATION_KEYS = ("index", "sample", "prompt", "response")
+"""What every line of a generations file holds (`_generate_all`'s rows)."""
+
+
+def output_path(cfg: Config) -> Path:
+    """Where the generations go: ``infer.output`` (a ``..`` in it already resolved by the
+    config), else ``run.dir/generations.jsonl``."""
+    return Path(cfg.infer.output) if cfg.infer.output else Path(cfg.run.dir) / "generations.jsonl"
+
+
+def check_output(cfg: Config) -> None:
+    """ConfigError on ``infer.output`` when the generations could not be written there, or
+    would replace something that is not an earlier output of `shardwise infer`: a folder, a
+    path through a file, the data source itself, or a file whose first line is not a
+    generation (a data set, another run's metrics.jsonl, a model's config.json)."""
+    out = output_path(cfg)
+    key = "infer.output" if cfg.infer.output else "run.dir"
+    if out.is_dir():
+        raise ConfigError(key, f"{str(out)!r} is a folder", f"name a file, e.g. {out / 'generations.jsonl'}")
+    through = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if through is not None:
+        raise ConfigError(key, f"{str(out)!r} lies under {str(through)!r}, which is a file, not a folder",
+                          "name a file in a folder")
+    if not out.is_file():
+        return
+    source = Path(cfg.data.source).expanduser()
+    if source.exists() and source.resolve() == out.resolve():
+        raise ConfigError(key, f"{str(out)!r} is data.source, the prompts being read",
+                          f"name another file, e.g. {out.with_name(out.stem + '_generations.jsonl')}")
+    try:
+        with open(out, "rb") as f:
+            first = f.readline(1 << 20).strip()
+    except OSError as e:
+        raise ConfigError(key, f"{str(out)!r} cannot be read: {e.strerror or e}") from None
+    if not first:
+        return
+    try:
+        row = json.loads(first)
+    except ValueError:
+        row = None
+    if not (isinstance(row, dict) and all(k in row for k in GENERATION_KEYS)):
+        raise ConfigError(key, f"{str(out)!r} exists and does not hold generations of `shardwise infer` "
+                          f"(its first line has no {', '.join(GENERATION_KEYS)}), so it would be replaced",
+                          "name a new file, or move that one away")
 
 
 def _my_prompts(num: int, dp_rank: int, dp_size: int) -> range:
@@ -238,8 +287,7 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
             summary["score_mean"] = sum(r["score"] for r in all_rows) / len(all_rows)
             if prepared.reward_spec.startswith(BUILTIN_PREFIX):
                 summary["accuracy"] = sum(r["score"] >= 1.0 for r in all_rows) / len(all_rows)
-        output = Path(icfg.output) if icfg.output else run_dir / "generations.jsonl"
-        summary["output"] = str(_write_jsonl(output, all_rows))
+        summary["output"] = str(_write_jsonl(output_path(cfg), all_rows))
         summary["summary"] = str(_write_json(run_dir / SUMMARY_FILE, summary))
     dist.barrier()
     return summary

@@ -9,13 +9,11 @@ keys), and an explicit ``checkpoint.resume`` folder (a complete checkpoint).
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete, read_meta, saved_job
+from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
 from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import _UNLIMITED, example_loss_tokens, tokenize_prompt, tokenize_record
@@ -27,8 +25,8 @@ from shardwise.data.tokenizer import (
     load_tokenizer,
     locate_tokenizer,
 )
-from shardwise.distributed.launch import ERROR_DIR_ENV
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import ConfigError
+from shardwise.jobs.resume import check_same_job
 from shardwise.models.loading import check_task, check_weights_folder, load_hf_config
 from shardwise.models.vision import VisionInputs, is_vision_language, resolve_images
 
@@ -61,8 +59,9 @@ def check_resume(cfg: Config, job: str | None = None) -> None:
     an explicit folder is a complete checkpoint, and with auto some checkpoint of the run
     is; the checksums are verified by the ranks when they load). With `job`
     (``train``, ``rl``): the checkpoint to be resumed was written by that command for the
-    same model (`check_same_job`), and the settings that differ from the saved run's are
-    listed in one note (their new values apply)."""
+    same model, and no setting differs from the saved run's that a resume refuses
+    (`shardwise.jobs.resume.check_same_job`: model.path, ...); the others are listed in one
+    note."""
     resume = cfg.checkpoint.resume
     if resume == "never":
         return
@@ -84,93 +83,25 @@ def check_resume(cfg: Config, job: str | None = None) -> None:
     raise ConfigError("checkpoint.resume", f"{resume!r} {incomplete_reason(path)}", hint)
 
 
-_MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
-"""What makes two model configs hold the same tensors (the rest, e.g. dropout, may change)."""
-_NOT_SETTINGS = ("checkpoint.resume", "run.dir")
-"""Keys whose change on resume is no change of the run (a run folder copied elsewhere, a
-checkpoint named explicitly)."""
-
-
-def check_same_job(cfg: Config, job: str, path: Path, key: str) -> None:
-    """ConfigError on `key` when the checkpoint at `path` was written by another command
-    (``shardwise rl`` resumed an SFT run's state and crashed; ``train`` on an RL run's
-    folder mixed both) or for another model (another architecture or size, task, or LoRA
-    adapters); otherwise one note on stderr listing the settings that changed since it was
-    saved. A meta.json that cannot be read is left to the ranks' verification."""
-    try:
-        meta = read_meta(path)
-        saved_cfg = meta["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    saved = saved_job(meta)
-    if saved is not None and saved != job:
-        raise ConfigError(key, f"{str(path)!r} is a checkpoint of `shardwise {saved}`, and this is `shardwise {job}`",
-                          "give this job a run.dir of its own (an SFT model starts RL as model.path: <its run.dir>/hf)")
-    try:
-        before = Config.model_validate(saved_cfg)
-    except (ValueError, TypeError):
-        return
-    mine, theirs = _model_identity(cfg), _model_identity(before)
-    diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-    if diff:
-        k = diff[0]
-        raise ConfigError(key, f"{str(path)!r} holds another model's state ({k}: saved {theirs.get(k)!r}, "
-                          f"now {mine.get(k)!r})", "give this model a run.dir of its own, or resume with the "
-                          "saved model settings")
-    changed = [(k, a, b) for k, (a, b) in _changed(saved_cfg, cfg.model_dump(by_alias=True, mode="json")).items()
-               if k not in _NOT_SETTINGS]
-    # said once: by the launching process, or by rank 0 of a torchrun the user started
-    if changed and (os.environ.get("RANK") is None or (os.environ.get("RANK") == "0"
-                                                       and os.environ.get(ERROR_DIR_ENV) is None)):
-        shown = "; ".join(f"{k} {_brief(a)} -> {_brief(b)}" for k, a, b in changed[:8])
-        more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
-        print(f"shardwise note: resuming {path} with changed settings, the new values apply: {shown}{more}",
-              file=sys.stderr)
-
-
-def _model_identity(cfg: Config) -> dict[str, Any]:
-    """The settings that decide which tensors a checkpoint holds."""
-    out: dict[str, Any] = {"model.task": cfg.model.task, "model.lora.enabled": cfg.model.lora.enabled}
-    if cfg.model.lora.enabled:
-        out |= {"model.lora.r": cfg.model.lora.r, "model.lora.target_modules": list(cfg.model.lora.target_modules)}
-    try:
-        hf = load_hf_config(cfg.model).get_text_config()
-    except (ShardwiseError, OSError, ValueError):  # a folder since moved: nothing to compare
-        return out
-    return out | {f"model.config.{k}": getattr(hf, k, None) for k in _MODEL_SHAPE}
-
-
-def _changed(saved: Any, now: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
-    """``{dotted key: (saved, now)}`` of the leaves that differ (iteratively, no recursion
-    limit concerns for configs: they are shallow)."""
-    out: dict[str, tuple[Any, Any]] = {}
-    stack = [(prefix, saved, now)]
-    while stack:
-        where, a, b = stack.pop()
-        if isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(a.keys() | b.keys(), reverse=True):
-                stack.append((f"{where}.{k}" if where else str(k), a.get(k), b.get(k)))
-        elif a != b:
-            out[where] = (a, b)
-    return dict(sorted(out.items()))
-
-
-def _brief(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+def ground_truth_key(cfg: Config) -> tuple[str, str]:
+    """The column scorers compare against and the config key that names it:
+    ``data.ground_truth_key`` when set, else ``data.response_key``."""
+    if cfg.data.ground_truth_key is not None:
+        return cfg.data.ground_truth_key, "data.ground_truth_key"
+    return cfg.data.response_key, "data.response_key"
 
 
 def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
                num_builtin: int | None = None, heldout: bool = False, sft: bool = False,
-               scoring: bool = False) -> list[dict[str, Any]]:
+               scoring: bool = False, response_name: str = "data.response_key") -> list[dict[str, Any]]:
     """The records of ``data.source`` (every read, parse and key problem raised here).
     A built-in task makes `num_builtin` examples (default: ``data.num_examples``) from `seed`
     (default ``run.seed``); `heldout`: its held-out examples (true answers). For a VL model
     every record also carries its image (``data.image_key``), checked readable.
 
     `sft`: records are training examples (conversations from ``data.messages_key``);
-    otherwise prompts, which with `scoring` also carry ``data_source`` and ``extra_info``
+    `response_name`: the config key that set `response_key`, for messages
+    (`ground_truth_key`). Otherwise prompts, which with `scoring` also carry ``data_source`` and ``extra_info``
     (``data.data_source_key`` / ``data.extra_info_key``; required only when set). Each
     record carries ``"where"`` (file and row, for messages). When the data are chat messages
     (or a template file is set) every record is rendered and tokenized here with the job's
@@ -186,6 +117,7 @@ def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
     records = load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
                            num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
                            image_key=("image" if d.source.startswith("builtin:") else d.image_key) if vl else None,
+                           key_names=("data.prompt_key", response_name),
                            messages_key=d.messages_key if sft else None, fmt=d.format, conversations=sft,
                            as_chat=text_prompts_as_chat(d), extra_keys=extra)
     if vl:

@@ -39,6 +39,7 @@ from shardwise.jobs.inputs import (
     check_resume,
     check_tokenizer,
     check_tokens,
+    ground_truth_key,
     vision_inputs,
 )
 from shardwise.jobs.tracking import open_metrics
@@ -85,7 +86,8 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_tokenizer(cfg)
     check_resume(cfg, "rl")
     check_tokens(cfg)
-    records = check_data(cfg, cfg.data.ground_truth_key or cfg.data.response_key, scoring=True)
+    truth, truth_name = ground_truth_key(cfg)
+    records = check_data(cfg, truth, scoring=True, response_name=truth_name)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
     check_data_sources(fn, records)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device

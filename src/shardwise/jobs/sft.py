@@ -197,15 +197,20 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         data = SFTData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size, vision)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, runtime, job="train")
     start = ckpt.resolve_resume()
+    saved_final: dict[str, Any] = {}
     if start is not None:
         extra = ckpt.load(engine, start)
         data.load_state_dict(extra["sampler"])
+        saved_final = _saved_final(extra, run_dir, engine.step)
         if runtime.is_main:
             log.info("resumed from %s at step %d", start, engine.step)
     max_steps = cfg.train.max_steps
+    if start is not None and engine.step >= max_steps and runtime.is_main:
+        log.warning("nothing left to train: %s is at step %d and train.max_steps is %d (raise train.max_steps "
+                    "to train on); its model is exported and evaluated again", start, engine.step, max_steps)
     metrics = open_metrics(cfg, enabled=runtime.is_main, after_step=engine.step)
     try:
-        summary = _train(cfg, runtime, engine, data, ckpt, metrics, max_steps)
+        summary = _train(cfg, runtime, engine, data, ckpt, metrics, max_steps, saved_final)
         summary |= _finish(cfg, runtime, engine, ckpt, hf_config, tokenizer, tok_dir, vision, encoder_task)
     except BaseException:
         metrics.close(failed=True)
@@ -215,12 +220,33 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     return summary
 
 
+def _saved_final(extra: dict[str, Any], run_dir: Path, step: int) -> dict[str, Any]:
+    """The last step's metrics as of a resumed checkpoint (the summary's ``final`` when
+    nothing is left to train): what the checkpoint recorded, else that step's line of
+    metrics.jsonl (a checkpoint saved before it recorded them), else {}."""
+    if isinstance(extra.get("final"), dict):
+        return extra["final"]
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step") == step and "loss" in row:
+            return {k: v for k, v in row.items() if k != "step"}
+    return {}
+
+
 def _train(cfg: Config, runtime: Runtime, engine: TrainEngine, data: SFTData, ckpt: CheckpointManager,
-           metrics: MetricsWriter, max_steps: int) -> dict:
-    """The steps until `max_steps`; the summary's steps, last metrics and paths."""
+           metrics: MetricsWriter, max_steps: int, last: dict[str, Any] | None = None) -> dict:
+    """The steps until `max_steps`; the summary's steps, last metrics (`last` when no step
+    is left: the resumed checkpoint's) and paths."""
     run_dir = Path(cfg.run.dir)
     bar = Progress(total=max_steps, enabled=runtime.is_main, desc="sft", initial=engine.step)
-    last = {}
+    last = dict(last or {})
     try:
         while engine.step < max_steps:
             t0 = time.perf_counter()
@@ -236,7 +262,7 @@ def _train(cfg: Config, runtime: Runtime, engine: TrainEngine, data: SFTData, ck
                 metrics.log(step, last)
             bar.update(1, loss=res.loss, **{"tok/s": tokens / dt})
             if ckpt.should_save(step, max_steps):
-                ckpt.save(engine, step, extra={"sampler": data.state_dict()}, final=step == max_steps)
+                ckpt.save(engine, step, extra={"sampler": data.state_dict(), "final": last}, final=step == max_steps)
         ckpt.close()
     finally:
         bar.close()

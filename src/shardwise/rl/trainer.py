@@ -155,13 +155,20 @@ class Controller:
 
     # -- state
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctl.value}
+        k = self.cfg.rl.kl_in_reward
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctl.value,
+                "kl_start": [k.controller, k.coef]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self._batches = iter(self.sampler)
-        self.kl_ctl.value = float(state["kl_coef"])
+        # The adaptive controller's coefficient goes on from where it was, unless the
+        # controller or its starting coef changed since (``rl.kl_in_reward`` applies on resume,
+        # `shardwise.jobs.resume`); a fixed one is the config's (it used to keep the saved coef).
+        k = self.cfg.rl.kl_in_reward
+        if k.controller == "adaptive" and state.get("kl_start", ["adaptive", k.coef]) == ["adaptive", k.coef]:
+            self.kl_ctl.value = float(state["kl_coef"])
 
     def resume(self) -> bool:
         extras = {name: g.load_checkpoint() for name, g in self.groups.items()}

@@ -209,11 +209,14 @@ class WandbTracker(Tracker):
 
         saved = _saved_ids(run.run_dir).get("wandb", {}) if run.resumed else {}
         run_id = saved.get("id") or uuid.uuid4().hex[:8]
+        # a resumed job continues its run, in its project and under its name (as MLflow's
+        # does): run.name and run.project cannot change on resume (shardwise.jobs.resume)
+        project = saved.get("project") or run.project or os.environ.get("WANDB_PROJECT") or "shardwise"
         self._run = wandb.init(
-            project=run.project or os.environ.get("WANDB_PROJECT") or "shardwise",
-            name=run.name, id=run_id, resume="allow", dir=str(run.run_dir), mode=_wandb_mode(wandb),
+            project=project, name=saved.get("name", run.name), id=run_id, resume="allow", dir=str(run.run_dir),
+            mode=_wandb_mode(wandb),
         )
-        _save_ids(run.run_dir, "wandb", {"id": self._run.id})
+        _save_ids(run.run_dir, "wandb", {"id": self._run.id, "project": project, "name": saved.get("name", run.name)})
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         # a resumed job may have changed a value (train.max_steps, to train longer)
