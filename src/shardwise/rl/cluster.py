@@ -50,6 +50,7 @@ from shardwise.rl.dispatch import (
     dispatch_rule,
     split_arguments,
 )
+from shardwise.telemetry.logs import capture_worker_stderr, console_logger
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
         if os.environ.get("RAY_ADDRESS"):
             address = os.environ["RAY_ADDRESS"]
             try:
-                ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+                ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
             except ConnectionError as e:  # it answered `check_ray_address`, then refused this process
                 raise ConfigError("RAY_ADDRESS", f"the Ray cluster at {address!r} did not let this process join "
                                   f"({e})", "a cluster started with token authentication (`ray start` says so) "
@@ -260,8 +261,11 @@ class _RankHost:
     """The Ray actor behind one rank: sets the torch.distributed environment, starts the
     process group and hosts the worker object."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_path: str | None = None) -> None:
         self.worker: Any = None
+        # vLLM's, torch's and Ray's warnings go to the rank's file under run.dir/logs/; the
+        # console (Ray forwards this process's stderr there) keeps shardwise's lines
+        self.console = capture_worker_stderr(log_path) if log_path else None
 
     def where(self) -> tuple[str, str, str, int, str | None]:
         """This process's node id, node address, host name, pid and gloo interface.
@@ -297,8 +301,11 @@ class _RankHost:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
                            "MASTER_PORT": str(port), "LOCAL_RANK": "0" if gpus else str(rank)})
         node = ray.get_runtime_context().get_node_id()[:8]
-        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                            format=f"[rank {rank} node {node}] %(levelname)s %(name)s: %(message)s")
+        level = logging.INFO if rank == 0 else logging.WARNING
+        fmt = f"[rank {rank} node {node}] %(levelname)s %(name)s: %(message)s"
+        logging.basicConfig(level=level, format=fmt)
+        if self.console is not None:
+            console_logger(self.console, fmt, level)
         runtime = init_distributed()
         self.worker = worker_cls(*args, runtime=runtime, **kwargs)
 
@@ -321,7 +328,8 @@ class RayWorkerGroup:
     as one rank of a fresh process group. See the module docstring."""
 
     def __init__(self, worker_cls: type, world_size: int, *args: Any, name: str = "workers",
-                 use_gpu: bool | None = None, setup_timeout_s: float = 900.0, sp: int = 1, **kwargs: Any):
+                 use_gpu: bool | None = None, setup_timeout_s: float = 900.0, sp: int = 1,
+                 log_dir: str | os.PathLike[str] | None = None, **kwargs: Any):
         ray = _ray()
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -348,7 +356,8 @@ class RayWorkerGroup:
         self._actors = [
             host.options(num_cpus=1, num_gpus=1 if use_gpu else 0, name=f"{name}-rank{i}-{os.getpid()}",
                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                             self._pg, placement_group_bundle_index=bundles[i])).remote()
+                             self._pg, placement_group_bundle_index=bundles[i])).remote(
+                None if log_dir is None else os.path.join(log_dir, f"{name}-rank{i}.log"))
             for i in range(world_size)
         ]
         self._alive = True
