@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dist.common import TINY_QWEN3
+from dist.common import TINY_QWEN3, assert_clean_rl_console
 from dist.launcher import REPO_ROOT, at_once, run_cli
 
 pytest.importorskip("ray")
@@ -278,19 +278,6 @@ def test_group_filtering_with_refill_keeps_only_groups_that_teach(sft_demo_model
     assert all(float(reward[g].std()) > 0 for g in groups.values())
     assert bool((b.tensors["advantages"].abs().sum(-1) > 0).all())
     assert abs(float(reward.mean()) - m[0]["filter/kept_reward_mean"]) < 1e-6
-    assert_clean_console(res.stderr, run_dir)
+    assert_clean_rl_console(res.stderr, run_dir)
     assert "Token authentication" in (run_dir / "logs" / "controller.log").read_text()
 
-
-def assert_clean_console(stderr: str, run_dir: Path) -> None:
-    """The console of an rl run holds shardwise's lines only: no warning about its own
-    plot (it asks only for the metrics the config logs), no library's warning or log
-    line, from the controller or forwarded from a worker; run.dir/logs/ has a file for the
-    controller and each rank."""
-    lines = [part for line in re.sub(r"\x1b\[[0-9;]*m", "", stderr).splitlines() for part in line.split("\r")]
-    assert (run_dir / "rl.png").is_file() and not any("skipping metrics" in x for x in lines), stderr[-3000:]
-    forwarded = [x for x in lines if x.startswith("(_RankHost")]
-    assert all(re.match(r"\(_RankHost pid=\d+\) \[rank \d node \w+\] \w+ shardwise\.", x) for x in forwarded), \
-        forwarded
-    assert not [x for x in lines if "Warning" in x or "Token authentication" in x], stderr[-3000:]
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["controller.log", "rl-rank0.log", "rl-rank1.log"]

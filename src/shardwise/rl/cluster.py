@@ -22,6 +22,10 @@ whose process or node died is reported as such: when a peer's collective fails f
 (its connection to the dead rank broke), the group waits up to `PEER_LOSS_GRACE_S` for
 Ray to declare the death, so the line names the lost node rather than the survivor.
 
+With ``log_dir``, each rank's stderr (other libraries' warnings, a crash's last words)
+goes to ``log_dir/<name>-rank<i>.log`` on the rank's node, and its shardwise log lines
+to the console (`shardwise.telemetry.logs`).
+
 `init_ray` starts a local Ray with enough CPUs for the groups, or joins the cluster at
 ``RAY_ADDRESS`` when that is set.
 """
@@ -353,11 +357,13 @@ class RayWorkerGroup:
             remove_placement_group(self._pg)
             raise
         host = ray.remote(_RankHost)
+        self.log_paths = [None if log_dir is None else os.path.join(log_dir, f"{name}-rank{i}.log")
+                          for i in range(world_size)]
+        """Where each rank's stderr goes (other libraries' warnings, a crash's last words)."""
         self._actors = [
             host.options(num_cpus=1, num_gpus=1 if use_gpu else 0, name=f"{name}-rank{i}-{os.getpid()}",
                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                             self._pg, placement_group_bundle_index=bundles[i])).remote(
-                None if log_dir is None else os.path.join(log_dir, f"{name}-rank{i}.log"))
+                             self._pg, placement_group_bundle_index=bundles[i])).remote(self.log_paths[i])
             for i in range(world_size)
         ]
         self._alive = True
@@ -532,8 +538,10 @@ class RayWorkerGroup:
         place = self.places[rank] if rank < len(self.places) else None
         if _is_death(e):
             where = f" (pid {place.pid} on {place.where()})" if place is not None else ""
+            log = self.log_paths[rank] if rank < len(self.log_paths) else None
             return WorkerError(f"worker group {self.name!r} lost rank {rank} in {what}: its process{where} "
-                               f"{'stopped answering' if _is_unavailable(e) else 'died'} ({_ray_reason(e)})")
+                               f"{'stopped answering' if _is_unavailable(e) else 'died'} ({_ray_reason(e)})"
+                               + (f"; its output: {log}" if log else ""))
         cause = getattr(e, "cause", None) or e
         where = f" (rank {rank} ran on {place.where()})" if place is not None else ""
         return WorkerError(f"{self.name}.{what} failed on rank {rank}: {type(cause).__name__}: {cause}{where}")
