@@ -80,7 +80,7 @@ def route_warnings(console: TextIO | None, log: TextIO):
 
 def _open(path: str | os.PathLike[str]) -> TextIO:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115 - lives with the process
+    return open(path, "a", buffering=1, encoding="utf-8", errors="replace")
 
 
 def capture_worker_stderr(path: str | os.PathLike[str]) -> TextIO:
@@ -92,6 +92,7 @@ def capture_worker_stderr(path: str | os.PathLike[str]) -> TextIO:
     sys.stderr.flush()
     console = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
     os.dup2(log.fileno(), 2)
+    log.close()  # fd 2 holds the file now
     route_warnings(console, sys.stderr)
     return console
 
