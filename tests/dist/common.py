@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,3 +339,17 @@ def cli_status(argv: list[str]) -> int:
     except Exception:  # what the real CLI would print before dying with status 1
         print(traceback.format_exc(), end="", file=sys.stderr)
         return 1
+
+
+def assert_clean_rl_console(stderr: str, run_dir: Path) -> None:
+    """The console of an rl run holds shardwise's lines only: no warning about its own
+    plot (it asks only for the metrics the config logs), no library's warning or log
+    line, from the controller or forwarded from a worker; run.dir/logs/ has a file for the
+    controller and each rank."""
+    lines = [part for line in re.sub(r"\x1b\[[0-9;]*m", "", stderr).splitlines() for part in line.split("\r")]
+    assert (run_dir / "rl.png").is_file() and not any("skipping metrics" in x for x in lines), stderr[-3000:]
+    forwarded = [x for x in lines if x.startswith("(_RankHost")]
+    assert all(re.match(r"\(_RankHost pid=\d+\) \[rank \d node \w+\] \w+ shardwise\.", x) for x in forwarded), \
+        forwarded
+    assert not [x for x in lines if "Warning" in x or "Token authentication" in x], stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["controller.log", "rl-rank0.log", "rl-rank1.log"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shardwise.config.schema import Config
@@ -47,10 +48,11 @@ from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, mean_timing
 from shardwise.telemetry import plot_metrics
+from shardwise.telemetry.logs import ThirdPartyToFile
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Prepared", "prepare", "run"]
+__all__ = ["Prepared", "plot_panels", "prepare", "run"]
 
 
 @dataclass
@@ -127,7 +129,30 @@ def check_token_budgets(cfg: Config) -> None:
 
 
 def run(prepared: Prepared) -> dict[str, Any]:
-    """The whole RL run; returns a summary (paths, accuracy before/after, final metrics)."""
+    """The whole RL run; returns a summary (paths, accuracy before/after, final metrics).
+    Other libraries' warnings and log lines go to ``run.dir/logs/`` (`shardwise.telemetry.logs`)."""
+    with ThirdPartyToFile(Path(prepared.cfg.run.dir) / "logs" / "controller.log"):
+        return _run(prepared)
+
+
+def plot_panels(cfg: Config, on_policy_shortcut: bool) -> list[tuple[str, list[str]]]:
+    """The panels of ``rl.png``, each with only the metrics a run of `cfg` logs
+    (`on_policy_shortcut`: the controller's, no old-log-prob forward)."""
+    kl = ["kl"] if cfg.rl.reference.enabled else []
+    panels = [("reward / accuracy", ["reward/mean"] + ["accuracy"] * (cfg.rl.reward.function is not None)),
+              ("response length", ["response_length/mean"]),
+              ("KL to reference / entropy" if kl else "entropy", [*kl, "entropy"]),
+              ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
+              ("seconds per phase", ["time/step", "time/generate", "time/update_actor"]
+               + ["time/old_log_prob"] * (not on_policy_shortcut))]
+    if cfg.rl.critic.enabled:
+        panels.append(("critic", ["critic/vf_loss"]))
+    if cfg.rl.filter_groups != "none":
+        panels.append(("groups in the update", ["filter/kept_groups", "filter/dropped_groups"]))
+    return panels
+
+
+def _run(prepared: Prepared) -> dict[str, Any]:
     cfg = prepared.cfg
     folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True)
     tokenizer = use_chat_template(load_tokenizer(folder), cfg.data.chat_template)
@@ -178,14 +203,7 @@ def run(prepared: Prepared) -> dict[str, Any]:
     assert writer is not None
     with writer:  # closed here; as failed if the plot raises
         if (ctl.run_dir / "metrics.jsonl").is_file():
-            panels = [("reward / accuracy", ["reward/mean", "accuracy"]),
-                      ("response length", ["response_length/mean"]), ("KL to reference / entropy", ["kl", "entropy"]),
-                      ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
-                      ("seconds per phase", ["time/step", "time/generate", "time/update_actor", "time/old_log_prob"])]
-            if cfg.rl.critic.enabled:
-                panels.append(("critic", ["critic/vf_loss"]))
-            if cfg.rl.filter_groups != "none":
-                panels.append(("groups in the update", ["filter/kept_groups", "filter/dropped_groups"]))
+            panels = plot_panels(cfg, ctl.on_policy_shortcut)
             summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
         writer.log_summary({k: v for k, v in summary.items() if k != "history"})  # the trackers have it as metrics
     return summary

@@ -22,6 +22,10 @@ whose process or node died is reported as such: when a peer's collective fails f
 (its connection to the dead rank broke), the group waits up to `PEER_LOSS_GRACE_S` for
 Ray to declare the death, so the line names the lost node rather than the survivor.
 
+With ``log_dir``, each rank's stderr (other libraries' warnings, a crash's last words)
+goes to ``log_dir/<name>-rank<i>.log`` on the rank's node, and its shardwise log lines
+to the console (`shardwise.telemetry.logs`).
+
 `init_ray` starts a local Ray with enough CPUs for the groups, or joins the cluster at
 ``RAY_ADDRESS`` when that is set.
 """
@@ -50,6 +54,7 @@ from shardwise.rl.dispatch import (
     dispatch_rule,
     split_arguments,
 )
+from shardwise.telemetry.logs import capture_worker_stderr, console_logger
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +192,7 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
         if os.environ.get("RAY_ADDRESS"):
             address = os.environ["RAY_ADDRESS"]
             try:
-                ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+                ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
             except ConnectionError as e:  # it answered `check_ray_address`, then refused this process
                 raise ConfigError("RAY_ADDRESS", f"the Ray cluster at {address!r} did not let this process join "
                                   f"({e})", "a cluster started with token authentication (`ray start` says so) "
@@ -260,8 +265,11 @@ class _RankHost:
     """The Ray actor behind one rank: sets the torch.distributed environment, starts the
     process group and hosts the worker object."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_path: str | None = None) -> None:
         self.worker: Any = None
+        # vLLM's, torch's and Ray's warnings go to the rank's file under run.dir/logs/; the
+        # console (Ray forwards this process's stderr there) keeps shardwise's lines
+        self.console = capture_worker_stderr(log_path) if log_path else None
 
     def where(self) -> tuple[str, str, str, int, str | None]:
         """This process's node id, node address, host name, pid and gloo interface.
@@ -297,8 +305,11 @@ class _RankHost:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
                            "MASTER_PORT": str(port), "LOCAL_RANK": "0" if gpus else str(rank)})
         node = ray.get_runtime_context().get_node_id()[:8]
-        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                            format=f"[rank {rank} node {node}] %(levelname)s %(name)s: %(message)s")
+        level = logging.INFO if rank == 0 else logging.WARNING
+        fmt = f"[rank {rank} node {node}] %(levelname)s %(name)s: %(message)s"
+        logging.basicConfig(level=level, format=fmt)
+        if self.console is not None:
+            console_logger(self.console, fmt, level)
         runtime = init_distributed()
         self.worker = worker_cls(*args, runtime=runtime, **kwargs)
 
@@ -321,7 +332,8 @@ class RayWorkerGroup:
     as one rank of a fresh process group. See the module docstring."""
 
     def __init__(self, worker_cls: type, world_size: int, *args: Any, name: str = "workers",
-                 use_gpu: bool | None = None, setup_timeout_s: float = 900.0, sp: int = 1, **kwargs: Any):
+                 use_gpu: bool | None = None, setup_timeout_s: float = 900.0, sp: int = 1,
+                 log_dir: str | os.PathLike[str] | None = None, **kwargs: Any):
         ray = _ray()
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -345,10 +357,13 @@ class RayWorkerGroup:
             remove_placement_group(self._pg)
             raise
         host = ray.remote(_RankHost)
+        self.log_paths = [None if log_dir is None else os.path.join(log_dir, f"{name}-rank{i}.log")
+                          for i in range(world_size)]
+        """Where each rank's stderr goes (other libraries' warnings, a crash's last words)."""
         self._actors = [
             host.options(num_cpus=1, num_gpus=1 if use_gpu else 0, name=f"{name}-rank{i}-{os.getpid()}",
                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                             self._pg, placement_group_bundle_index=bundles[i])).remote()
+                             self._pg, placement_group_bundle_index=bundles[i])).remote(self.log_paths[i])
             for i in range(world_size)
         ]
         self._alive = True
@@ -523,8 +538,10 @@ class RayWorkerGroup:
         place = self.places[rank] if rank < len(self.places) else None
         if _is_death(e):
             where = f" (pid {place.pid} on {place.where()})" if place is not None else ""
+            log = self.log_paths[rank] if rank < len(self.log_paths) else None
             return WorkerError(f"worker group {self.name!r} lost rank {rank} in {what}: its process{where} "
-                               f"{'stopped answering' if _is_unavailable(e) else 'died'} ({_ray_reason(e)})")
+                               f"{'stopped answering' if _is_unavailable(e) else 'died'} ({_ray_reason(e)})"
+                               + (f"; its output: {log}" if log else ""))
         cause = getattr(e, "cause", None) or e
         where = f" (rank {rank} ran on {place.where()})" if place is not None else ""
         return WorkerError(f"{self.name}.{what} failed on rank {rank}: {type(cause).__name__}: {cause}{where}")

@@ -128,7 +128,8 @@ class Controller:
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         for name, roles in plan.items():
             self.groups[name] = RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id,
-                                               self.eos_id, name=name, sp=self.cfg.parallel.ulysses_size)
+                                               self.eos_id, name=name, sp=self.cfg.parallel.ulysses_size,
+                                               log_dir=self.run_dir / "logs")
         # Where each rank runs (node id, address, pid): on a cluster, the first thing to
         # know when a node misbehaves.
         (self.run_dir / "workers.json").write_text(json.dumps(
