@@ -20,9 +20,9 @@ from chat_data import arithmetic_conversations, build_bpe_chat_tokenizer, write_
 from dist.launcher import REPO_ROOT, at_once, run_cli
 
 from shardwise.cli import main
-from shardwise.data import chat
+from shardwise.data import chat, encode
 from shardwise.data.batch import Batch
-from shardwise.data.collate import tokenize_prompt
+from shardwise.data.encode import tokenize_prompt
 from shardwise.data.rewards import check_data_sources, resolve_reward_fn, score_sequences
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import build_char_tokenizer, load_tokenizer
@@ -74,7 +74,7 @@ def mask_of(spans: list[list[int]], n: int) -> list[int]:
 
 
 def test_bpe_template_without_markers_trains_exactly_the_assistant_turns(bpe):
-    ex, length, lost = chat.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
+    ex, length, lost = encode.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
     ids = ex["input_ids"]
     # One tokenization of the whole rendered text, as a model sees it at inference
     text = bpe.apply_chat_template(CONVERSATION, tokenize=False)
@@ -84,9 +84,9 @@ def test_bpe_template_without_markers_trains_exactly_the_assistant_turns(bpe):
     assert len(spans) == 2
     assert ex["loss_mask"] == mask_of(spans, len(ids))
     assert bpe.decode([ids[p] for p in spans[1]]) == "the answer is 8<|im_end|>"  # the newline after it is not
-    last, _, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "last_assistant", "row 0")
+    last, _, _ = encode.conversation_example(bpe, CONVERSATION, 10_000, "last_assistant", "row 0")
     assert last["loss_mask"] == mask_of(spans[1:], len(ids))
-    every, _, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "all", "row 0")
+    every, _, _ = encode.conversation_example(bpe, CONVERSATION, 10_000, "all", "row 0")
     assert every["loss_mask"] == [1] * len(ids)
     # The RL prompt of the first exchange is exactly the ids the SFT example has before its answer
     prompt = tokenize_prompt(bpe, CONVERSATION[:2], 10_000)
@@ -95,7 +95,7 @@ def test_bpe_template_without_markers_trains_exactly_the_assistant_turns(bpe):
 
 def test_builtin_template_marks_assistant_text_and_eos(builtin):
     assert chat.has_generation_markers(builtin)
-    ex, _, _ = chat.conversation_example(builtin, CONVERSATION[:3] + [{"role": "tool", "content": "1"}],
+    ex, _, _ = encode.conversation_example(builtin, CONVERSATION[:3] + [{"role": "tool", "content": "1"}],
                                          10_000, "assistant", "row 0")
     ids = ex["input_ids"]
     spans = independent_spans(builtin, ids, [builtin.convert_tokens_to_ids("<|assistant|>")], builtin.eos_token_id)
@@ -105,8 +105,8 @@ def test_builtin_template_marks_assistant_text_and_eos(builtin):
 
 
 def test_truncation_keeps_the_beginning_and_counts_the_lost_trained_tokens(bpe):
-    full, n, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
-    cut, n2, lost = chat.conversation_example(bpe, CONVERSATION, 30, "assistant", "row 0")
+    full, n, _ = encode.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
+    cut, n2, lost = encode.conversation_example(bpe, CONVERSATION, 30, "assistant", "row 0")
     assert n2 == n > 30 and cut["input_ids"] == full["input_ids"][:30]
     assert lost == sum(full["loss_mask"][30:]) > 0
 
@@ -185,7 +185,7 @@ def test_templates_that_cannot_be_used_are_clear_errors(bpe, tmp_path):
     broken.write_text("{% for m in messages %}{{ raise_exception('only user turns, please') }}{% endfor %}")
     tok = chat.use_chat_template(load_tokenizer(bpe.name_or_path), str(broken))
     with pytest.raises(DataError, match="row 3: the chat template failed to render.*only user turns, please"):
-        chat.conversation_example(tok, CONVERSATION, 100, "assistant", "row 3")
+        encode.conversation_example(tok, CONVERSATION, 100, "assistant", "row 3")
     # A template that rewrites earlier turns (as Qwen3 drops earlier reasoning) cannot use prefixes
     rewriting = tmp_path / "rewrites.jinja"
     rewriting.write_text("{% for m in messages %}{% if loop.last %}{{ m['role'] }}: {{ m['content'] }}\n"
@@ -193,10 +193,10 @@ def test_templates_that_cannot_be_used_are_clear_errors(bpe, tmp_path):
                          "{% if add_generation_prompt %}assistant: {% endif %}")
     chat.use_chat_template(tok, str(rewriting))
     with pytest.raises(DataError, match=r"\{% generation %\}"):
-        chat.conversation_example(tok, CONVERSATION, 100, "assistant", "row 0")
+        encode.conversation_example(tok, CONVERSATION, 100, "assistant", "row 0")
     tok.chat_template = None
     with pytest.raises(DataError, match="no chat template; set data.chat_template"):
-        chat.prompt_ids(tok, CONVERSATION[:2], "row 0")
+        encode.prompt_ids(tok, CONVERSATION[:2], "row 0")
     with pytest.raises(ConfigError, match="data.chat_template.*does not exist"):
         chat.use_chat_template(tok, str(tmp_path / "missing.jinja"))
 
