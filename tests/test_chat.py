@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from chat_data import arithmetic_conversations, build_bpe_chat_tokenizer, write_jsonl
-from dist.launcher import REPO_ROOT, at_once, run_cli
+from dist.launcher import REPO_ROOT, at_once, run_cli, run_python
 
 from shardwise.cli import main
 from shardwise.data import chat, encode
@@ -385,3 +385,119 @@ def test_heldout_prompts_follow_the_jobs_chat_setting(builtin, tmp_path):
         assert asked == f"<bos><|user|>{text}\n<|assistant|>"
     ids = chatted.tensors["prompt_ids"][0][chatted.tensors["prompt_mask"][0].bool()].tolist()
     assert ids == tokenize_prompt(builtin, [{"role": "user", "content": plain.arrays["prompt"][0]}], 32)
+
+
+# ---------------------------------------------------------------- templates bounded, conversations linear (issue 30)
+
+
+def old_prefix_method(tok, messages: list[dict]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """The per-prefix method shardwise used before issue 30 (two transformers renders per
+    assistant turn: quadratic), kept as the reference: (ids, loss mask, character spans)."""
+    full = tok.apply_chat_template(messages, tokenize=False)
+    special = set(tok.all_special_tokens) | {str(t) for t in tok.added_tokens_decoder.values()}
+    spans = []
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        assert upto.startswith(before) and full.startswith(upto)
+        start, end = len(before), len(upto)
+        stripped = upto.rstrip()
+        if len(stripped) > start and any(stripped.endswith(t) for t in special if t):
+            end = len(stripped)
+        spans.append((start, end))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= s < b for a, b in spans)) if e > s else 0 for s, e in enc["offset_mapping"]]
+    return enc["input_ids"], mask, spans
+
+
+def test_one_pass_spans_equal_the_old_per_prefix_method(bpe, builtin):
+    """Assistant turns are found in one render (linear in a conversation's length) and give
+    the masks the per-prefix renders gave, with and without generation markers."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from shardwise.data.encode import _one_pass_spans, _special_tokens
+
+    conversations = [r["messages"] for r in arithmetic_conversations(12, 3)] + [CONVERSATION]
+    for messages in conversations:
+        ids, mask, spans = old_prefix_method(bpe, messages)
+        ex, _, _ = encode.conversation_example(bpe, messages, 10_000, "assistant", "row 0")
+        assert (ex["input_ids"], ex["loss_mask"]) == (ids, mask)
+        # the one pass alone (not only after its spot checks) finds the same spans
+        rendered = chat.render(bpe, messages, False, "row 0")
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        checked = {turns[0]: spans[0], turns[-1]: spans[-1]}
+        assert _one_pass_spans(messages, rendered, turns, checked, _special_tokens(bpe)) == spans
+        # markers: the spans transformers' assistant mask gave
+        marked = builtin.apply_chat_template(messages, tokenize=False)
+        text, indices = render_jinja_template([messages], chat_template=builtin.chat_template,
+                                              return_assistant_tokens_mask=True, **builtin.special_tokens_map)
+        assert encode.assistant_spans(builtin, messages, "row 0") == (marked, [tuple(x) for x in indices[0]])
+
+
+def test_a_20000_turn_conversation_prepares_in_one_pass_through_the_cli(tmp_path):
+    """20,000 turns (10,000 assistant answers): one render and one walk over the tokens,
+    not a render per turn (which ran for minutes with no output)."""
+    turns = []
+    for i in range(10_000):
+        turns += [{"role": "user", "content": f"what is {i}+1"}, {"role": "assistant", "content": str(i + 1)}]
+    source = write_jsonl(tmp_path / "long.jsonl", [{"messages": turns}])
+    res = run_cli(["data", EXAMPLES / "sft_chat.yaml", f"run.dir={tmp_path / 'run'}", f"data.source={source}",
+                   "data.max_length=64", "--n", "1", "--json"], timeout=150)
+    assert res.returncode == 0, res.stderr
+    row = json.loads(res.stdout)
+    assert len(row["input_ids"]) == 64 and row["text"].startswith("<bos><|user|>what is 0+1\n<|assistant|>1<eos>")
+    # the first answer and its eos are trained, nothing before it
+    first = row["input_ids"].index(2)  # <eos>
+    assert row["loss_mask"][:first + 1] == [0] * (first - 1) + [1, 1]
+
+
+HOSTILE_TEMPLATES = {
+    "output": "{{ messages[0]['content'] * 10000000 }}",  # 10 million times a message's content
+    "time": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_one_line_exit_2_in_bounded_time_and_memory(kind, tmp_path):
+    """A tiny template that writes gigabytes, or loops 10^10 times writing nothing, stops at
+    its render budget: one line naming data.chat_template and the row, exit 2, the process's
+    peak memory far from the gigabytes (the run_cli timeout is far below the minutes they
+    took)."""
+    template = tmp_path / "hostile.jinja"
+    template.write_text(HOSTILE_TEMPLATES[kind])
+    source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION * 10}])
+    script = ("import resource, sys\nfrom shardwise.cli import main\ncode = main(sys.argv[1:])\n"
+              "print('peak_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(code)\n")
+    res = run_python(["-c", script, "data", EXAMPLES / "sft_chat.yaml", f"run.dir={tmp_path / 'run'}",
+                      f"data.source={source}", f"data.chat_template={template}"], timeout=90)
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr
+    assert "'data.chat_template'" in errors[0] and "line 1, row 0" in errors[0] and "budget" in errors[0]
+    assert "Traceback" not in res.stderr
+    peak_kb = int(res.stdout.split("peak_kb")[1].split()[0])
+    assert peak_kb < 1_500_000, peak_kb  # the imports are most of it; the template adds nothing near a GB
+
+
+def test_ctrl_c_stops_a_template_that_is_rendering(builtin, tmp_path):
+    """Rendering runs Python between jinja's steps, so Ctrl-C (SIGINT) interrupts a slow
+    template at once instead of waiting for the budget."""
+    import os
+    import signal
+    import threading
+
+    tok = chat.use_chat_template(load_tokenizer(builtin.name_or_path), str(_write(tmp_path / "slow.jinja",
+                                                                                   HOSTILE_TEMPLATES["time"])))
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            chat.render(tok, CONVERSATION, False, "row 0")
+    finally:
+        timer.cancel()
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return path
