@@ -501,3 +501,20 @@ def test_ctrl_c_stops_a_template_that_is_rendering(builtin, tmp_path):
 def _write(path, text: str):
     path.write_text(text)
     return path
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages[0]['content'] * 10000000 }}", "{{ 'x'.center(10**9) }}", "{{ messages[0]['content'] | center(10**9) }}",
+    "{{ '%0999999999d' % 1 }}", "{% for i in range(99999) %}{{ messages[0]['content'] * 99 }}{% endfor %}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+])
+def test_every_way_a_template_builds_too_much_stops_at_its_budget(source):
+    """Output, any one value built while rendering (``*``, ``%``, a filter's or method's
+    width) and time are bounded; the render stops with TemplateBudgetError, nothing big
+    allocated first."""
+    from shardwise.data.template import Budget, TemplateBudgetError, render
+
+    with pytest.raises(TemplateBudgetError):
+        render(source, CONVERSATION, Budget(max_chars=100_000, seconds=1.0))
+    assert render("{% for m in messages %}{{ m['content'] }}{% endfor %}", CONVERSATION,
+                  Budget(max_chars=100_000, seconds=1.0)).text.startswith("answer with the number")

@@ -15,6 +15,7 @@ This module makes text only. Which tokens a record has and which of them are tra
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,12 @@ def use_chat_template(tokenizer, setting: str, key: str = "data.chat_template"):
     if setting in ("auto", "none"):
         return tokenizer
     tokenizer.chat_template = read_template(setting, key)
+    _TEMPLATE_FILES[tokenizer] = setting
     return tokenizer
+
+
+_TEMPLATE_FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Tokenizer -> the ``data.chat_template`` file set on it (errors name where a template came from)."""
 
 
 def text_prompts_as_chat(data) -> bool:
@@ -164,10 +170,12 @@ def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, whe
         return template.render(source, list(messages), budget, add_generation_prompt=add_generation_prompt,
                                tools=None, documents=None, **tokenizer.special_tokens_map)
     except TemplateBudgetError as e:
-        raise ConfigError("data.chat_template", f"{where}: the chat template (data.chat_template, or the "
-                          f"tokenizer's own) went past its budget rendering this conversation: {e}",
-                          "use a template that writes each turn once (an instruct model's chat_template.jinja)"
-                          ) from None
+        file = _TEMPLATE_FILES.get(tokenizer)
+        whose = (f"the template file {file!r}" if file is not None else
+                 f"the tokenizer's own template ({getattr(tokenizer, 'name_or_path', '') or 'model.tokenizer'})")
+        raise ConfigError("data.chat_template", f"{where}: {whose} went past its budget rendering this "
+                          f"conversation: {e}", "set data.chat_template to a template that writes each turn "
+                          "once (e.g. an instruct model's chat_template.jinja)") from None
     except Exception as e:  # jinja's TemplateError, raise_exception() in a template, a TypeError inside it
         message = " ".join(str(e).split()) or type(e).__name__
         raise DataError(f"data.chat_template: {where}: the chat template failed to render this conversation: "

@@ -245,14 +245,14 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 class _Watchdog:
-    """One daemon thread for the process: when an armed deadline passes, it leaves a
-    `TemplateBudgetError` pending in the armed thread (CPython's
+    """One daemon thread for the process: when a rendering thread's deadline passes, it
+    leaves a `TemplateBudgetError` pending in that thread (CPython's
     ``PyThreadState_SetAsyncExc``, delivered between bytecodes, like Ctrl-C)."""
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._armed: tuple[int, float] | None = None  # (thread id, deadline)
-        self._fired = False
+        self._armed: dict[int, float] = {}  # thread id -> deadline
+        self._fired: set[int] = set()
         self._thread: threading.Thread | None = None
 
     def arm(self, deadline: float) -> None:
@@ -260,27 +260,30 @@ class _Watchdog:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="shardwise-template-watchdog", daemon=True)
                 self._thread.start()
-            self._armed, self._fired = (threading.get_ident(), deadline), False
+            self._armed[threading.get_ident()] = deadline
             self._cond.notify()
 
     def disarm(self) -> None:
+        tid = threading.get_ident()
         with self._cond:
-            if self._fired and self._armed is not None:  # fired but maybe not delivered yet: clear it
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._armed[0]), None)
-            self._armed, self._fired = None, False
+            self._armed.pop(tid, None)
+            if tid in self._fired:  # fired but perhaps not delivered yet: clear it
+                self._fired.discard(tid)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
 
     def _run(self) -> None:
         with self._cond:
             while True:
-                if self._armed is None or self._fired:
+                waiting = {t: d for t, d in self._armed.items() if t not in self._fired}
+                if not waiting:
                     self._cond.wait()
                     continue
-                tid, deadline = self._armed
+                tid, deadline = min(waiting.items(), key=lambda kv: kv[1])
                 left = deadline - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                     continue
-                self._fired = True
+                self._fired.add(tid)
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_Deadline))
 
 
