@@ -415,3 +415,22 @@ def test_plotted_series_is_sorted_by_step_and_a_relogged_step_keeps_the_last_val
     assert steps == [1, 2, 3]
     assert values[:2] == [3.0, 2.5] and math.isnan(values[2])
     assert _series(records, "phase") is None  # strings are not plotted
+
+
+def test_heartbeat_speaks_only_while_work_is_slow(capsys):
+    """Data preparation that may be slow by size (one huge conversation) says it is working;
+    quick preparation prints nothing (issue 30)."""
+    from shardwise.telemetry.progress import Heartbeat
+
+    with Heartbeat("data", 3, enabled=True, delay=60) as beat:
+        beat.done = 3
+    with Heartbeat("data", 3, enabled=False, delay=0) as beat:
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""
+    with Heartbeat("data", 3, enabled=True, delay=0, interval=60) as beat:
+        end = time.monotonic() + 30
+        while not beat._spoke and time.monotonic() < end:  # the thread's first line, after `delay`
+            time.sleep(0.01)
+        beat.done = 3
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("shardwise: data: 0 of 3 prepared (") and lines[-1].startswith("shardwise: data: 3 of 3")

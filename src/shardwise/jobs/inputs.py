@@ -220,7 +220,8 @@ def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> No
     if not records or any("image" in r for r in records):
         return
     d = cfg.data
-    if any(example_loss_tokens(e.example) for e in encode_records(tokenizer, records, d.max_length, d.train_on)):
+    if any(example_loss_tokens(e.example) for e in encode_records(tokenizer, records, d.max_length, d.train_on,
+                                                                   progress=True)):
         return
     firsts = []
     for e in encode_records(tokenizer, records, UNLIMITED, d.train_on):
