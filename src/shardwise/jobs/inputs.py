@@ -19,7 +19,7 @@ from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_co
 from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import example_loss_tokens
-from shardwise.data.encode import UNLIMITED, encode_records
+from shardwise.data.encode import UNLIMITED, encode_record, encode_records
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import (
     build_char_tokenizer,
@@ -220,8 +220,8 @@ def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> No
     if not records or any("image" in r for r in records):
         return
     d = cfg.data
-    if any(example_loss_tokens(e.example) for e in encode_records(tokenizer, records, d.max_length, d.train_on,
-                                                                   progress=True)):
+    # lazily: the first example with a trained token ends the check (usually the first one)
+    if any(example_loss_tokens(encode_record(tokenizer, r, d.max_length, d.train_on).example) for r in records):
         return
     firsts = []
     for e in encode_records(tokenizer, records, UNLIMITED, d.train_on):
