@@ -49,6 +49,7 @@ from typing import Any
 
 from shardwise.data import chat
 from shardwise.data.collate import Example
+from shardwise.data.template import Rendered
 from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry.progress import Heartbeat
 
@@ -335,7 +336,7 @@ def prefix_span(tokenizer: Any, messages: Sequence[dict], i: int, full: str, whe
     return len(before), _trim(upto, len(before), len(upto), special)
 
 
-def _unmarked_spans(tokenizer: Any, messages: Sequence[dict], rendered: chat.Rendered,
+def _unmarked_spans(tokenizer: Any, messages: Sequence[dict], rendered: Rendered,
                     where: str) -> list[tuple[int, int]]:
     """Spans for a template without markers: one pass (where the template took each turn),
     checked against prefix renders on `SPOT_CHECKS` turns; prefixes for every turn of a
@@ -357,7 +358,7 @@ def _unmarked_spans(tokenizer: Any, messages: Sequence[dict], rendered: chat.Ren
     return [exact[i] if i in exact else prefix_span(tokenizer, messages, i, full, where, special) for i in turns]
 
 
-def _one_pass_spans(messages: Sequence[dict], rendered: chat.Rendered, turns: list[int],
+def _one_pass_spans(messages: Sequence[dict], rendered: Rendered, turns: list[int],
                     exact: dict[int, tuple[int, int]], special: set[str]) -> list[tuple[int, int]] | None:
     """Each assistant turn from where the template took it (plus the generation prompt's
     length, learnt from the first turn checked) to where it took the next; None when the
@@ -367,20 +368,13 @@ def _one_pass_spans(messages: Sequence[dict], rendered: chat.Rendered, turns: li
     if not passes:
         return None
     marks = max(passes, key=lambda p: p[-1] - p[0])  # the pass that wrote the turns
-    first = turns[0]
-    header = exact[first][0] - marks[first] if first else None
+    # The generation prompt's length (what add_generation_prompt writes before an answer),
+    # learnt from a checked turn that has turns before it.
+    learn = next((j for j in sorted(exact) if j), None)
+    header = exact[learn][0] - marks[learn] if learn is not None else 0
     spans = []
     for i in turns:
-        if i == 0:
-            start = 0
-        elif header is None:  # the first assistant turn is turn 0: learn the header from the next checked one
-            second = next((j for j in exact if j), None)
-            if second is None:
-                return None
-            header = exact[second][0] - marks[second]
-            start = marks[i] + header
-        else:
-            start = marks[i] + header
+        start = marks[i] + header if i else 0
         end = len(rendered.text) if i == n - 1 else marks[i + 1]
         spans.append((start, _trim(rendered.text, start, end, special)))
     return spans
