@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -182,6 +183,9 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
         _check_args(args, kwargs, getattr(__obj, "__name__", "a call"))
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("format", "format_map"):
+            _check_widths(re.findall(r"\{[^{}]*\}", owner), "a str.format field's width")
         result = super().call(__context, __obj, *args, **kwargs)
         return _checked_result(result, f"the result of {getattr(__obj, '__name__', 'a call')}")
 
@@ -204,10 +208,22 @@ def _format_widths(fmt: str) -> list[int]:
         i = j + 1
 
 
+def _check_widths(texts: Sequence[str], what: str) -> None:
+    """Any run of digits in `texts` (the widths of format fields) past the budget is refused."""
+    state = _state()
+    if state is not None:
+        for text in texts:
+            for digits in re.findall(r"\d+", text):
+                if len(digits) > 12 or int(digits) > state.budget.max_chars:
+                    state.check_size(10**min(len(digits), 12), what)
+
+
 def _bounded_filter(name: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         _check_args(args[1:], kwargs, f"the filter {name}")
+        if name == "format":
+            _check_widths([a for a in args[:1] if isinstance(a, str)], "the filter format's width")
         return _checked_result(fn(*args, **kwargs), f"the filter {name}'s result")
     return wrapped
 
