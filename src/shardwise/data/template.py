@@ -245,7 +245,9 @@ def _strftime_now(format):
 def compile_template(source: str) -> jinja2.Template:
     """`source` compiled once (cached, like transformers does) in the bounded sandbox.
     Raises jinja2's TemplateSyntaxError."""
-    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    # optimized=False: jinja's optimizer would evaluate constant filters (a
+    # '%0999999999d' | format(1)) while compiling, before any budget applies
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, optimized=False,
                               extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     # every filter checked: the string builders among them (center, indent, wordwrap, ...)
@@ -319,7 +321,6 @@ def render(source: str, messages: Sequence[dict], budget: Budget, **variables: A
     Raises `TemplateBudgetError` past the budget, and what the template raises (jinja's
     TemplateError, ``raise_exception``, a TypeError inside it) as it is.
     """
-    template = compile_template(source)
     state = _State(budget)
     if _state() is not None:
         raise RuntimeError("render() is not reentrant")
@@ -328,6 +329,7 @@ def render(source: str, messages: Sequence[dict], budget: Budget, **variables: A
     _watchdog.arm(time.monotonic() + budget.seconds)
     try:
         try:
+            template = compile_template(source)  # inside the budget too: a first compile can be slow
             for piece in template.generate(messages=_Turns(messages), **variables):
                 state.pos += len(piece)
                 if state.pos > budget.max_chars:
