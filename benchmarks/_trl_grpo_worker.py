@@ -41,7 +41,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from shardwise.data.batch import Batch
-from shardwise.data.collate import tokenize_prompt
+from shardwise.data.encode import tokenize_prompt
 from shardwise.data.rewards import decode_responses, resolve_reward_fn
 
 

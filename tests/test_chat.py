@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from chat_data import arithmetic_conversations, build_bpe_chat_tokenizer, write_jsonl
-from dist.launcher import REPO_ROOT, at_once, run_cli
+from dist.launcher import REPO_ROOT, at_once, run_cli, run_python
 
 from shardwise.cli import main
-from shardwise.data import chat
+from shardwise.data import chat, encode
 from shardwise.data.batch import Batch
-from shardwise.data.collate import tokenize_prompt
+from shardwise.data.encode import tokenize_prompt
 from shardwise.data.rewards import check_data_sources, resolve_reward_fn, score_sequences
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import build_char_tokenizer, load_tokenizer
@@ -74,7 +74,7 @@ def mask_of(spans: list[list[int]], n: int) -> list[int]:
 
 
 def test_bpe_template_without_markers_trains_exactly_the_assistant_turns(bpe):
-    ex, length, lost = chat.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
+    ex, length, lost = encode.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
     ids = ex["input_ids"]
     # One tokenization of the whole rendered text, as a model sees it at inference
     text = bpe.apply_chat_template(CONVERSATION, tokenize=False)
@@ -84,9 +84,9 @@ def test_bpe_template_without_markers_trains_exactly_the_assistant_turns(bpe):
     assert len(spans) == 2
     assert ex["loss_mask"] == mask_of(spans, len(ids))
     assert bpe.decode([ids[p] for p in spans[1]]) == "the answer is 8<|im_end|>"  # the newline after it is not
-    last, _, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "last_assistant", "row 0")
+    last, _, _ = encode.conversation_example(bpe, CONVERSATION, 10_000, "last_assistant", "row 0")
     assert last["loss_mask"] == mask_of(spans[1:], len(ids))
-    every, _, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "all", "row 0")
+    every, _, _ = encode.conversation_example(bpe, CONVERSATION, 10_000, "all", "row 0")
     assert every["loss_mask"] == [1] * len(ids)
     # The RL prompt of the first exchange is exactly the ids the SFT example has before its answer
     prompt = tokenize_prompt(bpe, CONVERSATION[:2], 10_000)
@@ -95,7 +95,7 @@ def test_bpe_template_without_markers_trains_exactly_the_assistant_turns(bpe):
 
 def test_builtin_template_marks_assistant_text_and_eos(builtin):
     assert chat.has_generation_markers(builtin)
-    ex, _, _ = chat.conversation_example(builtin, CONVERSATION[:3] + [{"role": "tool", "content": "1"}],
+    ex, _, _ = encode.conversation_example(builtin, CONVERSATION[:3] + [{"role": "tool", "content": "1"}],
                                          10_000, "assistant", "row 0")
     ids = ex["input_ids"]
     spans = independent_spans(builtin, ids, [builtin.convert_tokens_to_ids("<|assistant|>")], builtin.eos_token_id)
@@ -105,8 +105,8 @@ def test_builtin_template_marks_assistant_text_and_eos(builtin):
 
 
 def test_truncation_keeps_the_beginning_and_counts_the_lost_trained_tokens(bpe):
-    full, n, _ = chat.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
-    cut, n2, lost = chat.conversation_example(bpe, CONVERSATION, 30, "assistant", "row 0")
+    full, n, _ = encode.conversation_example(bpe, CONVERSATION, 10_000, "assistant", "row 0")
+    cut, n2, lost = encode.conversation_example(bpe, CONVERSATION, 30, "assistant", "row 0")
     assert n2 == n > 30 and cut["input_ids"] == full["input_ids"][:30]
     assert lost == sum(full["loss_mask"][30:]) > 0
 
@@ -185,7 +185,7 @@ def test_templates_that_cannot_be_used_are_clear_errors(bpe, tmp_path):
     broken.write_text("{% for m in messages %}{{ raise_exception('only user turns, please') }}{% endfor %}")
     tok = chat.use_chat_template(load_tokenizer(bpe.name_or_path), str(broken))
     with pytest.raises(DataError, match="row 3: the chat template failed to render.*only user turns, please"):
-        chat.conversation_example(tok, CONVERSATION, 100, "assistant", "row 3")
+        encode.conversation_example(tok, CONVERSATION, 100, "assistant", "row 3")
     # A template that rewrites earlier turns (as Qwen3 drops earlier reasoning) cannot use prefixes
     rewriting = tmp_path / "rewrites.jinja"
     rewriting.write_text("{% for m in messages %}{% if loop.last %}{{ m['role'] }}: {{ m['content'] }}\n"
@@ -193,10 +193,10 @@ def test_templates_that_cannot_be_used_are_clear_errors(bpe, tmp_path):
                          "{% if add_generation_prompt %}assistant: {% endif %}")
     chat.use_chat_template(tok, str(rewriting))
     with pytest.raises(DataError, match=r"\{% generation %\}"):
-        chat.conversation_example(tok, CONVERSATION, 100, "assistant", "row 0")
+        encode.conversation_example(tok, CONVERSATION, 100, "assistant", "row 0")
     tok.chat_template = None
     with pytest.raises(DataError, match="no chat template; set data.chat_template"):
-        chat.prompt_ids(tok, CONVERSATION[:2], "row 0")
+        encode.prompt_ids(tok, CONVERSATION[:2], "row 0")
     with pytest.raises(ConfigError, match="data.chat_template.*does not exist"):
         chat.use_chat_template(tok, str(tmp_path / "missing.jinja"))
 
@@ -385,3 +385,136 @@ def test_heldout_prompts_follow_the_jobs_chat_setting(builtin, tmp_path):
         assert asked == f"<bos><|user|>{text}\n<|assistant|>"
     ids = chatted.tensors["prompt_ids"][0][chatted.tensors["prompt_mask"][0].bool()].tolist()
     assert ids == tokenize_prompt(builtin, [{"role": "user", "content": plain.arrays["prompt"][0]}], 32)
+
+
+# ---------------------------------------------------------------- templates bounded, conversations linear (issue 30)
+
+
+def old_prefix_method(tok, messages: list[dict]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """The per-prefix method shardwise used before issue 30 (two transformers renders per
+    assistant turn: quadratic), kept as the reference: (ids, loss mask, character spans)."""
+    full = tok.apply_chat_template(messages, tokenize=False)
+    special = set(tok.all_special_tokens) | {str(t) for t in tok.added_tokens_decoder.values()}
+    spans = []
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        assert upto.startswith(before) and full.startswith(upto)
+        start, end = len(before), len(upto)
+        stripped = upto.rstrip()
+        if len(stripped) > start and any(stripped.endswith(t) for t in special if t):
+            end = len(stripped)
+        spans.append((start, end))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= s < b for a, b in spans)) if e > s else 0 for s, e in enc["offset_mapping"]]
+    return enc["input_ids"], mask, spans
+
+
+def test_one_pass_spans_equal_the_old_per_prefix_method(bpe, builtin):
+    """Assistant turns are found in one render (linear in a conversation's length) and give
+    the masks the per-prefix renders gave, with and without generation markers."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from shardwise.data.encode import _one_pass_spans, _special_tokens
+
+    conversations = [r["messages"] for r in arithmetic_conversations(12, 3)] + [CONVERSATION]
+    for messages in conversations:
+        ids, mask, spans = old_prefix_method(bpe, messages)
+        ex, _, _ = encode.conversation_example(bpe, messages, 10_000, "assistant", "row 0")
+        assert (ex["input_ids"], ex["loss_mask"]) == (ids, mask)
+        # the one pass alone (not only after its spot checks) finds the same spans
+        rendered = chat.render(bpe, messages, False, "row 0")
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        checked = {turns[0]: spans[0], turns[-1]: spans[-1]}
+        assert _one_pass_spans(messages, rendered, turns, checked, _special_tokens(bpe)) == spans
+        # markers: the spans transformers' assistant mask gave
+        marked = builtin.apply_chat_template(messages, tokenize=False)
+        text, indices = render_jinja_template([messages], chat_template=builtin.chat_template,
+                                              return_assistant_tokens_mask=True, **builtin.special_tokens_map)
+        assert encode.assistant_spans(builtin, messages, "row 0") == (marked, [tuple(x) for x in indices[0]])
+
+
+def test_a_20000_turn_conversation_prepares_in_one_pass_through_the_cli(tmp_path):
+    """20,000 turns (10,000 assistant answers): one render and one walk over the tokens,
+    not a render per turn (which ran for minutes with no output)."""
+    turns = []
+    for i in range(10_000):
+        turns += [{"role": "user", "content": f"what is {i}+1"}, {"role": "assistant", "content": str(i + 1)}]
+    source = write_jsonl(tmp_path / "long.jsonl", [{"messages": turns}])
+    res = run_cli(["data", EXAMPLES / "sft_chat.yaml", f"run.dir={tmp_path / 'run'}", f"data.source={source}",
+                   "data.max_length=64", "--n", "1", "--json"], timeout=150)
+    assert res.returncode == 0, res.stderr
+    row = json.loads(res.stdout)
+    assert len(row["input_ids"]) == 64 and row["text"].startswith("<bos><|user|>what is 0+1\n<|assistant|>1<eos>")
+    # the first answer and its eos are trained, nothing before it
+    first = row["input_ids"].index(2)  # <eos>
+    assert row["loss_mask"][:first + 1] == [0] * (first - 1) + [1, 1]
+
+
+HOSTILE_TEMPLATES = {
+    "output": "{{ messages[0]['content'] * 10000000 }}",  # 10 million times a message's content
+    "time": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_one_line_exit_2_in_bounded_time_and_memory(kind, tmp_path):
+    """A tiny template that writes gigabytes, or loops 10^10 times writing nothing, stops at
+    its render budget: one line naming data.chat_template and the row, exit 2, the process's
+    peak memory far from the gigabytes (the run_cli timeout is far below the minutes they
+    took)."""
+    template = tmp_path / "hostile.jinja"
+    template.write_text(HOSTILE_TEMPLATES[kind])
+    source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION * 10}])
+    script = ("import resource, sys\nfrom shardwise.cli import main\ncode = main(sys.argv[1:])\n"
+              "print('peak_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(code)\n")
+    res = run_python(["-c", script, "data", EXAMPLES / "sft_chat.yaml", f"run.dir={tmp_path / 'run'}",
+                      f"data.source={source}", f"data.chat_template={template}"], timeout=90)
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr
+    assert "'data.chat_template'" in errors[0] and "line 1, row 0" in errors[0] and "budget" in errors[0]
+    assert "Traceback" not in res.stderr
+    peak_kb = int(res.stdout.split("peak_kb")[1].split()[0])
+    assert peak_kb < 1_500_000, peak_kb  # the imports are most of it; the template adds nothing near a GB
+
+
+def test_ctrl_c_stops_a_template_that_is_rendering(builtin, tmp_path):
+    """Rendering runs Python between jinja's steps, so Ctrl-C (SIGINT) interrupts a slow
+    template at once instead of waiting for the budget."""
+    import os
+    import signal
+    import threading
+
+    tok = chat.use_chat_template(load_tokenizer(builtin.name_or_path), str(_write(tmp_path / "slow.jinja",
+                                                                                   HOSTILE_TEMPLATES["time"])))
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            chat.render(tok, CONVERSATION, False, "row 0")
+    finally:
+        timer.cancel()
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages[0]['content'] * 10000000 }}", "{{ 'x'.center(10**9) }}", "{{ messages[0]['content'] | center(10**9) }}",
+    "{{ '%0999999999d' % 1 }}", "{{ '%0999999999d' | format(1) }}", "{{ '{:>999999999}'.format(1) }}", "{% for i in range(99999) %}{{ messages[0]['content'] * 99 }}{% endfor %}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+])
+def test_every_way_a_template_builds_too_much_stops_at_its_budget(source):
+    """Output, any one value built while rendering (``*``, ``%``, a filter's or method's
+    width) and time are bounded; the render stops with TemplateBudgetError, nothing big
+    allocated first."""
+    from shardwise.data.template import Budget, TemplateBudgetError, render
+
+    with pytest.raises(TemplateBudgetError):
+        render(source, CONVERSATION, Budget(max_chars=100_000, seconds=1.0))
+    assert render("{% for m in messages %}{{ m['content'] }}{% endfor %}", CONVERSATION,
+                  Budget(max_chars=100_000, seconds=1.0)).text.startswith("answer with the number")

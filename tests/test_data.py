@@ -14,9 +14,8 @@ from shardwise.data.collate import (
     count_loss_tokens,
     pack_collate,
     pad_collate,
-    tokenize_pair,
-    tokenize_prompt,
 )
+from shardwise.data.encode import tokenize_pair, tokenize_prompt
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share
 from shardwise.data.sources import load_records
 from shardwise.data.tasks import (

@@ -118,6 +118,42 @@ def test_the_plan_knows_nothing_of_the_communication_model():
     assert not found, "shardwise/fsdp/plan.py: " + "; ".join(found)
 
 
+def _imported(path: Path) -> set[str]:
+    """Every shardwise module `path` imports, ``from shardwise.data import chat`` as
+    ``shardwise.data.chat``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m.startswith("shardwise.")}
+
+
+def test_text_to_ids_has_one_road():
+    """A record becomes ids and a loss mask in `shardwise.data.encode` alone (issue 30): the
+    collators only batch (collate imports nothing that renders or tokenizes), the chat
+    module makes text (it never calls back into encode or collate), the bounded renderer
+    knows nothing of shardwise, and the functions that turn text into ids are defined in
+    encode only."""
+    data = PACKAGE / "data"
+    road = {"shardwise.data.chat", "shardwise.data.encode", "shardwise.data.tokenizer", "shardwise.data.template"}
+    assert not _imported(data / "collate.py") & road, "collate.py imports tokenization: it should only batch"
+    assert not _imported(data / "chat.py") & {"shardwise.data.collate", "shardwise.data.encode"}, \
+        "chat.py imports collate / encode: the road runs encode -> chat, one way"
+    assert not _imported(data / "template.py") - {"shardwise.errors"}
+    makers = {"tokenize_pair", "tokenize_prompt", "tokenize_record", "conversation_example", "prompt_ids",
+              "encode_record", "encode_prompt", "assistant_spans", "truncation_note"}
+    elsewhere = []
+    for name, path in _modules():
+        if name == "shardwise.data.encode":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in makers:
+                elsewhere.append(f"{name}:{node.lineno} defines {node.name}")
+    assert not elsewhere, "text -> ids outside shardwise.data.encode:\n" + "\n".join(elsewhere)
+
+
 def _private_torch(node: ast.AST) -> str | None:
     """The dotted torch name `node` reaches with a private part (``torch.x._y``), if any."""
     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -41,7 +41,7 @@ def plain_greedy(hf_dir: Path, prompts: list[str], max_new_tokens: int) -> list[
     """Each prompt alone (no padding) through plain transformers, unsharded, greedy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardwise.data.collate import tokenize_prompt
+    from shardwise.data.encode import tokenize_prompt
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
@@ -64,7 +64,7 @@ def task_accuracy(hf_dir: Path, task_name: str, n: int, seed: int, max_new_token
     batches of 50, greedy, scored by the task's own scorer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardwise.data.collate import tokenize_prompt
+    from shardwise.data.encode import tokenize_prompt
     from shardwise.data.tasks import get_builtin_task
 
     task = get_builtin_task(task_name)

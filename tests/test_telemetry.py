@@ -452,3 +452,22 @@ def test_libraries_output_goes_to_the_log_file_and_shardwise_stays_on_the_consol
     assert "shardwise says" not in text and "truncated" not in text, text
     assert logging.lastResort is last_resort and warnings.showwarning is showwarning
     assert [(lg.propagate, list(lg.handlers)) for lg in libraries] == before
+
+
+def test_heartbeat_speaks_only_while_work_is_slow(capsys):
+    """Data preparation that may be slow by size (one huge conversation) says it is working;
+    quick preparation prints nothing (issue 30)."""
+    from shardwise.telemetry.progress import Heartbeat
+
+    with Heartbeat("data", 3, enabled=True, delay=60) as beat:
+        beat.done = 3
+    with Heartbeat("data", 3, enabled=False, delay=0) as beat:
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""
+    with Heartbeat("data", 3, enabled=True, delay=0, interval=60) as beat:
+        end = time.monotonic() + 30
+        while not beat._spoke and time.monotonic() < end:  # the thread's first line, after `delay`
+            time.sleep(0.01)
+        beat.done = 3
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("shardwise: data: 0 of 3 prepared (") and lines[-1].startswith("shardwise: data: 3 of 3")

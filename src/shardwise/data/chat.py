@@ -1,44 +1,31 @@
-"""Conversations: chat messages checked, rendered with a chat template, and the tokens of
-the assistant turns found.
+"""Conversations: what a chat turn is, which template renders it, and the bounded render.
 
 A conversation is a list of turns ``{"role": ..., "content": str}`` with the roles of
 `ROLES`; ShareGPT turns ``{"from": "human" | "gpt" | "system", "value": ...}`` are mapped
 onto them (`normalize_messages`). It is rendered by the tokenizer's chat template
 (``tokenizer.chat_template``, or the file ``data.chat_template`` names, set on the
-tokenizer by `use_chat_template`) through transformers' ``apply_chat_template``: jinja2,
-offline.
+tokenizer by `use_chat_template`) in a bounded jinja sandbox (`shardwise.data.template`:
+the same rendering as transformers' ``apply_chat_template``, offline, with a budget of
+output and time).
 
-Which tokens are trained (`conversation_example`) is found on the rendered text, never by
-searching for a turn's content:
-
-- a template with ``{% generation %}`` markers marks the assistant text itself;
-- any other template is rendered for growing prefixes of the conversation: assistant turn
-  ``i`` spans from the end of ``messages[:i]`` rendered with ``add_generation_prompt`` to
-  the end of ``messages[:i+1]``, whitespace the template writes after the turn's
-  end-of-turn token (Qwen's newline after ``<|im_end|>``) left out. Each prefix must render
-  as a prefix of the whole; a template that rewrites earlier turns (Qwen3 drops the
-  reasoning of earlier turns) is an error that says to give one with markers.
-
-The whole text is tokenized once (a fast tokenizer's character offsets place each token in
-or out of a span), so the ids are those a model sees at inference, merges across turn
-boundaries included. A prompt (`prompt_ids`) is its messages rendered with
-``add_generation_prompt=True`` and tokenized the same way.
+This module makes text only. Which tokens a record has and which of them are trained is
+`shardwise.data.encode`'s (the one road from a record to ids), which calls `render` here.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers.utils.chat_template_utils import render_jinja_template
-
+from shardwise.data import template
+from shardwise.data.template import Budget, Rendered, TemplateBudgetError
 from shardwise.errors import ConfigError, DataError, did_you_mean
 
-__all__ = ["ROLES", "SHAREGPT_ROLES", "TRAIN_ON", "conversation_example", "export_template", "has_generation_markers",
-           "normalize_messages", "prompt_ids", "prompt_text", "render_text", "text_prompts_as_chat",
-           "use_chat_template"]
+__all__ = ["ROLES", "SHAREGPT_ROLES", "TRAIN_ON", "export_template", "has_generation_markers", "normalize_messages",
+           "render", "render_text", "text_prompts_as_chat", "use_chat_template"]
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 """The roles a turn may have."""
@@ -111,7 +98,12 @@ def use_chat_template(tokenizer, setting: str, key: str = "data.chat_template"):
     if setting in ("auto", "none"):
         return tokenizer
     tokenizer.chat_template = read_template(setting, key)
+    _TEMPLATE_FILES[tokenizer] = setting
     return tokenizer
+
+
+_TEMPLATE_FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Tokenizer -> the ``data.chat_template`` file set on it (errors name where a template came from)."""
 
 
 def text_prompts_as_chat(data) -> bool:
@@ -158,118 +150,38 @@ def check_template(tokenizer, where: str) -> None:
                         "chat_template.jinja), or use a tokenizer folder that has one")
 
 
-def render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, where: str) -> str:
-    """`messages` rendered by the tokenizer's template (text, nothing tokenized). Raises
-    DataError naming `where` with jinja's message when the template fails."""
+def template_source(tokenizer) -> str:
+    """The jinja text `tokenizer` renders chats with (a folder may name several templates;
+    transformers' choice among them)."""
+    return tokenizer.get_chat_template()
+
+
+def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, where: str) -> Rendered:
+    """`messages` rendered by the tokenizer's template within a `Budget` sized by the
+    conversation (`shardwise.data.template`): text, nothing tokenized, with the spans of
+    its ``{% generation %}`` blocks and where each turn began. Raises DataError naming
+    `where` with jinja's message when the template fails, and ConfigError on
+    data.chat_template naming `where` when it goes past the budget (too much output or
+    time: a hostile or broken template)."""
     check_template(tokenizer, where)
+    source = template_source(tokenizer)
+    budget = Budget.for_input(sum(len(str(v)) + 8 for m in messages for v in m.values()))
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return template.render(source, list(messages), budget, add_generation_prompt=add_generation_prompt,
+                               tools=None, documents=None, **tokenizer.special_tokens_map)
+    except TemplateBudgetError as e:
+        file = _TEMPLATE_FILES.get(tokenizer)
+        whose = (f"the template file {file!r}" if file is not None else
+                 f"the tokenizer's own template ({getattr(tokenizer, 'name_or_path', '') or 'model.tokenizer'})")
+        raise ConfigError("data.chat_template", f"{where}: {whose} went past its budget rendering this "
+                          f"conversation: {e}", "set data.chat_template to a template that writes each turn "
+                          "once (e.g. an instruct model's chat_template.jinja)") from None
     except Exception as e:  # jinja's TemplateError, raise_exception() in a template, a TypeError inside it
         message = " ".join(str(e).split()) or type(e).__name__
         raise DataError(f"data.chat_template: {where}: the chat template failed to render this conversation: "
                         f"{message}") from None
-    assert isinstance(text, str), type(text)
-    return text
 
 
-def _tokenize(tokenizer, text: str, where: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Ids of `text` (no special tokens added: the template wrote them) and each token's
-    character span."""
-    if not getattr(tokenizer, "is_fast", False):
-        raise DataError(f"{where}: conversations need a fast tokenizer (a tokenizer.json) to place tokens in "
-                        "the assistant turns; convert the tokenizer with transformers (use_fast=True)")
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-
-
-# ---------------------------------------------------------------- prompts
-
-
-def prompt_text(tokenizer, messages: Sequence[dict], where: str = "prompt") -> str:
-    """The text a model is asked: `messages` with the template's generation prompt."""
-    return render_text(tokenizer, messages, True, where)
-
-
-def prompt_ids(tokenizer, messages: Sequence[dict], where: str = "prompt") -> list[int]:
-    """Token ids of `prompt_text` (untruncated)."""
-    return _tokenize(tokenizer, prompt_text(tokenizer, messages, where), where)[0]
-
-
-# ---------------------------------------------------------------- SFT examples
-
-
-def assistant_spans(tokenizer, messages: Sequence[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span ``[start, end)`` of each assistant
-    turn in it, in order (see the module docstring for how they are found)."""
-    full = render_text(tokenizer, messages, False, where)
-    if has_generation_markers(tokenizer):
-        spans = _marked_spans(tokenizer, messages, full, where)
-    else:
-        spans = _prefix_spans(tokenizer, messages, full, where)
-    n_assistant = sum(m["role"] == "assistant" for m in messages)
-    if len(spans) != n_assistant:
-        raise DataError(f"{where}: the chat template marks {len(spans)} assistant spans for {n_assistant} "
-                        "assistant turns; check its {% generation %} blocks (one around each assistant turn)")
-    return full, spans
-
-
-def _marked_spans(tokenizer, messages: Sequence[dict], full: str, where: str) -> list[tuple[int, int]]:
-    try:
-        rendered, indices = render_jinja_template(
-            conversations=[list(messages)], chat_template=tokenizer.chat_template,
-            return_assistant_tokens_mask=True, add_generation_prompt=False, **tokenizer.special_tokens_map)
-    except Exception as e:
-        raise DataError(f"data.chat_template: {where}: the chat template failed to render this conversation: "
-                        f"{' '.join(str(e).split())}") from None
-    if rendered[0] != full:
-        raise DataError(f"{where}: the chat template renders differently with and without its generation markers")
-    return [(int(a), int(b)) for a, b in indices[0] if b > a]
-
-
-def _prefix_spans(tokenizer, messages: Sequence[dict], full: str, where: str) -> list[tuple[int, int]]:
-    special = set(getattr(tokenizer, "all_special_tokens", [])) | {
-        str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
-    spans = []
-    for i, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            continue
-        before = render_text(tokenizer, messages[:i], True, where) if i else ""
-        upto = render_text(tokenizer, messages[: i + 1], False, where)
-        if not (upto.startswith(before) and full.startswith(upto)):
-            raise DataError(
-                f"{where}: the chat template does not render turn {i} as a prefix of the whole conversation "
-                "(it rewrites earlier turns), so the assistant tokens cannot be found from prefixes; set "
-                "data.chat_template to a template whose assistant text is in {% generation %} ... "
-                "{% endgeneration %} blocks")
-        start, end = len(before), len(upto)
-        # Layout the template writes after the end-of-turn token is not the answer.
-        stripped = upto[:end].rstrip()
-        if len(stripped) > start and any(stripped.endswith(tok) for tok in special if tok):
-            end = len(stripped)
-        spans.append((start, end))
-    return spans
-
-
-def conversation_example(tokenizer, messages: Sequence[dict], max_length: int, train_on: str,
-                         where: str) -> tuple[dict[str, list[int]], int, int]:
-    """One SFT example from a conversation: ``({"input_ids", "loss_mask"}, length, lost)``.
-
-    `train_on` (`TRAIN_ON`): loss on the tokens of every assistant turn (their content and
-    the end-of-turn marker), of the last one only, or on every token. The example keeps its
-    first `max_length` tokens; `length` is the untruncated token count and `lost` counts the
-    trained tokens cut off.
-    """
-    if train_on not in TRAIN_ON:
-        raise ConfigError("data.train_on", f"{train_on!r} is not one of {', '.join(TRAIN_ON)}",
-                          did_you_mean(train_on, TRAIN_ON))
-    text, spans = assistant_spans(tokenizer, messages, where)
-    if train_on == "last_assistant":
-        spans = spans[-1:]
-    ids, offsets = _tokenize(tokenizer, text, where)
-    if train_on == "all":
-        mask = [1] * len(ids)
-    else:
-        mask = [int(any(a <= s < b for a, b in spans)) if e > s else 0 for s, e in offsets]
-    lost = sum(mask[max_length:])
-    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}, len(ids), lost
+def render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, where: str) -> str:
+    """`render`'s text."""
+    return render(tokenizer, messages, add_generation_prompt, where).text

@@ -1,10 +1,9 @@
-"""Turn (prompt, response) text into token batches: padded or packed.
+"""Batch encoded examples: padded or packed. Nothing here tokenizes: the examples come
+from `shardwise.data.encode` (``{"input_ids", "loss_mask"}``, the loss mask 1 on trained
+tokens).
 
 Conventions, shared by every function here:
 
-- One example is ``prompt tokens + response tokens + eos``, with ``bos`` first when the
-  tokenizer has one. Its ``loss_mask`` is 1 on the response tokens and the eos, 0 on bos
-  and the prompt.
 - ``labels`` follow the Hugging Face convention: aligned with ``input_ids`` (label[t] is
   token t itself), -100 where no loss is taken; the HF causal-LM loss shifts internally,
   so the logits at position t-1 are scored against labels[t]. Position 0 of each example
@@ -19,11 +18,9 @@ Batches are dicts of tensors; the model inputs are ``input_ids``, ``attention_ma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from shardwise.data import chat
 from shardwise.errors import DataError
 
 IGNORE_INDEX = -100
@@ -31,120 +28,6 @@ IGNORE_INDEX = -100
 
 Example = dict[str, list[int]]
 """``{"input_ids": [...], "loss_mask": [...]}``, equal lengths."""
-
-
-def tokenize_pair(tokenizer: Any, prompt: str, response: str, max_length: int,
-                  image_tokens: Sequence[int] = ()) -> Example:
-    """Tokenize one SFT example: ``[bos] + prompt + response + [eos]``, cut to `max_length`.
-
-    Returns ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length
-    ``<= max_length``; loss_mask is 1 on the response tokens and the eos. Prompt and
-    response are tokenized separately (no special tokens added by the tokenizer), so the
-    boundary between them is exact. Truncation keeps the beginning: a long example loses
-    its eos and then its response tail first; an example whose prompt alone fills
-    `max_length` has no loss tokens. `image_tokens` (a VL example's image, see
-    `shardwise.models.vision`) go right after bos, part of the prompt; they must fit.
-    """
-    if max_length < 1:
-        raise DataError(f"max_length must be >= 1, got {max_length}")
-    if tokenizer.eos_token_id is None:
-        raise DataError("the tokenizer has no eos token; set one so responses can end")
-    prompt_ids = _prefix(tokenizer) + list(image_tokens) + _encode(tokenizer, prompt)
-    _check_image_fits(tokenizer, image_tokens, max_length)
-    response_ids = _encode(tokenizer, response) + [tokenizer.eos_token_id]
-    input_ids = (prompt_ids + response_ids)[:max_length]
-    loss_mask = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_length]
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
-
-
-def tokenize_record(tokenizer: Any, record: dict[str, Any], max_length: int, train_on: str = "assistant",
-                    image_tokens: Sequence[int] = ()) -> tuple[Example, int, int]:
-    """One SFT record as ``(example, untruncated length, trained tokens cut)``: a
-    conversation (``"messages"``) through `shardwise.data.chat.conversation_example` with
-    `train_on`, text (``"prompt"`` / ``"response"``) through `tokenize_pair`. Both keep the
-    first `max_length` tokens."""
-    where = record.get("where", "a record")
-    if "messages" in record:
-        if image_tokens:
-            raise DataError(f"{where}: chat messages with an image are not supported yet; use text records")
-        return chat.conversation_example(tokenizer, record["messages"], max_length, train_on, where)
-    full = tokenize_pair(tokenizer, record["prompt"], record["response"], _UNLIMITED, image_tokens)
-    _check_image_fits(tokenizer, image_tokens, max_length)
-    lost = sum(full["loss_mask"][max_length:])
-    return ({k: v[:max_length] for k, v in full.items()}, len(full["input_ids"]), lost)
-
-
-_UNLIMITED = 2**62
-"""A max_length that cuts nothing."""
-
-
-def truncation_note(tokenizer: Any, records: Sequence[dict[str, Any]], max_length: int,
-                    with_response: bool, train_on: str = "assistant") -> str | None:
-    """One sentence about the records longer than `max_length` tokens once tokenized (as
-    `tokenize_record` when `with_response`, else as `tokenize_prompt`), or None when none is.
-    Jobs print it once at start: truncation changes what is trained on or asked."""
-    if with_response:
-        done = [tokenize_record(tokenizer, r, max_length, train_on) for r in records]
-        return summarize_truncation([n for _, n, _ in done], [lost for _, _, lost in done], max_length, True)
-    lengths = [len(tokenize_prompt(tokenizer, r["prompt"], _UNLIMITED, where=r.get("where", "prompt")))
-               for r in records]
-    return summarize_truncation(lengths, [0] * len(lengths), max_length, False)
-
-
-def summarize_truncation(lengths: Sequence[int], lost: Sequence[int], max_length: int,
-                         with_response: bool) -> str | None:
-    """`truncation_note`'s sentence from each example's untruncated token count and its
-    trained tokens cut off (`tokenize_record`)."""
-    long = [n for n in lengths if n > max_length]
-    if not long:
-        return None
-    what = "examples (prompt + response)" if with_response else "prompts"
-    kept = "their beginning is kept" if with_response else "their last tokens are kept"
-    cut = f", {sum(lost)} trained (response / assistant) tokens are cut off" if with_response else ""
-    return (f"{len(long)} of {len(lengths)} {what} are longer than data.max_length={max_length} tokens "
-            f"(longest {max(long)}) and are truncated ({kept}{cut}); raise data.max_length to keep them whole")
-
-
-def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_length: int,
-                    image_tokens: Sequence[int] = (), where: str = "prompt") -> list[int]:
-    """Prompt token ids for generation: ``[bos] + prompt`` (no eos), the last
-    `max_length` tokens kept so the text just before the answer survives. A prompt given
-    as chat messages is rendered by the tokenizer's chat template with its generation
-    prompt (`shardwise.data.chat.prompt_ids`) instead. `image_tokens`
-    (a VL prompt's image) follow bos and are always kept; the text is cut instead."""
-    if max_length < 1:
-        raise DataError(f"max_length must be >= 1, got {max_length}")
-    if isinstance(prompt, list):
-        if image_tokens:
-            raise DataError(f"{where}: chat messages with an image are not supported yet; use text prompts")
-        return chat.prompt_ids(tokenizer, prompt, where)[-max_length:]
-    if image_tokens:
-        _check_image_fits(tokenizer, image_tokens, max_length)
-        head = _prefix(tokenizer) + list(image_tokens)
-        text = _encode(tokenizer, prompt)
-        return head + text[max(0, len(text) - (max_length - len(head))):]
-    return (_prefix(tokenizer) + _encode(tokenizer, prompt))[-max_length:]
-
-
-def prompt_text(tokenizer: Any, prompt: str | list[dict[str, Any]], where: str = "prompt") -> str:
-    """The text of a prompt as the model is asked it: text as it is, chat messages as the
-    template renders them (with the generation prompt)."""
-    return chat.prompt_text(tokenizer, prompt, where) if isinstance(prompt, list) else prompt
-
-
-def _check_image_fits(tokenizer: Any, image_tokens: Sequence[int], max_length: int) -> None:
-    need = len(_prefix(tokenizer)) + len(image_tokens) + 1
-    if image_tokens and max_length < need:
-        raise DataError(f"data.max_length: {max_length} tokens leave no room for text after the image's "
-                        f"{len(image_tokens)} tokens; raise it to at least {need} (or lower data.image_size)")
-
-
-def _prefix(tokenizer: Any) -> list[int]:
-    return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _example_labels(ex: Example) -> list[int]:

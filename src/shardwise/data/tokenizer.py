@@ -7,7 +7,7 @@ is one token and decoding joins tokens with nothing in between, so
 outside the vocabulary become ``<unk>``.
 
 Encoding adds no special tokens (there is no post-processor); callers that want ``<bos>``
-or ``<eos>`` add them (see `shardwise.data.collate.tokenize_pair`). The encoder variant
+or ``<eos>`` add them (see `shardwise.data.encode`). The encoder variant
 (``encoder=True``, for ``model.task`` masked_lm / sequence_classification) is the same
 vocabulary plus ``<mask>``, with ``<bos>`` as the cls token and ``<eos>`` as the sep token,
 and it frames every text as ``<bos> text <eos>`` (as a BERT tokenizer frames

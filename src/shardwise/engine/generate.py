@@ -43,7 +43,7 @@ from transformers import GenerationConfig
 
 from shardwise.config.schema import SamplingConfig
 from shardwise.data.batch import Batch
-from shardwise.data.collate import prompt_text, tokenize_prompt
+from shardwise.data.encode import encode_prompt, prompt_text
 from shardwise.data.rewards import RewardFn, score_sequences
 from shardwise.data.tasks import (
     BUILTIN_PREFIX,
@@ -115,11 +115,11 @@ def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids
     renders it), ``ground_truth`` ("" where a record has no response), ``data_source`` and
     ``extra_info`` (None where a record has none; what verl-form reward functions receive)
     and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`; chat messages
-    through the tokenizer's template, `shardwise.data.collate.tokenize_prompt`).
+    through the tokenizer's template, `shardwise.data.encode.encode_prompt`).
     With `vision` (a VL model) each record's ``image`` becomes the prompt's image tokens
     and the row tensors ``pixel_values`` / ``image_grid_thw`` (`shardwise.models.vision`)."""
     prefix = vision.prompt_prefix if vision is not None else ()
-    ids = [tokenize_prompt(tokenizer, r["prompt"], max_length, prefix, where=r.get("where", "prompt"))
+    ids = [encode_prompt(tokenizer, r["prompt"], max_length, prefix, where=r.get("where", "prompt")).ids
            for r in records]
     width = max((len(x) for x in ids), default=1)  # no records: a (0, 1) batch
     pad = pad_token_id(tokenizer)

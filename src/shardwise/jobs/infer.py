@@ -40,7 +40,7 @@ from torch import nn
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_spec
 from shardwise.data.chat import use_chat_template
-from shardwise.data.collate import truncation_note
+from shardwise.data.encode import truncation_note
 from shardwise.data.rewards import (
     RewardFn,
     check_data_sources,
@@ -199,7 +199,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     use_chat_template(tokenizer, cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     if runtime.is_main:
-        note = truncation_note(tokenizer, records, cfg.data.max_length, with_response=False)
+        note = truncation_note(tokenizer, records, cfg.data.max_length, with_response=False, progress=True)
         if note:
             log.warning("data: %s", note)
     engine = InferEngine(cfg, runtime, planned=prepared.planned)

@@ -16,7 +16,8 @@ from typing import Any
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
 from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
-from shardwise.data.collate import _UNLIMITED, example_loss_tokens, tokenize_prompt, tokenize_record
+from shardwise.data.collate import example_loss_tokens
+from shardwise.data.encode import UNLIMITED, encode_record, encode_records
 from shardwise.data.sources import load_records
 from shardwise.data.tokenizer import (
     build_char_tokenizer,
@@ -137,12 +138,7 @@ def check_chat(cfg: Config, records: list[dict[str, Any]], sft: bool, vl: bool) 
     if d.chat_template == "none":
         raise ConfigError("data.chat_template", f"none, but {d.source!r} holds chat messages",
                           "set auto (the tokenizer's template) or the path of a template file")
-    tokenizer = job_tokenizer(cfg)
-    for r in records:
-        if sft:
-            tokenize_record(tokenizer, r, d.max_length, d.train_on)
-        else:
-            tokenize_prompt(tokenizer, r["prompt"], d.max_length, where=r["where"])
+    encode_records(job_tokenizer(cfg), records, d.max_length, d.train_on, prompts=not sft, progress=True)
 
 
 def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> None:
@@ -156,11 +152,12 @@ def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> No
     if not records or any("image" in r for r in records):
         return
     d = cfg.data
-    if any(example_loss_tokens(tokenize_record(tokenizer, r, d.max_length, d.train_on)[0]) for r in records):
+    # lazily: the first example with a trained token ends the check (usually the first one)
+    if any(example_loss_tokens(encode_record(tokenizer, r, d.max_length, d.train_on).example) for r in records):
         return
     firsts = []
-    for r in records:
-        mask = tokenize_record(tokenizer, r, _UNLIMITED, d.train_on)[0]["loss_mask"]
+    for e in encode_records(tokenizer, records, UNLIMITED, d.train_on):
+        mask = e.loss_mask
         firsts += [next((i + 1 for i, m in enumerate(mask) if m and i > 0), None)]  # position 0 is never a label
     needed = [n for n in firsts if n is not None]
     if not needed:

@@ -3,8 +3,9 @@
 Training examples (what `shardwise train` trains on: ids and loss mask, after the chat
 template and truncation) or, with `prompts`, the prompts `shardwise rl` / `shardwise
 infer` generate from. The records are read and checked by the jobs' own `check_data` and
-tokenized by the jobs' own functions with the tokenizer the job would use; no process
-group, no model weights, nothing written.
+encoded by the one road the jobs take (`shardwise.data.encode`), with the tokenizer the
+job would use: each example shown is the `Encoded` that module returns, nothing
+recomputed. No process group, no model weights, nothing written.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from shardwise.config.schema import Config
 from shardwise.data import encoder
-from shardwise.data.collate import tokenize_prompt, tokenize_record
+from shardwise.data.encode import Encoded, encode_prompt, encode_record
 from shardwise.errors import ConfigError
 from shardwise.jobs.inputs import check_causal_task, check_data, check_tokenizer, job_tokenizer, vision_inputs
 
@@ -36,16 +37,26 @@ class Shown:
     """One example as the job feeds it."""
 
     index: int
-    ids: list[int]
-    """Token ids after truncation."""
-    mask: list[int] | None
-    """Loss mask (1: trained), None for a prompt."""
-    length: int
-    """Tokens before truncation."""
-    lost: int
-    """Trained tokens cut off by truncation."""
+    encoded: Encoded
+    """What `shardwise.data.encode` returned for it (ids, loss mask, what truncation cut)."""
     where: str
     """Where the record came from (file and row, or the task)."""
+
+    @property
+    def ids(self) -> list[int]:
+        return self.encoded.ids
+
+    @property
+    def mask(self) -> list[int] | None:
+        return self.encoded.loss_mask
+
+    @property
+    def length(self) -> int:
+        return self.encoded.length
+
+    @property
+    def lost(self) -> int:
+        return self.encoded.lost
 
 
 def preview(cfg: Config, n: int, prompts: bool) -> tuple[list[Shown], Any, int]:
@@ -73,12 +84,9 @@ def preview(cfg: Config, n: int, prompts: bool) -> tuple[list[Shown], Any, int]:
     for i, r in enumerate(records[:n]):
         where = r.get("where", f"{d.source} row {i}")
         if prompts:
-            full = tokenize_prompt(tokenizer, r["prompt"], 2**62, prefix, where=where)
-            ids = tokenize_prompt(tokenizer, r["prompt"], d.max_length, prefix, where=where)
-            shown.append(Shown(i, ids, None, len(full), 0, where))
+            shown.append(Shown(i, encode_prompt(tokenizer, r["prompt"], d.max_length, prefix, where=where), where))
         else:
-            ex, length, lost = tokenize_record(tokenizer, r, d.max_length, d.train_on, prefix)
-            shown.append(Shown(i, ex["input_ids"], ex["loss_mask"], length, lost, where))
+            shown.append(Shown(i, encode_record(tokenizer, r, d.max_length, d.train_on, prefix), where))
     return shown, tokenizer, len(records)
 
 

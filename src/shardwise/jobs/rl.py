@@ -25,7 +25,7 @@ from shardwise.config.validate import (
     mesh_spec,
 )
 from shardwise.data.chat import export_template, use_chat_template
-from shardwise.data.collate import truncation_note
+from shardwise.data.encode import truncation_note
 from shardwise.data.rewards import RewardFn, check_data_sources, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
@@ -158,7 +158,7 @@ def _run(prepared: Prepared) -> dict[str, Any]:
     tokenizer = use_chat_template(load_tokenizer(folder), cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     vision = vision_inputs(cfg, tokenizer)
-    note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False)
+    note = truncation_note(tokenizer, prepared.records, cfg.data.max_length, with_response=False, progress=True)
     if note:
         log.warning("data: %s", note)
     if cfg.rl.filter_groups == "none" and (cfg.rl.filter_groups_refill

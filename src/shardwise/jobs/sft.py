@@ -30,13 +30,8 @@ from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_sft_batch, mesh_spec
 from shardwise.data import encoder
 from shardwise.data.chat import export_template, text_prompts_as_chat, use_chat_template
-from shardwise.data.collate import (
-    example_loss_tokens,
-    pack_collate,
-    pad_collate,
-    summarize_truncation,
-    tokenize_record,
-)
+from shardwise.data.collate import example_loss_tokens, pack_collate, pad_collate
+from shardwise.data.encode import encode_records, summarize_truncation
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share, token_budget_micro_batches
 from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
 from shardwise.distributed import ulysses
@@ -120,17 +115,17 @@ class SFTData:
                  vision: VisionInputs | None = None):
         d = cfg.data
         self.vision = vision
-        self.examples, lengths, lost = [], [], []
-        for r in records:
-            # a VL example's image tokens follow bos (shardwise.models.vision)
-            ex, n, cut = tokenize_record(tokenizer, r, d.max_length, d.train_on,
-                                         vision.prompt_prefix if vision is not None else ())
+        # a VL example's image tokens follow bos (shardwise.models.vision)
+        encoded = encode_records(tokenizer, records, d.max_length, d.train_on,
+                                 vision.prompt_prefix if vision is not None else (), progress=dist.get_rank() == 0)
+        self.examples = []
+        for r, enc in zip(records, encoded):
+            ex = dict(enc.example)
             if vision is not None:
                 ex["pixel_values"], ex["image_grid_thw"] = vision.encode(r["image"])
             self.examples.append(ex)
-            lengths.append(n)
-            lost.append(cut)
-        note = summarize_truncation(lengths, lost, d.max_length, True) if dist.get_rank() == 0 else None
+        note = (summarize_truncation([e.length for e in encoded], [e.lost for e in encoded], d.max_length, True)
+                if dist.get_rank() == 0 else None)
         if note:
             log.warning("data: %s", note)
         self.pad_id = pad_token_id(tokenizer)

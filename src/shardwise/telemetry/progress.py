@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-__all__ = ["Progress", "PhaseTimer", "peak_memory_bytes", "format_postfix_value"]
+__all__ = ["Heartbeat", "Progress", "PhaseTimer", "peak_memory_bytes", "format_postfix_value"]
 
 
 def format_postfix_value(value: Any) -> str:
@@ -176,3 +177,47 @@ class PhaseTimer:
     def reset(self) -> None:
         """Forget all totals (e.g. after logging them for a step)."""
         self._seconds.clear()
+
+
+class Heartbeat:
+    """Lines of progress for work that may be slow by size, none for work that is quick.
+
+    ``with Heartbeat("data", total=len(records), enabled=rank == 0) as hb: ... hb.done += 1``
+    prints nothing if the work ends within `delay` seconds; otherwise, from a daemon thread,
+    ``shardwise: data: 3 of 10 prepared (12 s)`` after `delay` and then every `interval`
+    seconds, and a last line when it ends (so a run that seems stuck on one huge record
+    says it is working, and quick runs keep a clean console).
+    """
+
+    def __init__(self, what: str, total: int, enabled: bool, delay: float = 5.0, interval: float = 30.0):
+        self.what, self.total, self.enabled = what, total, bool(enabled)
+        self.delay, self.interval = delay, interval
+        self.done = 0
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._spoke = False
+        self._thread: threading.Thread | None = None
+
+    def _line(self) -> None:
+        self._spoke = True
+        print(f"shardwise: {self.what}: {self.done} of {self.total} prepared "
+              f"({time.monotonic() - self._start:.0f} s)", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        wait = self.delay
+        while not self._stop.wait(wait):
+            self._line()
+            wait = self.interval
+
+    def __enter__(self) -> Heartbeat:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name=f"shardwise-heartbeat-{self.what}", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            if self._spoke and exc_type is None:
+                self._line()
