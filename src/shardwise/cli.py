@@ -33,6 +33,7 @@ from shardwise.config import describe, load_config
 from shardwise.config.dialects import DIALECTS, check_out_file, load_dialect_config, read_dialect
 from shardwise.config.schema import CheckpointConfig, Config
 from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
+from shardwise.data.reward_row import RewardFunctionError
 from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc, check_plan
 from shardwise.distributed.runtime import (
@@ -480,6 +481,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
             if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
                 e.error_file = write_error_file(cfg.run.dir, "the controller" if not isinstance(e, WorkerError)
                                                 else "a worker", "".join(traceback.format_exception(e)))
+            if isinstance(e, RewardFunctionError):  # the user's function stopped the run: where to resume from
+                raise RewardFunctionError(f"{e}; {_last_checkpoint_line(cfg)}") from e
             if isinstance(e, WorkerError):  # a worker failed or was lost with its node: where to resume from
                 resume = WorkerError(f"{e}; {_last_checkpoint_line(cfg)}")
                 resume.error_file = e.error_file
