@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -106,6 +107,8 @@ class Contained:
         self._to_child = -1
         self._from_child = -1
         self._buffer = b""
+        """What the child sent after its last complete line."""
+        self._lines: deque[bytes] = deque()
         self._ready = False
         self._request = 0
 
@@ -129,6 +132,7 @@ class Contained:
             os.close(answer_w)
         self._to_child, self._from_child = request_w, answer_r
         self._buffer, self._ready = b"", False
+        self._lines.clear()
 
     def close(self) -> None:
         """Kill the child's whole tree (see `_kill`) and forget it; a later call starts a
@@ -218,7 +222,7 @@ class Contained:
         time (killed here) or ended."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         limit = self.max_result_bytes + 4096
-        while b"\n" not in self._buffer:
+        while not self._lines:
             if len(self._buffer) > limit:
                 self.close()
                 return Outcome("crash", reason=f"its answer exceeded {self.max_result_bytes} bytes")
@@ -232,8 +236,9 @@ class Contained:
             chunk = os.read(self._from_child, _READ_CHUNK)
             if not chunk:
                 return self._crashed()
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
+            *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+            self._lines.extend(lines)
+        line = self._lines.popleft()
         try:
             answer = json.loads(line)
         except ValueError:
