@@ -6,6 +6,7 @@ nothing the code started is left once the child is closed."""
 
 from __future__ import annotations
 
+import os
 import signal
 import textwrap
 import time
@@ -122,3 +123,28 @@ def test_an_interrupt_while_waiting_kills_the_child(probes):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert child._proc is None and not alive([keeper])
+
+
+def test_a_subreaper_finds_what_a_dead_child_left(probes, tmp_path):
+    """What a child's code started carries the child's mark: `kill_left_under` (the RL
+    supervisor's sweep, for a controller that died with its child) kills it, not others."""
+    import subprocess
+
+    from shardwise.contained import kill_left_under
+
+    other = subprocess.Popen(["sleep", "600"])
+    child = Contained(f"{probes}:starts")
+    try:
+        assert child.call([str(tmp_path / "pids"), False], timeout_s=30).ok
+        pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+        killed = kill_left_under(os.getpid())
+        assert set(pids) <= set(killed) and other.pid not in killed
+        deadline = time.monotonic() + 10
+        while alive(pids):
+            assert time.monotonic() < deadline, f"left running: {alive(pids)}"
+            time.sleep(0.05)
+        assert alive([other.pid])
+    finally:
+        child.close()
+        other.kill()
+        other.wait()

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["MARK_ENV", "Contained", "Outcome"]
+__all__ = ["MARK_ENV", "Contained", "Outcome", "kill_left_under"]
 
 MARK_ENV = "SHARDWISE_CONTAINED"
 """The environment variable that marks every process of one child (see `Contained.close`)."""
@@ -309,6 +309,24 @@ def _descendants(pid: int) -> list[int]:
         for c in children.get(stack.pop(), ()):
             out.append(c)
             stack.append(c)
+    return out
+
+
+def kill_left_under(pid: int) -> list[int]:
+    """SIGKILL the processes under `pid` that carry a contained child's mark (any: what a
+    child's code started, reparented to `pid`, a subreaper, when the job's process that owned
+    the child ended abruptly and the child with it). Returns the pids signalled."""
+    out = []
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                if not any(x.startswith(f"{MARK_ENV}=".encode()) for x in f.read().split(b"\0")):
+                    continue
+        except OSError:
+            continue
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+            out.append(p)
     return out
 
 

@@ -16,8 +16,9 @@ into this parent and the controller child:
   (`shardwise.telemetry.activity`: the reward function and the row) and, once its last
   line is printed, the status it ends with;
 - the parent is the child subreaper of what the child started (Ray's processes come to
-  it when the child dies); when the child ended without its line, the parent kills Ray's
-  processes of the run, prints one line naming how the child ended and what it was doing,
+  it when the child dies); it kills Ray's processes of the run (and what a contained
+  reward function started, `shardwise.contained.kill_left_under`); when the child ended
+  without its line, it prints one line naming how the child ended and what it was doing,
   and exits with the child's status (`abrupt_status`).
 """
 
@@ -31,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from shardwise.contained import kill_left_under
 from shardwise.distributed.launch import describe_exit, kill_tree
 from shardwise.rl.cluster import _is_ray_process
 from shardwise.telemetry import activity
@@ -151,6 +153,8 @@ def _kill_ray_left() -> None:
     while True:
         try:
             new = set(kill_tree(os.getpid(), only=_is_ray_process)) - killed  # a killed one may linger a moment
+            # and what a contained reward function started (reparented here with its child gone)
+            new |= set(kill_left_under(os.getpid())) - killed
         except OSError:  # /proc unreadable: nothing more can be done
             return
         _reap()
