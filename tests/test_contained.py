@@ -44,6 +44,12 @@ def leaves(x):
 def raises(x):
     raise ValueError(f"cannot score {x}")
 
+def prints():
+    import sys
+    print("a" * 100_000)
+    print("b", file=sys.stderr)
+    return 0
+
 def not_json(x):
     return object()
 
@@ -89,6 +95,12 @@ def test_every_call_ends_in_an_outcome_and_the_next_call_works(fn, kind, words, 
         assert time.monotonic() - t0 < 30
     with Contained(f"{probes}:double") as child:
         assert [o.value for o in child.map([1, 2, 3], timeout_s=30)] == [2, 4, 6]
+
+
+def test_what_the_code_prints_goes_to_its_output(probes, tmp_path):
+    with open(tmp_path / "log", "w") as log, Contained(f"{probes}:prints", output=log) as child:
+        assert child.call([], timeout_s=30).value == 0
+    assert (tmp_path / "log").read_text() == "a" * 100_000 + "\nb\n"
 
 
 @pytest.mark.parametrize("end", ["close", "timeout"])

@@ -12,9 +12,10 @@ outlive it. `Contained` runs it where all of that stays contained:
   its own tree, never the job. The keeper is the subreaper of what the worker starts
   (Linux): processes that escape into a session of their own come back to it when their
   parent ends, and it kills them all once the worker ended;
-- calls and answers are JSON lines over two pipes of their own (not stdin / stdout, which
-  stay the job's: what the code prints goes where the job's output goes); nothing the
-  child sends is unpickled, and an answer over `max_result_bytes` is refused;
+- calls and answers are JSON lines over two pipes of their own (not stdin / stdout: what
+  the code prints goes where the job's output goes, or to `output`, e.g. a log file or
+  ``subprocess.DEVNULL`` for code that floods it); nothing the child sends is unpickled,
+  and an answer over `max_result_bytes` is refused;
 - `map` sends many calls in one request (one round trip per batch, not per item) and reads
   the answers as they come; each item has `timeout_s` from the previous answer. A call
   past its time, a child that ended, or an interrupt (Ctrl-C) in the caller kills the
@@ -92,12 +93,15 @@ class Contained:
     as ``adapter(target_callable, payload)`` for each payload and returns the JSON value to
     send back; without one, a list payload is passed as positional arguments and a dict as
     keywords. `start_timeout_s` bounds the child's start (the import of `target`
-    included). `env` is added to the child's environment. Not thread-safe: one caller.
+    included). `env` is added to the child's environment; `output` (a file descriptor or
+    file object, or ``subprocess.DEVNULL``) takes the child's stdout and stderr, by default
+    this process's. Not thread-safe: one caller.
     """
 
     def __init__(self, target: str, adapter: str | None = None, *, max_result_bytes: int = 1 << 20,
-                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None):
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None, output: Any = None):
         self.target = target
+        self.output = output
         self.adapter = adapter
         self.max_result_bytes = max_result_bytes
         self.start_timeout_s = start_timeout_s
@@ -126,7 +130,8 @@ class Contained:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, _package_root(), str(request_r), str(answer_w), str(os.getpid()),
                  self.target, self.adapter or "", str(self.max_result_bytes)],
-                pass_fds=(request_r, answer_w), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+                pass_fds=(request_r, answer_w), stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output,
+                start_new_session=True, env=env)
         finally:
             os.close(request_r)
             os.close(answer_w)
@@ -139,13 +144,11 @@ class Contained:
         new one. Safe to call twice."""
         if self._proc is None:
             return
-        try:
-            self._kill()
-        finally:
-            for fd in (self._to_child, self._from_child):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._proc, self._to_child, self._from_child = None, -1, -1
+        self._kill()  # interrupted (a second Ctrl-C), the next close kills what is left
+        for fd in (self._to_child, self._from_child):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._proc, self._to_child, self._from_child = None, -1, -1
 
     def __enter__(self) -> Contained:
         return self
