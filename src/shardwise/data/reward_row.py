@@ -1,7 +1,8 @@
 """One reward call on one row and the check of what it returned, shared by the two ways a
 reward function runs: in the job's process (the built-in scorers, `shardwise.data.rewards`)
 and in a contained child (a user's ``module:function``, `shardwise.contained`), which
-imports this module (the standard library and no torch: the child starts in a moment).
+imports this module (with shardwise's scorers and errors, no torch: the child starts in
+a fraction of a second).
 """
 
 from __future__ import annotations

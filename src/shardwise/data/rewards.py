@@ -14,6 +14,11 @@
   including) the first EOS, decoded without special tokens.
 - `score_sequences` scores each row and puts the score on its last response token
   (``token_level_scores``); the generation engine's output layout is its input.
+- `contain` makes a user's ``module:function`` a `ContainedReward`: called in a child
+  process of its own (`shardwise.contained`), a batch's rows in one round trip, so that a
+  function that hangs whatever it catches, ignores SIGALRM, ends or kills its process or
+  its parent, or starts processes is stopped with all it started and named in one line.
+  The built-in scorers (ours) are called in this process, under a SIGALRM timer.
 
 Used by `shardwise infer`, the held-out evaluation of every job and RL rewards alike.
 """
