@@ -21,7 +21,7 @@ from shardwise.config.schema import Config
 PACKAGE = REPO_ROOT / "src" / "shardwise"
 
 LAYERS = [
-    {"errors", "registry"},
+    {"errors", "registry", "contained"},
     {"config", "data", "telemetry"},
     {"distributed", "models"},
     {"fsdp"},

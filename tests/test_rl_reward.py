@@ -368,3 +368,78 @@ def test_a_reward_call_past_its_timeout_names_the_function_and_row(char_tokenize
     worker.start()
     worker.join(10)
     assert not worker.is_alive() and caught and "infer.reward_timeout_s" in str(caught[0])
+
+
+HOSTILE_PY = """
+import os, signal, time
+
+def score(prompt, response, ground_truth):
+    return {"score": float(len(response)) + (10.0 if response == ground_truth else 0.0), "length": len(response)}
+
+def verl_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(extra_info["w"]) if data_source == "mine" else 0.0
+
+def swallows(prompt, response, ground_truth):
+    if prompt == "5+5=":  # a later row: the rows before it were scored
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        while True:
+            try:
+                time.sleep(3600)
+            except BaseException:
+                pass
+    return 0.0
+
+def kills_parent(prompt, response, ground_truth):
+    os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(3600)
+"""
+
+
+def test_a_users_function_in_its_process_scores_as_in_this_one(char_tokenizer, tmp_path, monkeypatch):
+    """A module:function is called in a contained child (the whole batch in one round trip):
+    the same scores and metrics as called here, verl's form with data_source / extra_info."""
+    from shardwise.data.rewards import ContainedReward, contain
+
+    monkeypatch.chdir(tmp_path)
+    name = write_module(tmp_path, HOSTILE_PY)
+    batch = text_batch(char_tokenizer)
+    here = score_sequences(batch, char_tokenizer, resolve_reward_fn(f"{name}:score"))
+    fn = contain(resolve_reward_fn(f"{name}:score"), f"{name}:score")
+    assert isinstance(fn, ContainedReward) and contain(score_arithmetic, "builtin:arithmetic") is score_arithmetic
+    try:
+        there = score_sequences(batch, char_tokenizer, fn)
+    finally:
+        fn.close()
+    assert torch.equal(here.tensors["token_level_scores"], there.tensors["token_level_scores"])
+    assert here.meta["metrics"] == there.meta["metrics"] and "reward/length" in there.meta["metrics"]
+    batch.arrays["data_source"] = np.array(["mine", "other"] * 3, dtype=object)
+    batch.arrays["extra_info"] = np.array([{"w": i} for i in range(6)], dtype=object)
+    fn = contain(resolve_reward_fn(f"{name}:verl_score"), f"{name}:verl_score")
+    try:
+        scores = score_sequences(batch, char_tokenizer, fn).tensors["token_level_scores"].sum(-1)
+    finally:
+        fn.close()
+    assert scores.tolist() == [0.0, 0.0, 2.0, 0.0, 4.0, 0.0]
+
+
+@pytest.mark.parametrize("fn,words", [
+    ("swallows", "swallows did not return within 1 s on row 2 (prompt '5+5=')"),
+    ("kills_parent", "kills_parent crashed on row 0 (prompt '12+34='), response '46': its process was killed by "
+                     "SIGKILL"),
+])
+def test_a_users_function_that_defeats_the_timeout_or_kills_its_parent_is_named(fn, words, char_tokenizer,
+                                                                                   tmp_path, monkeypatch):
+    """Issue 30, section 4.4: a function that swallows every exception and ignores SIGALRM
+    hung the job forever; one that kills its parent took the job's process with it. In its
+    own process, each ends in a RewardFunctionError naming it and the row."""
+    from shardwise.data.rewards import contain
+
+    monkeypatch.chdir(tmp_path)
+    name = write_module(tmp_path, HOSTILE_PY)
+    contained = contain(resolve_reward_fn(f"{name}:{fn}"), f"{name}:{fn}")
+    try:
+        with pytest.raises(RewardFunctionError) as info:
+            score_sequences(text_batch(char_tokenizer), char_tokenizer, contained, timeout_s=1)
+    finally:
+        contained.close()
+    assert f"{name}.{words}" in str(info.value), str(info.value)

@@ -545,8 +545,9 @@ class RewardConfig(Section):
     colocated: bool = True
     """Reward model in the actor's worker processes (true) or a worker group of its own."""
     timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    """The longest one call of the reward function may take; past it the job stops with one
-    line naming the function and the row (a function that never returns would block it)."""
+    """The longest one call of the reward function may take; past it the function's process
+    is stopped (with what it started) and the job stops with one line naming the function
+    and the row (a function that never returns would block it)."""
 
 
 class KLInRewardConfig(Section):

@@ -14,6 +14,11 @@
   including) the first EOS, decoded without special tokens.
 - `score_sequences` scores each row and puts the score on its last response token
   (``token_level_scores``); the generation engine's output layout is its input.
+- `contain` makes a user's ``module:function`` a `ContainedReward`: called in a child
+  process of its own (`shardwise.contained`), a batch's rows in one round trip, so that a
+  function that hangs whatever it catches, ignores SIGALRM, ends or kills its process or
+  its parent, or starts processes is stopped with all it started and named in one line.
+  The built-in scorers (ours) are called in this process, under a SIGALRM timer.
 
 Used by `shardwise infer`, the held-out evaluation of every job and RL rewards alike.
 """
@@ -23,8 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import math
-import numbers
+import json
 import os
 import signal
 import sys
@@ -34,14 +38,16 @@ from typing import Any
 
 import torch
 
+from shardwise.contained import Contained
 from shardwise.data import scorers
 from shardwise.data.batch import Batch
+from shardwise.data.reward_row import RewardFunctionError, checked, describe, invoke, raised, short, where
 from shardwise.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, get_builtin_task
-from shardwise.errors import ConfigError, DataError, ShardwiseError, did_you_mean
+from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry import activity
 
-__all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
-           "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences"]
+__all__ = ["BUILTIN_REWARDS", "ContainedReward", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
+           "contain", "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences"]
 
 RewardFn = Callable[[str, str, str], float]
 """``(prompt, response_text, ground_truth) -> reward``."""
@@ -50,10 +56,6 @@ _KEY = "rl.reward.function"
 DEFAULT_TIMEOUT_S = 60.0
 """How long one reward call may take (``rl.reward.timeout_s``, ``infer.reward_timeout_s``)."""
 _FORMS = "builtin:NAME or module:function (e.g. builtin:arithmetic or my_rewards:score)"
-
-
-class RewardFunctionError(ShardwiseError, RuntimeError):
-    """A reward function raised, or returned something that is not a finite number."""
 
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth")
@@ -226,16 +228,6 @@ def _import(module_name: str, key: str):
 # ---------------------------------------------------------------------- scoring text
 
 
-def _describe(fn: Callable) -> str:
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    module = getattr(fn, "__module__", None)
-    return f"{module}.{name}" if module else name
-
-
-def _short(text: str, limit: int = 120) -> str:
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
 class _Timeout(BaseException):
     """Raised into a reward call that outlived its time (a BaseException: a function's own
     ``except Exception`` does not swallow it)."""
@@ -279,43 +271,101 @@ def _within(seconds: float | None, call: Callable[[], Any]) -> Any:
 def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_source=None,
           extra_info=None, timeout_s: float | None = None,
           timeout_key: str = "rl.reward.timeout_s") -> tuple[float, dict[str, float]]:
-    """``(reward, extra metrics)`` of one row; RewardFunctionError naming the row otherwise
-    (also when the call takes longer than `timeout_s`)."""
-    where = f"row {row} (prompt {_short(prompt)})"
+    """``(reward, extra metrics)`` of one row, `fn` called in this process; RewardFunctionError
+    naming the row otherwise (also when the call takes longer than `timeout_s`)."""
+    at = where(row, prompt)
+    verl = isinstance(fn, VerlReward)
+    call = fn.fn if verl else fn
     try:
         # Recorded for a supervising parent: a function that ends the process (os._exit)
         # or crashes it raises nothing here, and the parent's line names it.
-        with activity.doing(f"reward function {_describe(fn)} on {where}"):
-            if isinstance(fn, VerlReward):
-                value = _within(timeout_s, lambda: fn(prompt, response, truth, data_source=data_source,
-                                                      extra_info=extra_info))
-            else:
-                value = _within(timeout_s, lambda: fn(prompt, response, truth))
+        with activity.doing(f"reward function {describe(fn)} on {at}"):
+            value = _within(timeout_s, lambda: invoke(call, prompt, response, truth, data_source, extra_info, verl,
+                                                      verl and fn.takes_extra_info))
     except _Timeout:
-        raise RewardFunctionError(f"reward function {_describe(fn)} did not return within {timeout_s:g} s on {where}, "
-                                  f"response {_short(response)}; make it faster or raise {timeout_key}") from None
-    except scorers.UnknownDataSource as e:
-        raise RewardFunctionError(f"{e} ({where})") from None
+        raise RewardFunctionError(f"reward function {describe(fn)} did not return within {timeout_s:g} s on {at}, "
+                                  f"response {short(response)}; make it faster or raise {timeout_key}") from None
     except Exception as e:
-        raise RewardFunctionError(f"reward function {_describe(fn)} raised {type(e).__name__}: {e} on {where}, "
-                                  f"response {_short(response)}") from e
-    extra: dict[str, float] = {}
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise RewardFunctionError(f"reward function {_describe(fn)} returned a dict without 'score' on {where} "
-                                      f"(keys {sorted(value)}); put the reward under 'score'")
-        extra = {str(k): float(v) for k, v in value.items()
-                 if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
-        value = value["score"]
-    if not isinstance(value, numbers.Real):  # bool and numpy scalars included
-        hint = " (convert it with .item())" if hasattr(value, "item") else ""
-        raise RewardFunctionError(f"reward function {_describe(fn)} returned {type(value).__name__} "
-                                  f"{_short(repr(value))} on {where}; it must return a float{hint}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise RewardFunctionError(f"reward function {_describe(fn)} returned {value} on {where}; "
-                                  "rewards must be finite")
-    return value, extra
+        raise raised(describe(fn), e, at, response) from e
+    return checked(describe(fn), value, at)
+
+
+class ContainedReward:
+    """A user's reward function (``module:function``) called in a child process of its own
+    (`shardwise.contained.Contained`): whatever it does (catches every exception around a
+    sleep, ignores SIGALRM, ends or kills its process or its parent, starts processes), the
+    call ends within its timeout, the job names the function and nothing it started is
+    left. `score_rows` scores a whole batch in one round trip. `fn` is the function as
+    `resolve_reward_fn` returned it in this process (its name and form); `spec` names it
+    for the child. `start` starts the child ahead of the first call; `close` kills it."""
+
+    def __init__(self, fn: RewardFn, spec: str):
+        self.fn, self.spec = fn, spec
+        self.name = describe(fn)
+        self.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
+        self.__module__ = getattr(fn, "__module__", None)
+        self._verl = isinstance(fn, VerlReward)
+        self._takes_extra_info = self._verl and fn.takes_extra_info
+        self._child = Contained(spec, "shardwise.data.reward_row:score_row")
+
+    def start(self) -> None:
+        self._child.start()
+
+    def close(self) -> None:
+        self._child.close()
+
+    def __call__(self, prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None) -> float:
+        """One row (as the function itself would be called, with the checks of `score_rows`)."""
+        return self.score_rows([(prompt, response, ground_truth, data_source, extra_info)], DEFAULT_TIMEOUT_S)[0][0]
+
+    def score_rows(self, rows: list[tuple[str, str, str, Any, Any]], timeout_s: float | None,
+                   timeout_key: str = "rl.reward.timeout_s") -> list[tuple[float, dict[str, float]]]:
+        """``(reward, extra metrics)`` of each ``(prompt, response, ground_truth, data_source,
+        extra_info)`` row; RewardFunctionError naming the function and the first row that
+        failed: it raised or returned a bad value, took longer than `timeout_s` (None: no
+        limit) or its process ended (the child is then killed with all it started)."""
+        payloads = [{"name": self.name, "row": i, "prompt": p, "response": r, "truth": t, "data_source": s,
+                     "extra_info": _plain(x), "verl": self._verl, "takes_extra_info": self._takes_extra_info}
+                    for i, (p, r, t, s, x) in enumerate(rows)]
+        out = []
+        for i, outcome in enumerate(self._child.map(payloads, timeout_s)):
+            prompt, response = rows[i][0], rows[i][1]
+            at = where(i, prompt)
+            if outcome.kind == "timeout" and i == 0 and outcome.reason.startswith("its process"):
+                raise RewardFunctionError(f"reward function {self.name} ({self.spec}): {outcome.reason}")
+            if outcome.kind == "timeout":
+                raise RewardFunctionError(f"reward function {self.name} did not return within {timeout_s:g} s on "
+                                          f"{at}, response {short(response)}; it was stopped with the processes it "
+                                          f"started; make it faster or raise {timeout_key}")
+            if outcome.kind == "crash":
+                raise RewardFunctionError(f"reward function {self.name} crashed on {at}, response {short(response)}: "
+                                          f"{outcome.reason} (user code calling os._exit, killing its parent, or a "
+                                          "crash); what it started was stopped")
+            if outcome.kind == "error":  # the child could not import it or send its answer
+                raise RewardFunctionError(f"reward function {self.name} failed on {at}: {outcome.reason}")
+            value = outcome.value
+            if "error" in value:
+                raise RewardFunctionError(value["error"])
+            out.append((float(value["score"]), {str(k): float(v) for k, v in value["extra"].items()}))
+        return out
+
+
+def _plain(value: Any) -> Any:
+    """`value` as a JSON value for the contained child (a row's ``extra_info``, read from the
+    data file, is one; what is not becomes its string)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
+
+
+def contain(fn: RewardFn | None, spec: str | None) -> RewardFn | None:
+    """`fn` as resolved from `spec`, contained (`ContainedReward`) when it is a user's
+    ``module:function``; the built-in scorers (ours) stay in this process."""
+    if fn is None or spec is None or spec.strip().startswith(BUILTIN_PREFIX):
+        return fn
+    return ContainedReward(fn, spec.strip())
 
 
 def decode_responses(batch: Batch, tokenizer) -> tuple[list[str], list[int | None]]:
@@ -368,9 +418,13 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn, timeout_s: float | No
     scores = torch.zeros(ids.shape, dtype=torch.float32)
     row_scores = []
     extras: dict[str, list[float]] = {}
-    for row, text in enumerate(texts):
-        s, extra = _call(fn, str(prompts[row]), text, str(truths[row]), row, sources[row], infos[row],
-                         timeout_s, timeout_key)
+    if isinstance(fn, ContainedReward):  # one round trip to its process for the whole batch
+        results = fn.score_rows([(str(prompts[row]), text, str(truths[row]), sources[row], infos[row])
+                                 for row, text in enumerate(texts)], timeout_s, timeout_key)
+    else:
+        results = [_call(fn, str(prompts[row]), text, str(truths[row]), row, sources[row], infos[row],
+                         timeout_s, timeout_key) for row, text in enumerate(texts)]
+    for row, (s, extra) in enumerate(results):
         row_scores.append(s)
         for k, v in extra.items():
             extras.setdefault(k, []).append(v)

@@ -42,8 +42,10 @@ from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_sp
 from shardwise.data.chat import use_chat_template
 from shardwise.data.encode import truncation_note
 from shardwise.data.rewards import (
+    ContainedReward,
     RewardFn,
     check_data_sources,
+    contain,
     decode_responses,
     resolve_reward_fn,
     score_sequences,
@@ -131,6 +133,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     records = load_prompts(cfg, scored=name is not None)
     check_data_sources(fn, records, REWARD_KEY)
     check_output(cfg)
+    fn = contain(fn, name)  # a user's function runs in a child of its own (started by run)
     planned = plan_for(cfg, spec)
     return Prepared(cfg, spec, records, name, fn, planned)
 
@@ -202,6 +205,8 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
         note = truncation_note(tokenizer, records, cfg.data.max_length, with_response=False, progress=True)
         if note:
             log.warning("data: %s", note)
+    if isinstance(prepared.reward_fn, ContainedReward):  # its process imports the function meanwhile
+        prepared.reward_fn.start()
     engine = InferEngine(cfg, runtime, planned=prepared.planned)
     prepared.planned = None  # used up by fully_shard
     generator = build_generator(icfg.engine, engine.model, icfg, runtime, pad_token_id(tokenizer),
@@ -261,6 +266,8 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
             bar.update(1)
     finally:
         bar.close()
+        if isinstance(fn, ContainedReward):  # with whatever it started
+            fn.close()
     seconds = time.perf_counter() - t0
 
     gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None

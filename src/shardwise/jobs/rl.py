@@ -26,7 +26,7 @@ from shardwise.config.validate import (
 )
 from shardwise.data.chat import export_template, use_chat_template
 from shardwise.data.encode import truncation_note
-from shardwise.data.rewards import RewardFn, check_data_sources, resolve_reward_fn
+from shardwise.data.rewards import RewardFn, check_data_sources, contain, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
 from shardwise.engine import vllm_engine
@@ -92,6 +92,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     records = check_data(cfg, truth, scoring=True, response_name=truth_name)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
     check_data_sources(fn, records)
+    fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     return Prepared(cfg, spec, world_size, rows, records, fn, plan)
 

@@ -16,8 +16,9 @@ into this parent and the controller child:
   (`shardwise.telemetry.activity`: the reward function and the row) and, once its last
   line is printed, the status it ends with;
 - the parent is the child subreaper of what the child started (Ray's processes come to
-  it when the child dies); when the child ended without its line, the parent kills Ray's
-  processes of the run, prints one line naming how the child ended and what it was doing,
+  it when the child dies); it kills Ray's processes of the run (and what a contained
+  reward function started, `shardwise.contained.kill_left_under`); when the child ended
+  without its line, it prints one line naming how the child ended and what it was doing,
   and exits with the child's status (`abrupt_status`).
 
 `control` is the controller's side of the same ends: after the job's checks, it runs the
@@ -43,6 +44,8 @@ from typing import Any
 
 from shardwise.checkpoint.dcp import resume_line
 from shardwise.config.schema import Config
+from shardwise.contained import kill_left_under
+from shardwise.data.reward_row import RewardFunctionError
 from shardwise.distributed.capacity import check_plan
 from shardwise.distributed.launch import describe_exit, kill_tree
 from shardwise.errors import ShardwiseError
@@ -137,6 +140,8 @@ def control(job: ModuleType, cfg: Config, nproc: int, report: Callable[[Config, 
             if not isinstance(e, ShardwiseError):  # a bug or a worker's: its traceback is kept
                 e.error_file = write_error_file(run_dir, "the controller" if not isinstance(e, WorkerError)
                                                 else "a worker", "".join(traceback.format_exception(e)))
+            if isinstance(e, RewardFunctionError):  # the user's function stopped the run: where to resume from
+                raise RewardFunctionError(f"{e}; {resume_line(run_dir)}") from e
             if isinstance(e, WorkerError):  # a worker failed or was lost with its node: where to resume from
                 resume = WorkerError(f"{e}; {resume_line(run_dir)}")
                 resume.error_file = e.error_file
@@ -234,6 +239,8 @@ def _kill_ray_left() -> None:
     while True:
         try:
             new = set(kill_tree(os.getpid(), only=_is_ray_process)) - killed  # a killed one may linger a moment
+            # and what a contained reward function started (reparented here with its child gone)
+            new |= set(kill_left_under(os.getpid())) - killed
         except OSError:  # /proc unreadable: nothing more can be done
             return
         _reap()

@@ -54,7 +54,7 @@ from shardwise.config.schema import Config
 from shardwise.config.validate import mesh_spec, rl_update_groups
 from shardwise.data.batch import Batch
 from shardwise.data.chat import text_prompts_as_chat
-from shardwise.data.rewards import RewardFn, score_sequences
+from shardwise.data.rewards import ContainedReward, RewardFn, score_sequences
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.data.tokenizer import pad_token_id
 from shardwise.engine.generate import heldout_accuracy, heldout_pass_at_k, prompt_batch
@@ -123,6 +123,8 @@ class Controller:
 
     # -- the worker groups
     def start(self) -> None:
+        if isinstance(self.reward_fn, ContainedReward):  # its process imports the function while Ray starts
+            self.reward_fn.start()
         plan = worker_groups(self.cfg)
         init_ray(num_cpus=self.world_size * len(plan))
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
@@ -150,6 +152,8 @@ class Controller:
     def close(self, graceful: bool = True) -> None:
         """Release the worker groups; not graceful after an error (workers may be stuck in
         a collective, a teardown barrier would wait for them)."""
+        if isinstance(self.reward_fn, ContainedReward):  # with whatever it started
+            self.reward_fn.close()
         for g in self.groups.values():
             g.shutdown(graceful=graceful)
         self.groups = {}

@@ -1,0 +1,468 @@
+"""Run user code in a killable child with a time limit and a bounded answer.
+
+User code called by the job (a reward function; next, an agent's tools) can raise, hang
+while catching every exception or ignoring SIGALRM, end its process (``os._exit``), kill
+its parent, print megabytes, return what is not a plain value, or start processes that
+outlive it. `Contained` runs it where all of that stays contained:
+
+- a child process tree of its own, started with ``python -c`` (`_BOOT`) in a new
+  session (standard library only before the user's module: it starts in a fraction of a
+  second): a small keeper process, and under it the worker that imports ``module:attr``
+  and serves calls. The keeper is the worker's parent, so code that kills its parent ends
+  its own tree, never the job. The keeper is the subreaper of what the worker starts
+  (Linux): processes that escape into a session of their own come back to it when their
+  parent ends, and it kills them all once the worker ended;
+- calls and answers are JSON lines over two pipes of their own (not stdin / stdout: what
+  the code prints goes where the job's output goes, or to `output`, e.g. a log file or
+  ``subprocess.DEVNULL`` for code that floods it); nothing the child sends is unpickled,
+  and an answer over `max_result_bytes` is refused;
+- `map` sends many calls in one request (one round trip per batch, not per item) and reads
+  the answers as they come; each item has `timeout_s` from the previous answer. A call
+  past its time, a child that ended, or an interrupt (Ctrl-C) in the caller kills the
+  whole tree with SIGKILL: the processes under the keeper, found by a walk of /proc, and
+  every process carrying this child's mark in its environment (those that escaped the
+  tree when the keeper itself was killed). The next call starts a fresh child.
+
+Each call ends in an `Outcome`: ``ok`` with the JSON value, or ``error`` (the code raised,
+or returned what cannot be sent), ``timeout`` or ``crash`` (the child ended), each with a
+one-line reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["MARK_ENV", "Contained", "Outcome", "kill_left_under"]
+
+MARK_ENV = "SHARDWISE_CONTAINED"
+"""The environment variable that marks every process of one child (see `Contained.close`)."""
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_READ_CHUNK = 1 << 16
+_REASON_LIMIT = 300
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one call ended. `value`: the JSON value returned (``kind == "ok"``); `reason`:
+    one line for the others (``error``: the code raised or returned what cannot be sent;
+    ``timeout``: it did not answer in time and was killed; ``crash``: its process ended)."""
+
+    kind: Literal["ok", "error", "timeout", "crash"]
+    value: Any = None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+
+def _one_line(text: str, limit: int = _REASON_LIMIT) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class Contained:
+    """`target` (``module:attr``, a dotted attribute path allowed) called in a child process
+    tree that can be killed whatever the code does (see the module docstring).
+
+    `adapter` (``module:function``, ours, imported in the child before `target`) is called
+    as ``adapter(target_callable, payload)`` for each payload and returns the JSON value to
+    send back; without one, a list payload is passed as positional arguments and a dict as
+    keywords. `start_timeout_s` bounds the child's start (the import of `target`
+    included). `env` is added to the child's environment; `output` (a file descriptor or
+    file object, or ``subprocess.DEVNULL``) takes the child's stdout and stderr, by default
+    this process's. Not thread-safe: one caller.
+    """
+
+    def __init__(self, target: str, adapter: str | None = None, *, max_result_bytes: int = 1 << 20,
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None, output: Any = None):
+        self.target = target
+        self.output = output
+        self.adapter = adapter
+        self.max_result_bytes = max_result_bytes
+        self.start_timeout_s = start_timeout_s
+        self.env = dict(env or {})
+        self._proc: subprocess.Popen | None = None
+        self._mark = ""
+        self._to_child = -1
+        self._from_child = -1
+        self._buffer = b""
+        """What the child sent after its last complete line."""
+        self._lines: deque[bytes] = deque()
+        self._ready = False
+        self._request = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the child if none runs (returns at once; the child imports `target`
+        meanwhile, and the first call waits for it)."""
+        if self._proc is not None:
+            return
+        request_r, request_w = os.pipe()
+        answer_r, answer_w = os.pipe()
+        self._mark = f"{os.getpid()}-{secrets.token_hex(8)}"
+        env = {**os.environ, **self.env, MARK_ENV: self._mark}
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, _package_root(), str(request_r), str(answer_w), str(os.getpid()),
+                 self.target, self.adapter or "", str(self.max_result_bytes)],
+                pass_fds=(request_r, answer_w), stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output,
+                start_new_session=True, env=env)
+        finally:
+            os.close(request_r)
+            os.close(answer_w)
+        self._to_child, self._from_child = request_w, answer_r
+        self._buffer, self._ready = b"", False
+        self._lines.clear()
+
+    def close(self) -> None:
+        """Kill the child's whole tree (see `_kill`) and forget it; a later call starts a
+        new one. Safe to call twice."""
+        if self._proc is None:
+            return
+        self._kill()  # interrupted (a second Ctrl-C), the next close kills what is left
+        for fd in (self._to_child, self._from_child):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._proc, self._to_child, self._from_child = None, -1, -1
+
+    def __enter__(self) -> Contained:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ calls
+    def call(self, payload: Any, timeout_s: float | None) -> Outcome:
+        """One call (see `map`)."""
+        return self.map([payload], timeout_s)[0]
+
+    def map(self, payloads: Sequence[Any], timeout_s: float | None) -> list[Outcome]:
+        """The outcomes of `payloads` (JSON values), sent in one request. Each item may take
+        `timeout_s` seconds after the previous answer (None: no limit). The list stops after
+        the first ``timeout`` or ``crash`` (the child is killed there; the items after it
+        were not run); ``error`` items do not stop it. An exception in the caller while
+        waiting (KeyboardInterrupt) kills the child and propagates."""
+        if not payloads:
+            return []
+        try:
+            request = json.dumps({"id": self._request + 1, "items": list(payloads)}).encode() + b"\n"
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"the payloads of {self.target} must be JSON values: {e}") from None
+        try:
+            self.start()
+            failure = self._wait_ready()
+            if failure is not None:
+                self.close()
+                return [failure]
+            self._request += 1
+            if not self._send(request):
+                return [self._crashed()]
+            out: list[Outcome] = []
+            while len(out) < len(payloads):
+                answer = self._next_answer(timeout_s)
+                if isinstance(answer, Outcome):  # timeout or crash: the tree is gone
+                    out.append(answer)
+                    return out
+                if answer.get("id") != self._request:
+                    continue
+                if "error" in answer:
+                    out.append(Outcome("error", reason=_one_line(answer["error"])))
+                else:
+                    out.append(Outcome("ok", answer.get("value")))
+            return out
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ the pipes
+    def _wait_ready(self) -> Outcome | None:
+        if self._ready:
+            return None
+        answer = self._next_answer(self.start_timeout_s, starting=True)
+        if isinstance(answer, Outcome):
+            return answer
+        if "fatal" in answer:
+            return Outcome("error", reason=_one_line(answer["fatal"]))
+        self._ready = True
+        return None
+
+    def _send(self, data: bytes) -> bool:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._to_child, view):]
+        except BrokenPipeError:
+            return False
+        return True
+
+    def _next_answer(self, timeout_s: float | None, starting: bool = False) -> dict | Outcome:
+        """The child's next JSON line, or the Outcome of a child that did not answer in
+        time (killed here) or ended."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        limit = self.max_result_bytes + 4096
+        while not self._lines:
+            if len(self._buffer) > limit:
+                self.close()
+                return Outcome("crash", reason=f"its answer exceeded {self.max_result_bytes} bytes")
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            readable, _, _ = select.select([self._from_child], [], [], left)
+            if not readable:
+                self.close()
+                if starting:
+                    return Outcome("timeout", reason=f"its process did not start within {timeout_s:g} s")
+                return Outcome("timeout", reason=f"did not return within {timeout_s:g} s")
+            chunk = os.read(self._from_child, _READ_CHUNK)
+            if not chunk:
+                return self._crashed()
+            *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+            self._lines.extend(lines)
+        line = self._lines.popleft()
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            self.close()
+            return Outcome("crash", reason="its process sent what is not an answer (something wrote to its pipe)")
+        if "ended" in answer:  # the keeper's last word: the worker is gone
+            self.close()
+            return Outcome("crash", reason=f"its process {_one_line(answer['ended'])}")
+        return answer
+
+    def _crashed(self) -> Outcome:
+        proc = self._proc
+        code = None
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.wait(timeout=5)
+        self.close()
+        how = _describe_exit(code) if code is not None else "closed its pipe"
+        return Outcome("crash", reason=f"its process {how}")
+
+    def _kill(self) -> None:
+        """SIGKILL the keeper, the processes under it (a /proc walk, repeated until none is
+        left: the keeper's own sweep may race with it) and every process carrying this
+        child's mark; reap the keeper. Bounded: at most a few seconds."""
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + 5.0
+        while True:
+            pids = [*_descendants(proc.pid), *_marked(self._mark)]
+            if proc.poll() is None:
+                pids.append(proc.pid)
+            for p in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(p, signal.SIGKILL)
+            if not pids or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from shardwise.contained import _main; sys.exit(_main(sys.argv[2:]))"
+"""The child's command (``python -c``): shardwise from where this process found it."""
+
+
+def _package_root() -> str:
+    """The folder holding the ``shardwise`` package this process imported."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids under `pid` (Linux /proc); [] elsewhere."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+def kill_left_under(pid: int) -> list[int]:
+    """SIGKILL the processes under `pid` that carry a contained child's mark (any: what a
+    child's code started, reparented to `pid`, a subreaper, when the job's process that owned
+    the child ended abruptly and the child with it). Returns the pids signalled."""
+    out = []
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                if not any(x.startswith(f"{MARK_ENV}=".encode()) for x in f.read().split(b"\0")):
+                    continue
+        except OSError:
+            continue
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+            out.append(p)
+    return out
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes (this user's) whose environment has ``MARK_ENV=mark``."""
+    if not mark:
+        return []
+    needle = f"{MARK_ENV}={mark}".encode()
+    out = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+# ---------------------------------------------------------------------- the child side
+
+
+def _prctl(option: int, value: int) -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def _write_line(fd: int, obj: dict) -> None:
+    data = json.dumps(obj).encode() + b"\n"
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _resolve(spec: str) -> Any:
+    module_name, _, attr_path = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split(".") if attr_path else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _default_adapter(fn: Callable, payload: Any) -> Any:
+    if isinstance(payload, list):
+        return fn(*payload)
+    if isinstance(payload, dict):
+        return fn(**payload)
+    return fn(payload)
+
+
+def _serve(request_fd: int, answer_fd: int, target: str, adapter_spec: str, max_bytes: int) -> None:
+    """The worker: import `target` (and `adapter_spec`), say ready, answer each request's
+    items in order, one line each."""
+    try:
+        sys.path[:0] = [os.getcwd()]
+        adapter = _resolve(adapter_spec) if adapter_spec else _default_adapter
+        fn = _resolve(target)
+    except BaseException as e:  # reported as the call's error, one line
+        _write_line(answer_fd, {"fatal": f"importing {target} failed: {type(e).__name__}: {e}"})
+        return
+    _write_line(answer_fd, {"ready": True})
+    reader = os.fdopen(request_fd, "rb", buffering=1 << 16)
+    for line in reader:
+        request = json.loads(line)
+        for item in request["items"]:
+            answer: dict[str, Any] = {"id": request["id"]}
+            try:
+                value = adapter(fn, item)
+                text = json.dumps({"id": request["id"], "value": value}, allow_nan=False)
+            except BaseException as e:  # SystemExit too: the call's error, one line
+                answer["error"] = f"{type(e).__name__}: {_one_line(str(e))}"
+                text = json.dumps(answer)
+            else:
+                if len(text) > max_bytes:
+                    answer["error"] = f"returned {len(text)} bytes, over the limit of {max_bytes}"
+                    text = json.dumps(answer)
+            view = memoryview(text.encode() + b"\n")
+            while view:
+                view = view[os.write(answer_fd, view):]
+
+
+def _keep(worker: int, answer_fd: int) -> int:
+    """The keeper: reap every child until the worker ended, then kill what is left under
+    it (escaped processes came here as orphans), say how the worker ended, exit."""
+    status = None
+    while status is None:
+        try:
+            pid, wstatus = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if pid == worker:
+            status = os.waitstatus_to_exitcode(wstatus)
+    for _ in range(50):
+        pids = _descendants(os.getpid())
+        if not pids:
+            break
+        for p in pids:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        time.sleep(0.01)
+    with contextlib.suppress(OSError):
+        _write_line(answer_fd, {"ended": _describe_exit(status if status is not None else 0)})
+    return 0
+
+
+def _main(argv: list[str]) -> int:
+    request_fd, answer_fd, parent = int(argv[0]), int(argv[1]), int(argv[2])
+    target, adapter, max_bytes = argv[3], argv[4], int(argv[5])
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the job is gone already
+        return 0
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the job stops this tree with SIGKILL, on its own terms
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    keeper = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != keeper:
+            os._exit(0)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        try:
+            _serve(request_fd, answer_fd, target, adapter, max_bytes)
+        finally:
+            os._exit(0)
+    os.close(request_fd)
+    return _keep(worker, answer_fd)
