@@ -187,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if (args.mfu is not None or args.scan is not None) and hw is None:
         raise ConfigError("--hardware", "--mfu and --scan project a step time and need a hardware profile",
                           f"add --hardware {' | '.join(profiles())} or a profile file")
-    gpus_per_node = args.gpus_per_node or (hw.gpus_per_node if hw is not None else 8)
+    gpus_per_node = args.gpus_per_node if args.gpus_per_node is not None else hw.gpus_per_node if hw else 8
     if gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", f"{gpus_per_node} is not a positive number of GPUs", "e.g. 8")
     if args.scan is not None:
