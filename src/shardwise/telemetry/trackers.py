@@ -269,14 +269,15 @@ def _mlflow_missing() -> list[str]:
 
 
 def _local_store(uri: str) -> Path | None:
-    """The file (SQLite) or folder (file store) of a local MLflow tracking URI; None for
-    a server or a database elsewhere."""
+    """The file (SQLite) or folder (file store) of a ``sqlite:///`` or ``file:`` MLflow
+    tracking URI; None for anything else (a server, a database elsewhere, ``databricks``)."""
     if uri.startswith("sqlite:///"):
         path = uri[len("sqlite:///"):].split("?", 1)[0]
         return None if path in ("", ":memory:") else Path(path)
     if uri.startswith("file:"):
-        return Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
-    return None if "://" in uri else Path(uri)
+        path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
+        return Path(path) if path else None
+    return None
 
 
 def _check_local_store(uri: str) -> None:
