@@ -184,19 +184,11 @@ def _profile_without(tmp_path, field: str):
     return path
 
 
-def _profile_with(tmp_path, name: str, **values):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**profiles()["h100"], **values}))
-    return path
-
-
 def test_cli_bad_input_exits_2_with_one_line(tmp_path) -> None:
     cfg = str(REPO_ROOT / "examples" / "tiny_qwen3.yaml")
     no_bw = _profile_without(tmp_path, "inter_node_bandwidth")
     binary = tmp_path / "gpu.bin"
     binary.write_bytes(bytes(range(256)) * 4)
-    zero_bw = _profile_with(tmp_path, "zero_bw", inter_node_bandwidth=0)
-    negative_flops = _profile_with(tmp_path, "negative_flops", peak_flops={"bf16": -1.0e12, "fp32": 67.0e12})
     calls = {
         "unknown hardware": (["plan", cfg, "--world-size", "2", "--hardware", "h1000"],
                              "unknown hardware 'h1000' (known: h100, h200, a100-80gb"),
@@ -210,12 +202,6 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path) -> None:
         # a profile read with the config loader's bounds, its numbers range-checked
         "binary profile": (["plan", cfg, "--world-size", "2", "--hardware", str(binary)],
                            f"'--hardware {binary}:2': is not UTF-8 text (byte 0x80 at offset 128)"),
-        "zero bandwidth": (["plan", cfg, "--world-size", "2", "--hardware", str(zero_bw)],
-                           f"'--hardware {zero_bw}': inter_node_bandwidth is 0, not a positive number of bytes/s "
-                           "(the h100 profile has inter_node_bandwidth: 5e+10)"),
-        "negative flops": (["plan", cfg, "--world-size", "2", "--hardware", str(negative_flops)],
-                           f"'--hardware {negative_flops}': peak_flops.bf16 is -1000000000000.0, not a positive "
-                           "number of FLOP/s (the h100 profile has peak_flops.bf16: 9.89e+14)"),
         # 0 is a value given, not "not given" (the profile's 8)
         "zero gpus per node": (["plan", cfg, "--world-size", "2", "--hardware", "h100", "--gpus-per-node", "0"],
                                "'--gpus-per-node': 0 is not a positive number of GPUs"),
