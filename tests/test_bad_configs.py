@@ -32,6 +32,8 @@ TINY_MODEL_YAML = ("model: {config: {model_type: qwen3, hidden_size: 32, interme
 
 PROFILE_WITHOUT_INTER_NODE_BANDWIDTH = yaml.safe_dump(
     {k: v for k, v in profiles()["h100"].items() if k != "inter_node_bandwidth"})
+PROFILE_WITH_ZERO_BANDWIDTH = yaml.safe_dump({**profiles()["h100"], "inter_node_bandwidth": 0})
+PROFILE_WITH_NEGATIVE_FLOPS = yaml.safe_dump({**profiles()["h100"], "peak_flops": {"bf16": -1.0e12, "fp32": 67.0e12}})
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,14 @@ ROWS = [
     pytest.param(Bad(("--hardware", "h1000"), "--hardware", "known: h100, h200, a100-80gb"), id="unknown-hardware"),
     pytest.param(Bad(("--hardware", "{tmp}/gpu.yaml"), "--hardware", "the profile lacks inter_node_bandwidth",
                      files=(("gpu.yaml", PROFILE_WITHOUT_INTER_NODE_BANDWIDTH),)), id="profile-missing-field"),
+    pytest.param(Bad(("--hardware", "{tmp}/gpu.yaml"), "--hardware",
+                     "inter_node_bandwidth is 0, not a positive number of bytes/s (the h100 profile has "
+                     "inter_node_bandwidth: 5e+10)", files=(("gpu.yaml", PROFILE_WITH_ZERO_BANDWIDTH),)),
+                 id="profile-zero-bandwidth"),
+    pytest.param(Bad(("--hardware", "{tmp}/gpu.yaml"), "--hardware",
+                     "peak_flops.bf16 is -1000000000000.0, not a positive number of FLOP/s (the h100 profile has "
+                     "peak_flops.bf16: 9.89e+14)", files=(("gpu.yaml", PROFILE_WITH_NEGATIVE_FLOPS),)),
+                 id="profile-negative-flops"),
     pytest.param(Bad(("--hardware", "h100", "train.global_batch_size=48"), "--world-size",
                      "use a multiple of 8", world=12), id="world-not-filling-nodes"),
     pytest.param(Bad(("--hardware", "h100", "--scan", "8,12", "--gpus-per-node", "4", "parallel.fsdp_size=8",

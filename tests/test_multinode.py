@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -37,18 +39,20 @@ def one_line(res: subprocess.CompletedProcess, code: int) -> str:
     return lines[0]
 
 
-def static(node: int, nodes: int, port: int) -> list[str]:
-    return ["--nnodes", str(nodes), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+def static(node: int, nodes: int, port: int, host: str = "127.0.0.1") -> list[str]:
+    return ["--nnodes", str(nodes), "--node-rank", str(node), "--master-addr", host, "--master-port", str(port)]
 
 
 def run_nodes(nodes: int, nproc: int, run_dir: Path, *overrides: str, c10d: bool = False,
-              timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """`shardwise train` on `nodes` local "nodes" of `nproc` ranks each, side by side."""
+              timeout: float = 240, hosts: tuple[str, ...] = ("127.0.0.1",)) -> list[subprocess.CompletedProcess]:
+    """`shardwise train` on `nodes` local "nodes" of `nproc` ranks each, side by side; node i
+    names the rendezvous host `hosts[i % len(hosts)]`."""
     port = free_port()
 
     def node(i: int) -> subprocess.CompletedProcess:
-        where = (["--nnodes", str(nodes), "--rdzv-endpoint", f"127.0.0.1:{port}"] if c10d
-                 else static(i, nodes, port))
+        host = hosts[i % len(hosts)]
+        where = (["--nnodes", str(nodes), "--rdzv-endpoint", f"{host}:{port}"] if c10d
+                 else static(i, nodes, port, host))
         return run_cli(["train", *TRAIN, "--nproc", str(nproc), *where, f"run.dir={run_dir}", *overrides],
                        timeout=timeout)
 
@@ -68,11 +72,13 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def test_two_nodes_train_like_one_and_resume_exactly_on_one(tmp_path):
     # Same world size (2), same data order, same mesh (FSDP over 2 ranks): the losses are
-    # bitwise those of one node, whether the 2 ranks share a machine or not.
+    # bitwise those of one node, whether the 2 ranks share a machine or not. The nodes name
+    # node 0 differently (127.0.0.1, localhost): one job all the same, which shares the
+    # run folder's lock.
     reference, split = tmp_path / "one_node", tmp_path / "two_nodes"
     batch = ["train.global_batch_size=8"]
     at_once(lambda: run_nodes(1, 2, reference, *batch, "train.max_steps=4"),
-            lambda: run_nodes(2, 1, split, *batch, "train.max_steps=2"))
+            lambda: run_nodes(2, 1, split, *batch, "train.max_steps=2", hosts=("127.0.0.1", "localhost")))
     ref = losses(reference)
     assert sorted(ref) == [1, 2, 3, 4]
     assert losses(split) == {1: ref[1], 2: ref[2]}
@@ -218,6 +224,32 @@ def test_a_lone_node_of_either_rendezvous_fails_in_bounded_time(backend, rank, w
     assert time.monotonic() - t0 < 60
 
 
+def test_a_node_pointed_at_a_port_another_program_holds_fails_in_bounded_time():
+    # The port is held by a program that takes connections and never answers (no rendezvous
+    # store): torchrun's store client waited on it for as long as it lived. The node ends
+    # while the program still holds the port, with the line of a rendezvous that failed.
+    from shardwise.distributed.launch import RENDEZVOUS_FAILED, Nodes, launch_torchrun
+
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests" / "dist"), str(SRC_DIR)])}
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+        endpoint = f"127.0.0.1:{squatter.getsockname()[1]}"
+        gone = threading.Event()  # the program gives the port up at last (a node that waits on it fails)
+        timer = threading.Timer(150, lambda: (gone.set(), squatter.close()))
+        timer.start()
+        try:
+            res = launch_torchrun(1, ["internal", "1"], env=env, module="fault_job",
+                                  nodes=Nodes(2, 1, endpoint, "static", 1))
+        finally:
+            timer.cancel()
+        assert not gone.is_set(), res
+    assert res.returncode == 1 and res.failure is not None and res.failure.type == RENDEZVOUS_FAILED, res
+    line = res.failure.line()
+    assert line.startswith(f"the job's 2 nodes did not meet at the rendezvous {endpoint} within 1 s"), line
+    assert "is another program listening on that port?" in line, line
+
+
 # ------------------------------------------------------------ the lock, bad flags
 
 
@@ -241,6 +273,33 @@ def test_the_run_dir_lock_is_per_job_not_per_node(tmp_path):
     finally:
         holder.release()
     RunDirLock(tmp_path, "shardwise train b.yaml", None).acquire().release()  # free again
+
+
+def test_nodes_naming_the_rendezvous_host_differently_are_one_job(tmp_path):
+    # localhost and 127.0.0.1 are one host: the nodes' keys name one job (the lock shares),
+    # while another port or node count is another job (refused).
+    from shardwise.distributed.launch import nodes_from_args, same_job
+    from shardwise.errors import ConfigError
+    from shardwise.jobs.rundir import RunDirLock
+
+    def job(host: str, port: int = 29500, count: int = 2) -> str:
+        return nodes_from_args(count, 0, host, port, None, None).job
+
+    assert same_job(job("127.0.0.1"), job("localhost")) and same_job(job("localhost"), job("127.0.0.1"))
+    assert same_job(job("127.0.0.1"), job("127.0.0.1"))
+    assert not same_job(job("127.0.0.1"), job("localhost", port=29501))
+    assert not same_job(job("127.0.0.1"), job("localhost", count=3))
+    assert not same_job(job("127.0.0.1"), None) and not same_job(None, None)
+    holder = RunDirLock(tmp_path, "shardwise train a.yaml --node-rank 0", job("127.0.0.1")).acquire()
+    try:
+        peer = RunDirLock(tmp_path, "shardwise train a.yaml --node-rank 1", job("localhost"))
+        peer.check_free()
+        assert peer.acquire().peer_holder is not None
+        peer.release()
+        with pytest.raises(ConfigError, match="in use by another shardwise job"):
+            RunDirLock(tmp_path, "shardwise train b.yaml", job("localhost", port=29501)).acquire()
+    finally:
+        holder.release()
 
 
 BAD_FLAGS = {

@@ -133,6 +133,33 @@ def test_projection_hides_layer_gathers_behind_compute_of_a_large_model() -> Non
 # ------------------------------------------------------------------------ profiles
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("memory_bandwidth", -3.35e12, "memory_bandwidth is -3350000000000.0, not a positive number of bytes/s"),
+    ("intra_node_latency_s", -1e-6, "intra_node_latency_s is -1e-06, not a number of seconds >= 0"),
+    ("inter_node_efficiency", 1.5, "inter_node_efficiency is 1.5, not a fraction in (0, 1]"),
+    ("gpus_per_node", 0, "gpus_per_node is 0, not a whole number of GPUs, at least 1"),
+    ("gpus_per_node", 2.5, "gpus_per_node is 2.5, not a whole number of GPUs"),
+    ("memory_bytes", float("nan"), "memory_bytes is nan, not a positive number of bytes"),
+    ("memory_bytes", True, "memory_bytes is True, not a positive number"),
+    ("mfu", {"none": 0.3, "full": 0}, "mfu.full is 0, not a fraction in (0, 1]"),
+    ("mfu", {"none": 0.3}, "mfu needs both 'none' and 'full'"),
+    ("peak_flops", "fast", "peak_flops needs a FLOP/s per compute dtype"),
+])
+def test_a_profile_value_out_of_range_is_refused_naming_the_field(tmp_path, field, value, words) -> None:
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump({**profiles()["h100"], field: value}))
+    with pytest.raises(ConfigError) as e:
+        load_hardware(str(path))
+    assert e.value.key == f"--hardware {path}" and words in str(e.value), str(e.value)
+    assert "the h100 profile has" in str(e.value)
+
+
+def test_a_profile_with_quoted_numbers_still_loads(tmp_path) -> None:
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump({k: str(v) if isinstance(v, float) else v for k, v in profiles()["h100"].items()}))
+    assert load_hardware(str(path)).memory_bytes == 80.0e9
+
+
 @pytest.mark.parametrize("name", ["h100", "h200", "a100-80gb"])
 def test_builtin_profiles_have_every_field_and_a_source_for_each(name: str) -> None:
     data = profiles()[name]
@@ -160,6 +187,8 @@ def _profile_without(tmp_path, field: str):
 def test_cli_bad_input_exits_2_with_one_line(tmp_path) -> None:
     cfg = str(REPO_ROOT / "examples" / "tiny_qwen3.yaml")
     no_bw = _profile_without(tmp_path, "inter_node_bandwidth")
+    binary = tmp_path / "gpu.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
     calls = {
         "unknown hardware": (["plan", cfg, "--world-size", "2", "--hardware", "h1000"],
                              "unknown hardware 'h1000' (known: h100, h200, a100-80gb"),
@@ -170,6 +199,12 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path) -> None:
                              "parallel.fsdp_size': 8 does not divide the world size 12"),
         "nodes not filled": (["plan", cfg, "--hardware", "h100", "--world-size", "12",
                               "train.global_batch_size=48"], "12 ranks do not fill whole nodes of 8 GPUs"),
+        # a profile read with the config loader's bounds, its numbers range-checked
+        "binary profile": (["plan", cfg, "--world-size", "2", "--hardware", str(binary)],
+                           f"'--hardware {binary}:2': is not UTF-8 text (byte 0x80 at offset 128)"),
+        # 0 is a value given, not "not given" (the profile's 8)
+        "zero gpus per node": (["plan", cfg, "--world-size", "2", "--hardware", "h100", "--gpus-per-node", "0"],
+                               "'--gpus-per-node': 0 is not a positive number of GPUs"),
     }
     procs = at_once(*[lambda argv=argv: run_cli(argv, timeout=120, cwd=REPO_ROOT) for argv, _ in calls.values()])
     for (name, (_, want)), proc in zip(calls.items(), procs):

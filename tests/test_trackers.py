@@ -10,6 +10,7 @@ import importlib
 import json
 import logging
 import math
+import shutil
 import struct
 import sys
 
@@ -274,6 +275,51 @@ def test_a_tracker_that_cannot_start_is_left_out_with_a_warning(tmp_path, monkey
     assert warning.startswith("mlflow could not start") and "metrics.jsonl" in warning
     for t in trackers:
         t.close()
+
+
+@pytest.mark.parametrize("store", [
+    "sqlite:////proc/self/shardwise/mlflow.db",  # a place nothing may write (root included): a read-only disk
+    "sqlite:///{tmp}/a_folder",  # a folder where the SQLite file should be
+    "file:///proc/self/shardwise/mlruns",  # MLflow's file store (MLflow 3 takes it with MLFLOW_ALLOW_FILE_STORE)
+], ids=["sqlite-read-only", "sqlite-a-folder", "file-store-read-only"])
+def test_an_mlflow_store_that_cannot_be_written_is_left_out_in_one_line_without_retries(store, tmp_path, monkeypatch,
+                                                                                        caplog):
+    # MLflow retries a SQLite store it cannot open 10 times over ~100 s, with a warning of
+    # several lines each time: the tracker finds out itself first, and says so in one line.
+    (tmp_path / "a_folder").mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.replace("{tmp}", str(tmp_path)))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    with caplog.at_level(logging.WARNING):
+        assert open_trackers(["mlflow"], TrackerRun(tmp_path / "run", "r", None, 0)) == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith("mlflow could not start (PermissionError: its store ")
+    assert "cannot be written" in warnings[0] and "the run goes on without it" in warnings[0], warnings
+
+
+def test_a_wandb_folder_deleted_mid_run_is_said_in_one_line_and_the_run_goes_on(tmp_path, monkeypatch, caplog,
+                                                                                 capfd):
+    # wandb writes on into the deleted file without a word, and its closing lines tell the
+    # user to `wandb sync` the folder that is gone.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)  # its closing lines, as a user sees them
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tracker,) = open_trackers(["wandb"], TrackerRun(run_dir, "r", None, 0))
+    with caplog.at_level(logging.WARNING, logger="shardwise.telemetry.metrics"), \
+            MetricsWriter(run_dir, enabled=True, trackers=[tracker]) as writer:
+        writer.log(1, {"loss": 1.0})
+        shutil.rmtree(run_dir / "wandb")
+        for step in (2, 3):
+            writer.log(step, {"loss": 1.0 / step})
+        writer.log_summary({"steps": 3})
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert writer.trackers == []
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("shardwise")]
+    assert "wandb failed at step 2" in warning and "was deleted during the run" in warning, warning
+    assert "metrics.jsonl has every step" in warning
+    out, err = capfd.readouterr()
+    assert "wandb sync" not in out + err, out + err
 
 
 def test_wandb_without_credentials_or_wandb_mode_writes_offline_with_one_warning(tmp_path, monkeypatch, caplog):

@@ -32,17 +32,24 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return config_from_dict(apply_overrides(raw, overrides))
 
 
-def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
-    """A YAML file that holds a mapping (empty file: {}), read with the bounds of
-    `shardwise.config.safe_yaml`. ConfigError naming the file (and line) otherwise."""
+def read_yaml_file(path: str | Path) -> Any:
+    """The plain data of a YAML file, read with the bounds of `shardwise.config.safe_yaml`
+    (`read_config_text`'s checks first). ConfigError naming the file (and line) otherwise."""
     p = Path(path)
     try:
-        loaded = _yaml(read_config_text(p))
+        return _yaml(read_config_text(p))
     except safe_yaml.YamlLimit as e:
         where = f"{p}:{e.line}" if e.line is not None else str(p)
         raise ConfigError(where, e.problem, e.hint) from None
     except yaml.YAMLError as e:
         raise _not_yaml(p, e) from None
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML file that holds a mapping (empty file: {}), read with the bounds of
+    `shardwise.config.safe_yaml`. ConfigError naming the file (and line) otherwise."""
+    p = Path(path)
+    loaded = read_yaml_file(p)
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):

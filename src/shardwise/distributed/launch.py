@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +71,9 @@ RDZV_TIMEOUT_S = 300
 """Seconds a node waits at the rendezvous for the job's other nodes (``--rdzv-timeout``):
 long enough for nodes started by hand or by a scheduler minutes apart, short enough that a
 node that never comes ends the others with one line naming the endpoint."""
+RDZV_MARGIN_S = 10.0
+"""Beyond ``--rdzv-timeout`` (and a tenth of it), how long a node's torchrun may go without
+starting its ranks before it ends itself (`rendezvous_bound_s`)."""
 MASTER_PORT = 29500
 """torchrun's default ``--master-port``."""
 RENDEZVOUS_FAILED = "RendezvousFailed"
@@ -136,7 +142,8 @@ class Nodes:
     @property
     def job(self) -> str:
         """What the nodes of one job, and only they, have in common: the key of the run
-        folder's lock (`shardwise.jobs.rundir`)."""
+        folder's lock (`shardwise.jobs.rundir`), compared with `same_job` (nodes may name
+        the rendezvous host differently)."""
         return f"rendezvous {self.endpoint} of {self.count} nodes"
 
     def torchrun_args(self) -> list[str]:
@@ -198,6 +205,51 @@ def ranks_per_node(nproc: int | None, config_ranks: int | None, nodes: Nodes | N
         return config_ranks // nodes.count
     raise ConfigError("--nproc", f"is needed with --nnodes {nodes.count}: the number of ranks on each node",
                       "e.g. --nproc 8 on a node of 8 GPUs")
+
+
+_JOB_KEY = re.compile(r"rendezvous \[?(?P<host>.+?)\]?:(?P<port>\d+) of (?P<count>\d+) nodes")
+"""`Nodes.job`, read back."""
+
+
+def same_job(a: str | None, b: str | None) -> bool:
+    """Two `Nodes.job` keys are one job's: the same node count and port, and hosts that
+    are one machine here (the same name, or names that resolve to a common address:
+    ``localhost`` and ``127.0.0.1``; every loopback address is this machine)."""
+    if a is None or b is None:
+        return False
+    if a == b:
+        return True
+    ka, kb = _JOB_KEY.fullmatch(a), _JOB_KEY.fullmatch(b)
+    if ka is None or kb is None or (ka["port"], ka["count"]) != (kb["port"], kb["count"]):
+        return False
+    return bool(host_addresses(ka["host"]) & host_addresses(kb["host"]))
+
+
+def host_addresses(host: str) -> set[str]:
+    """The addresses `host` resolves to on this machine, every loopback address as
+    ``"loopback"``; ``{host}`` when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return {host}
+    out = set()
+    for *_, sockaddr in infos:
+        try:
+            ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        except ValueError:
+            continue
+        out.add("loopback" if ip.is_loopback else str(ip))
+    return out or {host}
+
+
+def rendezvous_bound_s(timeout_s: float) -> float:
+    """Seconds a node's torchrun may wait to meet the other nodes before it gives up itself.
+    torch bounds most of the rendezvous by ``--rdzv-timeout``, but not all of it: a store
+    client connected to a program that squats the port and never answers waits as long as
+    that program lives. The torchrun wrapper ends the node after this long without a rank
+    (`shardwise.distributed.torchrun`); the margin leaves torch's own timeouts, which name
+    what was missing, to come first."""
+    return timeout_s * 1.1 + RDZV_MARGIN_S
 
 
 def _check_port(flag: str, port: int) -> None:
@@ -425,7 +477,7 @@ def first_failure(failures: Sequence[Failure]) -> Failure | None:
     return min(user or causes, key=lambda f: f.time)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Process ids under `pid` (Linux /proc), deepest last; [] elsewhere."""
     children: dict[int, list[int]] = {}
     with contextlib.suppress(OSError):
@@ -449,7 +501,7 @@ def _descendants(pid: int) -> list[int]:
 def kill_tree(pid: int, only: Callable[[str], bool] | None = None) -> list[int]:
     """SIGKILL every process under `pid` (not `pid` itself); with `only`, those whose
     command line (arguments joined by spaces) it accepts. Returns the pids signalled."""
-    pids = _descendants(pid)
+    pids = descendants(pid)
     if only is not None:
         pids = [p for p in pids if only(_cmdline(p))]
     _kill_all(pids)
@@ -533,7 +585,7 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
         sig = signal.Signals(signum)
         interrupted.append((sig, time.monotonic()))
         if len(interrupted) > 1:  # asked twice: stop waiting
-            _kill_all([*_descendants(proc.pid), proc.pid])
+            _kill_all([*descendants(proc.pid), proc.pid])
             return
         with contextlib.suppress(OSError):
             # SIGTERM either way: torchrun passes the signal it got on to the ranks, and
@@ -552,11 +604,11 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
             except subprocess.TimeoutExpired:
                 pass
             if interrupted and time.monotonic() - interrupted[0][1] > grace_s:
-                _kill_all([*_descendants(proc.pid), proc.pid])
+                _kill_all([*descendants(proc.pid), proc.pid])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _kill_all(_descendants(proc.pid))  # nothing of this job outlives it
+        _kill_all(descendants(proc.pid))  # nothing of this job outlives it
     failure = first_failure(read_failures(error_dir))
     with contextlib.suppress(OSError):
         for p in Path(error_dir).iterdir():

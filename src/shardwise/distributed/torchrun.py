@@ -8,7 +8,10 @@ multi-line failure report stay off the terminal (the `shardwise` process prints 
 instead, from the ranks' error files) unless ``SHARDWISE_DEBUG=1``; and a rank that died
 without writing an error file (killed by a signal, out of memory) is described in
 ``launcher-rank<r>.json`` of the error folder, a rendezvous that did not gather the job's
-nodes (one of them never came within the timeout) in ``launcher.json``.
+nodes (one of them never came within the timeout) in ``launcher.json``. The rendezvous of a
+multi-node job has a bound of its own (`launch.rendezvous_bound_s`): where torch's timeouts
+do not reach (a program squatting the port that accepts connections and never answers), a
+watch thread ends the node with the same line.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -35,8 +39,10 @@ from shardwise.distributed.launch import (
     SAVED_CPP_LOG_ENV,
     activity_file,
     debug_enabled,
+    descendants,
     describe_exit,
     die_with_parent,
+    rendezvous_bound_s,
 )
 from shardwise.telemetry import activity
 
@@ -48,15 +54,50 @@ def _note(folder: str | None, name: str, **fields: object) -> None:
         (Path(folder) / name).write_text(json.dumps(note))
 
 
+def _endpoint(args) -> str:
+    return args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+
+
+def _waited(args) -> str | None:
+    """The rendezvous timeout of torchrun's arguments (seconds, as given), if any."""
+    conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
+    return conf.get("timeout") or conf.get("join_timeout")
+
+
 def _rendezvous_line(args, exc: BaseException) -> str:
     """What a node whose torchrun could not meet the others prints."""
-    endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-    conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
-    waited = conf.get("timeout") or conf.get("join_timeout")
+    waited = _waited(args)
     detail = " ".join(str(exc).split()) or type(exc).__name__
-    return (f"the job's {args.nnodes} nodes did not meet at the rendezvous {endpoint}"
+    return (f"the job's {args.nnodes} nodes did not meet at the rendezvous {_endpoint(args)}"
             + (f" within {waited} s" if waited else "") + f" ({detail}); start every node with the same "
             "endpoint and --nnodes")
+
+
+def _bound_rendezvous(args, folder: str | None) -> None:
+    """A multi-node job's rendezvous ends within `rendezvous_bound_s` of now: unless a rank
+    has started by then (torchrun starts them once the nodes have met), this process writes
+    the rendezvous line and leaves (its parent then ends, and `die_with_parent` ranks with it)."""
+    waited = _waited(args)
+    if str(args.nnodes) == "1" or waited is None or not waited.isdigit():
+        return
+    bound = rendezvous_bound_s(int(waited))
+
+    def watch() -> None:
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if descendants(os.getpid()):
+                return
+        endpoint = _endpoint(args)
+        why = TimeoutError(f"nothing at {endpoint} answered as the job's rendezvous within {bound:.0f} s: "
+                           "is another program listening on that port?")
+        _note(folder, LAUNCHER_FILE, rank=None, type=RENDEZVOUS_FAILED, message=_rendezvous_line(args, why),
+              traceback="")
+        if debug_enabled():
+            print(f"shardwise torchrun: {why}", file=sys.stderr)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardwise-rendezvous-bound", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
@@ -75,6 +116,7 @@ def main(argv: list[str]) -> int:
             os.environ.pop(CPP_LOG_ENV, None)
     args = parse_args(argv)
     folder = os.environ.get(ERROR_DIR_ENV)
+    _bound_rendezvous(args, folder)
     try:
         run(args)
     except ChildFailedError as e:

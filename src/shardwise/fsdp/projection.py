@@ -31,14 +31,16 @@ The model (README "Projected step time" says the same for users):
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
 from torch import nn
 
 from shardwise.config.dtypes import dtype_bytes
-from shardwise.errors import ConfigError
+from shardwise.config.load import read_yaml_file
+from shardwise.errors import ConfigError, short_repr
 from shardwise.fsdp.comm import Collective, StepComm
 from shardwise.fsdp.plan import is_under, owner_unit, peak_memory
 
@@ -71,13 +73,34 @@ REQUIRED = [f.name for f in fields(Hardware) if f.name not in ("name", "sources"
 
 
 def profiles() -> dict[str, dict]:
-    with open(PROFILES) as f:
-        return yaml.safe_load(f)
+    """The built-in profiles by name, read as a user's profile file is (``80.0e9`` a number)."""
+    return read_yaml_file(PROFILES)
+
+
+FIELD_RANGES: dict[str, tuple[str, str]] = {
+    # field: (range, unit); "positive": > 0, "non-negative": >= 0, "fraction": in (0, 1]
+    "peak_flops": ("positive", "FLOP/s"),
+    "memory_bytes": ("positive", "bytes"),
+    "memory_bandwidth": ("positive", "bytes/s"),
+    "gpus_per_node": ("count", "GPUs"),
+    "intra_node_bandwidth": ("positive", "bytes/s"),
+    "inter_node_bandwidth": ("positive", "bytes/s"),
+    "intra_node_latency_s": ("non-negative", "seconds"),
+    "inter_node_latency_s": ("non-negative", "seconds"),
+    "intra_node_efficiency": ("fraction", "of the line rate"),
+    "inter_node_efficiency": ("fraction", "of the line rate"),
+    "mfu": ("fraction", "of the peak FLOP/s"),
+}
+"""What each number of a profile may be; a value outside is refused naming the field."""
+EXAMPLE_PROFILE = "h100"
+"""The profile whose values the refusals quote as the nearest valid choice."""
 
 
 def load_hardware(spec: str) -> Hardware:
-    """A profile by name (`hardware.yaml`) or from a YAML file path. ConfigError for an
-    unknown name (listing the known ones) or a file that lacks a field (naming it)."""
+    """A profile by name (`hardware.yaml`) or from a YAML file path, read with the bounds of
+    the config loader (`shardwise.config.load.read_yaml_file`: size, UTF-8, nesting).
+    ConfigError for an unknown name (listing the known ones), a file that is not a YAML
+    profile, or a field that is missing or out of range (naming it)."""
     known = profiles()
     if spec in known:
         return _hardware(spec, known[spec], "--hardware")
@@ -86,12 +109,13 @@ def load_hardware(spec: str) -> Hardware:
         raise ConfigError("--hardware", f"unknown hardware {spec!r}",
                           f"known: {', '.join(known)}; or the path of a profile file")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError("--hardware", f"{spec} is not valid YAML: {' '.join(str(e).split())}") from e
+        data = read_yaml_file(path)
+    except ConfigError as e:  # a binary file, one too large, not YAML: named under the flag
+        raise ConfigError(f"--hardware {e.key}" if e.key else "--hardware", e.problem, e.hint) from None
     if not isinstance(data, dict):
-        raise ConfigError("--hardware", f"{spec} holds no profile (a mapping of {', '.join(REQUIRED)})")
-    return _hardware(data.get("name", path.stem), data, f"--hardware {spec}")
+        raise ConfigError(f"--hardware {spec}", f"holds no profile (a mapping of {', '.join(REQUIRED)})",
+                          "see shardwise/fsdp/hardware.yaml")
+    return _hardware(str(data.get("name", path.stem)), data, f"--hardware {spec}")
 
 
 def _hardware(name: str, data: dict, key: str) -> Hardware:
@@ -100,25 +124,48 @@ def _hardware(name: str, data: dict, key: str) -> Hardware:
         raise ConfigError(key, f"the profile lacks {', '.join(missing)}", "see shardwise/fsdp/hardware.yaml")
     unknown = [k for k in data if k not in REQUIRED and k not in ("name", "sources")]
     if unknown:
-        raise ConfigError(key, f"the profile has unknown field(s) {', '.join(unknown)}",
+        raise ConfigError(key, f"the profile has unknown field(s) {', '.join(map(str, unknown))}",
                           f"fields: {', '.join(REQUIRED)}")
-    if not {"none", "full"} <= set(data["mfu"] or {}):
-        raise ConfigError(key, "mfu needs both 'none' and 'full' (no recompute, every layer recomputed)")
-    try:
-        return Hardware(name=name, description=str(data["description"]),
-                        peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
-                        memory_bytes=float(data["memory_bytes"]), memory_bandwidth=float(data["memory_bandwidth"]),
-                        gpus_per_node=int(data["gpus_per_node"]),
-                        intra_node_bandwidth=float(data["intra_node_bandwidth"]),
-                        inter_node_bandwidth=float(data["inter_node_bandwidth"]),
-                        intra_node_latency_s=float(data["intra_node_latency_s"]),
-                        inter_node_latency_s=float(data["inter_node_latency_s"]),
-                        intra_node_efficiency=float(data["intra_node_efficiency"]),
-                        inter_node_efficiency=float(data["inter_node_efficiency"]),
-                        mfu={k: float(v) for k, v in data["mfu"].items()},
-                        sources=dict(data.get("sources") or {}))
-    except (TypeError, ValueError, AttributeError) as e:
-        raise ConfigError(key, f"a profile field is not a number or mapping where one is needed: {e}") from e
+    if not isinstance(data["mfu"], dict) or not {"none", "full"} <= set(data["mfu"]):
+        raise ConfigError(key, "mfu needs both 'none' and 'full' (no recompute, every layer recomputed)",
+                          f"the {EXAMPLE_PROFILE} profile has mfu: {_example('mfu')}")
+    if not isinstance(data["peak_flops"], dict) or not data["peak_flops"]:
+        raise ConfigError(key, "peak_flops needs a FLOP/s per compute dtype",
+                          f"the {EXAMPLE_PROFILE} profile has peak_flops: {_example('peak_flops')}")
+    values = {f: ({k: _in_range(key, f"{f}.{k}", v, f) for k, v in data[f].items()} if f in ("peak_flops", "mfu")
+                  else _in_range(key, f, data[f], f)) for f in FIELD_RANGES}
+    return Hardware(name=name, description=str(data["description"]), sources=dict(data.get("sources") or {}),
+                    **values)
+
+
+def _in_range(key: str, name: str, value: object, field_name: str) -> float:
+    """`value` of profile field `name` as a number within `FIELD_RANGES[field_name]`, else a
+    ConfigError naming the field, the value and the example profile's value."""
+    kind, unit = FIELD_RANGES[field_name]
+    number = None
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            number = float(value)  # a quoted "1e12" too
+    ok = number is not None and math.isfinite(number) and {
+        "positive": lambda x: x > 0, "non-negative": lambda x: x >= 0, "fraction": lambda x: 0 < x <= 1,
+        "count": lambda x: x >= 1 and x == int(x)}[kind](number)
+    if not ok:
+        wanted = {"positive": f"a positive number of {unit}", "non-negative": f"a number of {unit} >= 0",
+                  "fraction": f"a fraction in (0, 1] {unit}", "count": f"a whole number of {unit}, at least 1"}[kind]
+        raise ConfigError(key, f"{name} is {short_repr(value)}, not {wanted}",
+                          f"the {EXAMPLE_PROFILE} profile has {name}: {_example(name)}")
+    return int(number) if kind == "count" else number
+
+
+def _example(name: str) -> str:
+    """The value of `name` (``mfu`` or ``mfu.none``) in the `EXAMPLE_PROFILE`."""
+    field_name, _, sub = name.partition(".")
+    value = profiles()[EXAMPLE_PROFILE][field_name]
+    if sub:
+        value = value.get(sub, next(iter(value.values())))
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v:g}" for k, v in value.items()) + "}"
+    return f"{value:g}"
 
 
 def collective_seconds(c: Collective, hw: Hardware) -> float:

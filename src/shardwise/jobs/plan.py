@@ -39,7 +39,7 @@ def show(cfg: Config, world_size: int | None = None, config_ranks: int | None = 
     if (mfu is not None or scan is not None) and hw is None:
         raise ConfigError("--hardware", "--mfu and --scan project a step time and need a hardware profile",
                           f"add --hardware {' | '.join(profiles())} or a profile file")
-    gpus_per_node = gpus_per_node or (hw.gpus_per_node if hw is not None else 8)
+    gpus_per_node = gpus_per_node if gpus_per_node is not None else (hw.gpus_per_node if hw is not None else 8)
     if gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", f"{gpus_per_node} is not a positive number of GPUs", "e.g. 8")
     if scan is not None:

@@ -21,12 +21,17 @@ continues the same wandb and MLflow runs: their ids are kept in ``run.dir/tracke
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
+import io
 import json
 import logging
 import os
 import re
+import tempfile
 import time
+import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -216,19 +221,38 @@ class WandbTracker(Tracker):
             project=project, name=saved.get("name", run.name), id=run_id, resume="allow", dir=str(run.run_dir),
             mode=_wandb_mode(wandb),
         )
+        self._folder = Path(self._run.settings.sync_dir) if self._run.offline else None
+        """The offline run's folder (what ``wandb sync`` uploads); None online."""
         _save_ids(run.run_dir, "wandb", {"id": self._run.id, "project": project, "name": saved.get("name", run.name)})
 
+    def _check_folder(self) -> None:
+        """An offline run whose folder was deleted (wandb writes on into the deleted file,
+        silently): FileNotFoundError, and `MetricsWriter` switches the tracker off."""
+        if self._folder is not None and not self._folder.is_dir():
+            raise FileNotFoundError(f"its offline folder {self._folder} was deleted during the run, so what it "
+                                    "recorded is lost and there is nothing for wandb sync to upload")
+
     def log_config(self, config: Mapping[str, Any]) -> None:
+        self._check_folder()
         # a resumed job may have changed a value (train.max_steps, to train longer)
         self._run.config.update(dict(config), allow_val_change=True)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float], walltime: float) -> None:
+        self._check_folder()
         self._run.log(dict(metrics), step=step)
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
+        self._check_folder()
         self._run.summary.update(flatten(summary, "/"))
 
     def close(self, failed: bool = False) -> None:
+        try:
+            self._check_folder()
+        except FileNotFoundError:
+            # wandb's closing lines would tell the user to `wandb sync` the folder that is gone
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                self._run.finish(exit_code=1)
+            raise
         self._run.finish(exit_code=1 if failed else 0)
 
 
@@ -247,6 +271,39 @@ def _mlflow_missing() -> list[str]:
     return _missing("mlflow") + ([] if os.environ.get("MLFLOW_TRACKING_URI") else _missing("sqlalchemy", "alembic"))
 
 
+def _local_store(uri: str) -> Path | None:
+    """The file (SQLite) or folder (file store) of a ``sqlite:///`` or ``file:`` MLflow
+    tracking URI; None for anything else (a server, a database elsewhere, ``databricks``)."""
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):].split("?", 1)[0]
+        return None if path in ("", ":memory:") else Path(path)
+    if uri.startswith("file:"):
+        path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
+        return Path(path) if path else None
+    return None
+
+
+def _check_local_store(uri: str) -> None:
+    """Raise PermissionError (or the OSError met) at once when a local store cannot be
+    written: MLflow itself retries a SQLite store it cannot open for ~100 s, with a warning
+    of several lines each time, before it gives up."""
+    store = _local_store(uri)
+    if store is None:
+        return
+    folder = store.parent if uri.startswith("sqlite:") else store
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+        if store.is_file():
+            with open(store, "r+b"):
+                pass
+        elif store.exists() and folder is not store:
+            raise IsADirectoryError(errno.EISDIR, "a folder, not a SQLite file")
+    except OSError as e:
+        raise PermissionError(f"its store {store} cannot be written ({e.strerror or e})") from None
+
+
 @TRACKERS.register("mlflow", missing=_mlflow_missing, extra="mlflow")
 class MlflowTracker(Tracker):
     """An MLflow run, in ``MLFLOW_TRACKING_URI`` or a SQLite store in run.dir."""
@@ -254,10 +311,12 @@ class MlflowTracker(Tracker):
     name = "mlflow"
 
     def __init__(self, run: TrackerRun):
-        from mlflow.tracking import MlflowClient
-
         env_uri = os.environ.get("MLFLOW_TRACKING_URI")
         self.tracking_uri = env_uri or f"sqlite:///{(run.run_dir / 'mlflow.db').resolve()}"
+        _check_local_store(self.tracking_uri)  # before mlflow's import, which takes seconds
+
+        from mlflow.tracking import MlflowClient
+
         self._client = client = MlflowClient(tracking_uri=self.tracking_uri)
         saved = _saved_ids(run.run_dir).get("mlflow", {}) if run.resumed else {}
         if saved.get("run_id") and saved.get("tracking_uri") == self.tracking_uri:
