@@ -505,7 +505,8 @@ def _write(path, text: str):
 
 @pytest.mark.parametrize("source", [
     "{{ messages[0]['content'] * 10000000 }}", "{{ 'x'.center(10**9) }}", "{{ messages[0]['content'] | center(10**9) }}",
-    "{{ '%0999999999d' % 1 }}", "{{ '%0999999999d' | format(1) }}", "{{ '{:>999999999}'.format(1) }}", "{% for i in range(99999) %}{{ messages[0]['content'] * 99 }}{% endfor %}",
+    "{{ messages[0]['content'].replace('', 'x' * 99999) }}", "{{ (['y' * 99999] * 9) | join }}",
+    "{{ ' '.join(['y' * 99999] * 9) }}", "{{ '%0999999999d' % 1 }}", "{{ '%0999999999d' | format(1) }}", "{{ '{:>999999999}'.format(1) }}", "{% for i in range(99999) %}{{ messages[0]['content'] * 99 }}{% endfor %}",
     "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
 ])
 def test_every_way_a_template_builds_too_much_stops_at_its_budget(source):

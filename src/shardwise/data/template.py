@@ -186,6 +186,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         owner = getattr(__obj, "__self__", None)
         if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("format", "format_map"):
             _check_widths(re.findall(r"\{[^{}]*\}", owner), "a str.format field's width")
+        _check_builder(owner, getattr(__obj, "__name__", ""), args)
         result = super().call(__context, __obj, *args, **kwargs)
         return _checked_result(result, f"the result of {getattr(__obj, '__name__', 'a call')}")
 
@@ -208,6 +209,19 @@ def _format_widths(fmt: str) -> list[int]:
         i = j + 1
 
 
+def _check_builder(owner: Any, name: str, args: Sequence[Any]) -> None:
+    """``s.replace(old, new)`` and ``s.join(items)`` can build far more than their inputs;
+    their result's size is known before they run."""
+    state = _state()
+    if state is None or not isinstance(owner, str):
+        return
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        hits = len(owner) + 1 if not args[0] else owner.count(args[0])
+        state.check_size(len(owner) + hits * len(args[1]), "a replace()")
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        state.check_size(sum(_size(x) for x in args[0]) + len(owner) * len(args[0]), "a join()")
+
+
 def _check_widths(texts: Sequence[str], what: str) -> None:
     """Any run of digits in `texts` (the widths of format fields) past the budget is refused."""
     state = _state()
@@ -224,6 +238,10 @@ def _bounded_filter(name: str, fn: Callable) -> Callable:
         _check_args(args[1:], kwargs, f"the filter {name}")
         if name == "format":
             _check_widths([a for a in args[:1] if isinstance(a, str)], "the filter format's width")
+        elif name == "replace" and len(args) >= 3:
+            _check_builder(str(args[0]), "replace", args[1:3])
+        elif name == "join" and len(args) >= 2 and isinstance(args[1], (list, tuple)):
+            _check_builder(args[2] if len(args) > 2 and isinstance(args[2], str) else "", "join", args[1:2])
         return _checked_result(fn(*args, **kwargs), f"the filter {name}'s result")
     return wrapped
 
