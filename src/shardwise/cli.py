@@ -90,7 +90,11 @@ def cmd_data(args: argparse.Namespace) -> int:
     shardwise.jobs.preview."""
     local_files_only()
     cfg, _ = configs.load(args.config, args.overrides, args.dialect)
-    preview.show(cfg, args.n, args.prompts, as_json=args.json)
+    try:
+        preview.show(cfg, args.n, args.prompts, as_json=args.json)
+    except KeyboardInterrupt:  # Ctrl-C while a long or slow data set prepares: one line, no traceback
+        print("\nshardwise: interrupted by SIGINT; nothing was written", file=sys.stderr)
+        return 130
     return 0
 
 

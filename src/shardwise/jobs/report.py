@@ -157,7 +157,10 @@ def _print_paths(summary: dict, keys: Sequence[str]) -> None:
 def train(cfg: Config, summary: dict) -> None:
     """What `shardwise train` prints on rank 0 when it ends (`shardwise.jobs.sft.run`'s summary)."""
     final = summary["final"]
-    print(f"done: {summary['steps']} steps, final loss {final.get('loss', float('nan')):.4f}")
+    if "loss" in final:
+        print(f"done: {summary['steps']} steps, final loss {final['loss']:.4f}")
+    else:  # a resume with nothing left to train, from a checkpoint that recorded no loss
+        print(f"done: nothing left to train at step {summary['steps']}")
     if "accuracy" in summary:
         print(f"  held-out accuracy (greedy): {summary['accuracy']:.1%}")
     _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "plot"))
