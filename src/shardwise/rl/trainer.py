@@ -37,7 +37,9 @@ ppo_epochs / time/update_actor);
 ``rollout/*``: the rollout engine's log-probs of the sampled tokens against the actor's
 (absolute difference, importance ratio; `shardwise.rl.algorithms.rollout_mismatch`);
 with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
-``time/generate``) and ``weight_sync/bytes`` of the step's push.
+``time/generate``) and ``weight_sync/bytes`` of the step's push. The first line written
+also holds ``time/startup/<part>``: where the start-up went (`Controller.start` times Ray
+and the worker groups, the workers their models and engine; `shardwise.jobs.rl` the rest).
 """
 
 from __future__ import annotations
