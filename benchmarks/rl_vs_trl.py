@@ -290,7 +290,8 @@ def trl_inputs(cfg: Config, args: argparse.Namespace) -> Path:
 
 def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     """TRL's run; its steps as ``{"step", "reward", "t"}`` (seconds since its first step
-    began) and the startup seconds (launch to the first step)."""
+    began), the startup seconds (the command's launch to its first step's start, wall
+    clock) and the wall seconds (launch to exit), as `run_shardwise` counts them."""
     spec = trl_inputs(cfg, args)
     work = spec.parent
     cmd = [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
@@ -319,19 +320,23 @@ def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """`shardwise rl`'s run (`_rl_job.run_rl`, rollout engine ``--engine``); its steps and startup as
-    `run_trl`'s. Its clock starts at the first step's start (``time`` of step 1's metrics
-    line minus its ``time/step``), after Ray, the workers and the held-out evaluation."""
-    launched = time.time()
+    """`shardwise rl`'s run (`_rl_job.run_rl`, rollout engine ``--engine``); its steps, startup
+    and wall time as `run_trl`'s. Its clock starts at the first step's start (``time`` of
+    step 1's metrics line minus its ``time/step``), after Ray, the workers and, with
+    ``--heldout-eval``, the held-out evaluation. ``startup_parts``: where that start-up went,
+    by the run's own count (the ``time/startup/*`` of its first metrics line)."""
     run_dir = args.out / "runs" / f"shardwise_{args.engine}"
+    heldout = [] if args.heldout_eval else ["rl.heldout_eval=false"]
     job = run_rl(cfg_path, run_dir,
                  [f"train.max_steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
-                  f"rl.rollout.engine={args.engine}", f"rl.record_batches={args.steps}", *overrides],
+                  f"rl.rollout.engine={args.engine}", f"rl.record_batches={args.steps}", *heldout, *overrides],
                  nproc=args.nproc, log=args.out / "logs" / f"shardwise_{args.engine}.log", timeout=args.timeout)
     if "error" in job:
         return {"name": "shardwise", "error": job["error"], "wall_s": job["wall_s"]}
+    launched = job["launched"]
     lines = job["steps"]
     start = lines[0]["time"] - lines[0]["time/step"]
+    parts = {k.removeprefix("time/startup/"): v for k, v in lines[0].items() if k.startswith("time/startup/")}
     accuracy = [ln.strip() for ln in job["stdout"].splitlines() if "held-out" in ln]
     tokens = update_tokens(run_dir / "batches", load_config(cfg_path, overrides), args.nproc)
     steps = []
@@ -340,10 +345,11 @@ def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace
         # per rank, as TRL's rank-0 counts: the rows split evenly over the ranks
         per_rank = (lambda x: None if x is None else x / args.nproc)
         steps.append({"step": m["step"], "reward": m["reward/mean"], "t": m["time"] - start,
-                      "phases": {k: v for k, v in m.items() if k.startswith("time/")},
+                      "phases": {k: v for k, v in m.items() if k.startswith("time/") and
+                                 not k.startswith("time/startup/")},
                       "update_s": m["time/update_actor"], "update_tokens": per_rank(real),
                       "update_padded_tokens": per_rank(padded)})
-    return {"name": "shardwise", "wall_s": job["wall_s"], "startup_s": start - launched,
+    return {"name": "shardwise", "wall_s": job["wall_s"], "startup_s": start - launched, "startup_parts": parts,
             "accuracy_line": " / ".join(accuracy), "steps": steps}
 
 
@@ -457,17 +463,18 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
 
 def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: list[Setting],
            versions: dict[str, dict[str, str]], window: int) -> str:
-    lines = [("| system | versions | s / step | steps / s | startup s | train s | reward first "
+    lines = [("| system | versions | s / step | steps / s | startup s | train s | wall s | reward first "
               f"{window} steps -> final (last {window}) | mean reward, all steps | reward at TRL's time | "
               "at half TRL's time |"),
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for name, r in runs.items():
         v = ", ".join(f"{k} {x}" for k, x in versions[name].items())
         if "error" in r:
-            lines.append(f"| {name} | {v} | unavailable: {r['error']} |" + " |" * 7)
+            lines.append(f"| {name} | {v} | unavailable: {r['error']} |" + " |" * 8)
             continue
         lines.append(f"| {name} | {v} | {r['step_s']:.3f} | {r['steps_per_s']:.2f} | {r['startup_s']:.1f} | "
-                     f"{r['train_s']:.1f} | {r['first_reward']:.3f} -> {r['final_reward']:.3f} | {r['mean_reward']:.3f} | "
+                     f"{r['train_s']:.1f} | {r['wall_s']:.1f} | {r['first_reward']:.3f} -> {r['final_reward']:.3f} | "
+                     f"{r['mean_reward']:.3f} | "
                      f"{fmt(cmp.get(f'{name}_reward_at_trl_time'))} | {fmt(cmp.get(f'{name}_reward_at_half_trl_time'))} |")
     if cmp:
         ratio = cmp["time_ratio"]
@@ -484,6 +491,12 @@ def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: l
                    f"(mean reward over all steps {sw['mean_reward']:.3f} vs {runs['trl']['mean_reward']:.3f}): "
                    f"**{'met' if cmp['curve_target_met'] else 'not met'}**.")
         lines += ["", verdict]
+    for name, r in runs.items():  # shardwise's own count of its start-up (time/startup/* of its first line)
+        parts = {k: v for k, v in r.get("startup_parts", {}).items() if k != "total"}
+        if parts:
+            lines += ["", f"{name}'s start-up by its own count (launch to the first step, "
+                          f"{r['startup_parts'].get('total', r['startup_s']):.1f} s): "
+                      + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) + "."]
     lines += ["", "Where the time goes (steps after the first; shardwise: its `time/*` metrics, TRL: rank 0's "
               "phases timed in the worker; update: loss forwards, backwards and optimizer step; padding share: "
               "padding tokens / all tokens of the update forwards; tokens/s: real tokens of the update per rank / "
@@ -551,6 +564,9 @@ def main() -> int:
     p.add_argument("--window", type=int, default=10, help="steps in the final mean reward")
     p.add_argument("--smooth", type=int, default=5, help="steps in the plot's moving average")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--heldout-eval", action="store_true",
+                   help="shardwise evaluates on the task's held-out prompts before and after RL (rl.heldout_eval, "
+                        "its default); off here unless given, as TRL's run evaluates nothing")
     p.add_argument("--skip-trl", action="store_true",
                    help="shardwise's side only: TRL's inputs are written, but no TRL venv is made and TRL does not run")
     p.add_argument("--smoke", action="store_true",
@@ -589,13 +605,16 @@ def main() -> int:
             summarise(r, args.window)
         runs[name] = r
         print(f"{name}: " + (f"unavailable: {r['error']}" if "error" in r else
-                             f"{r['step_s']:.3f} s/step, startup {r['startup_s']:.1f} s, "
+                             f"{r['step_s']:.3f} s/step, startup {r['startup_s']:.1f} s, wall {r['wall_s']:.1f} s, "
                              f"final mean reward {r['final_reward']:.3f}"), flush=True)
     cmp = compare(runs, args.window)
     head = (f"TRL `GRPOTrainer` vs `shardwise rl {config.relative_to(REPO) if config.is_relative_to(REPO) else config}`, "
             f"{args.steps} steps each, {args.nproc} CPU processes each (OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', '1')}), {platform.machine()} {os.cpu_count()} CPUs. s / step: mean "
-            "of the steps after the first; clocks start when the first step begins (startup apart).\n\n")
+            "of the steps after the first; clocks start when the first step begins (startup apart); startup s: "
+            "the command's launch to its first step's start, wall s: launch to exit, both sides alike"
+            f"{'' if args.heldout_eval else ' (shardwise without its held-out evaluation: rl.heldout_eval=false)'}"
+            ".\n\n")
     md = head + tables(runs, cmp, setting_rows, versions, args.window)
     (args.out / "rl_vs_trl.md").write_text(md + "\n")
     (args.out / "rl_vs_trl.json").write_text(json.dumps(

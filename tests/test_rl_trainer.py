@@ -4,6 +4,7 @@ group, the single controller in the CLI process.
 - resume: a PPO run (critic and reward model colocated with the actor, a user reward
   function) stopped at step 2 and resumed to step 4 logs exactly the metrics of an
   uninterrupted 4-step run (actor, critic, optimizers, sampler, sampling seeds restored);
+  its first metrics line says where the start-up went (``time/startup/*``);
 - the demo's GRPO stage (examples/grpo_reverse.yaml from the SFT demo's model) raises the
   held-out greedy accuracy by at least 10 points, without an old-log-prob forward;
 - PPO with the critic in a worker group of its own (GAE) lowers its value loss.
@@ -96,6 +97,15 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
                 "time/update_critic", "time/update_actor", "time/step", "accuracy", "actor/lr", "response_length/clip_frac"):
         assert all(isinstance(m[key], (int, float)) for m in a), key
     assert (whole / "rl.png").stat().st_size > 1000
+    # Where the start-up went, in the first line only: consecutive parts, the workers' own
+    # (the actor's model, the engine, the reference, the critic, the reward model) moved
+    # out of worker_groups, adding up to no more than the launch-to-first-step total.
+    startup = {k.removeprefix("time/startup/"): v for k, v in a[0].items() if k.startswith("time/startup/")}
+    assert {"launch", "prepare", "ray", "worker_groups", "model_load", "engine", "reference", "critic",
+            "reward_model", "resume", "total"} <= set(startup), startup
+    assert all(v >= 0 for v in startup.values()), startup
+    assert sum(v for k, v in startup.items() if k != "total") <= startup["total"] + 1e-6, startup
+    assert not any(k.startswith("time/startup/") for m in a[1:] for k in m)
 
     res = bad
     lines = [x for x in res.stderr.splitlines() if x.startswith("shardwise: ")]

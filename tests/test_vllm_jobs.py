@@ -85,7 +85,9 @@ def test_grpo_with_vllm_rollout_syncs_weights_and_reports_mismatch(tmp_path):
     # input/post norms 64 x2) + embeddings and head 64x64 each + final norm 64, in fp32
     per_layer = 64 * 128 + 64 * 64 * 2 + 128 * 64 + 64 * 128 * 3 + 32 * 2 + 64 * 2
     model_bytes = 4 * (2 * per_layer + 64 * 64 * 2 + 64)
-    for m in steps[1:]:  # the first step's push happened for the held-out evaluation before it
+    # the engine's start and its first push are start-up, before the first step
+    assert steps[0]["time/startup/engine"] > 0 and steps[0]["time/startup/first_push"] > 0, steps[0]
+    for m in steps[1:]:  # the first step's push happened at start-up, before it
         assert m["weight_sync/bytes"] == model_bytes, m
         assert 0 < m["time/weight_sync"] < m["time/generate"]
     for m in steps:

@@ -127,6 +127,11 @@ def _contained_startup() -> Iterator[None]:
     """Undo vLLM's start-up changes to this process (see the module docstring)."""
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     environ = dict(os.environ)
+    # Start-up time: vLLM runs several full garbage collections while it starts (memory
+    # profiling), each walking the whole heap of torch, transformers and vLLM's modules
+    # (about a second each on a busy CPU); with what exists frozen they walk vLLM's new
+    # objects only. Unfrozen below, so later collections see everything again.
+    gc.freeze()
     try:
         with _kept_rng_states():
             yield
@@ -171,6 +176,26 @@ def _plain_cpu_gemm() -> Iterator[bool]:
         yield True
     finally:
         utils.dispatch_cpu_unquantized_gemm = original
+
+
+def _eager_rank_count() -> None:
+    """On CPU: vLLM's sampler counts the rank of each sampled token's log-prob with a
+    function it compiles (``torch.compile``, inductor: C++ code built by the compiler) on
+    the first generation that asks for log-probs, about 10 s of the first RL step on a busy
+    CPU; that rank is never read here. The same count, eager, in its place (a compare and a
+    sum over ``(tokens, vocab)``; the compiled kernel only saves that temporary's memory,
+    which matters on a GPU, not at this project's CPU sizes). Checked on vLLM 0.32."""
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:  # pragma: no cover - another vLLM layout
+        return
+    if hasattr(sampler, "batched_count_greater_than"):
+        sampler.batched_count_greater_than = _count_greater_or_equal
+
+
+def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of `x` ``(rows, n)``, how many entries are >= the row's value in `values` ``(rows, 1)``."""
+    return (x >= values).sum(-1)
 
 
 @contextlib.contextmanager
@@ -605,6 +630,8 @@ class VLLMGenerator(GenerationEngine):
         try:
             from vllm import LLM
 
+            if not self.on_cuda:
+                _eager_rank_count()
             with (_contained_startup(), _torchrun_env(rank, runtime.local_rank), _cpu_shm_ident(self.shm_ident),
                   _plain_cpu_gemm() if not self.on_cuda else contextlib.nullcontext(False)):
                 self.llm = LLM(**kwargs)

@@ -199,4 +199,9 @@ def rl(cfg: Config, summary: dict) -> None:
         phases = {k[5:]: v for k, v in timing.items() if k != "time/step"}
         print(f"  seconds per step {step_s:.2f} (mean; "
               + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
+    startup = dict(summary.get("startup") or {})
+    if "total" in startup:  # where the time before the first step went (time/startup/* in metrics.jsonl)
+        total = startup.pop("total")
+        print(f"  start-up {total:.1f} s to the first step ("
+              + ", ".join(f"{k} {v:.1f}" for k, v in startup.items() if v >= 0.05) + ")")
     _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "plot"))

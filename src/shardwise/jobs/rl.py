@@ -13,7 +13,7 @@ config, the summary without the per-step history).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, mean_timing
 from shardwise.telemetry import plot_metrics
 from shardwise.telemetry.logs import ThirdPartyToFile
+from shardwise.telemetry.startup import StartupClock, launched_at
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,17 @@ class Prepared:
     reward_fn: RewardFn | None
     plan: ShardingPlan | None = None
     """The actor's plan on the meta device (its memory per rank, for the launch line)."""
+    clock: StartupClock = field(default_factory=StartupClock)
+    """The start-up's timeline so far (``launch``: the process's start to `prepare`, and
+    ``prepare``); `run` goes on with it to the first step."""
 
 
 def prepare(cfg: Config, world_size: int) -> Prepared:
     """Every check that can fail on the user's input; raises a ShardwiseError, starts
     nothing, writes nothing. The workers build their own models; the meta model and plan
     built here only check the plan."""
+    clock = StartupClock(launched_at())
+    clock.lap("launch")  # the interpreter, imports, the config and the command's own checks
     spec = mesh_spec(cfg.parallel, world_size)
     check_causal_task(cfg, "`shardwise rl`")
     check_ray_address()  # a cluster that is not there fails here, not after minutes of Ray's retries
@@ -94,7 +100,8 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_data_sources(fn, records)
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
-    return Prepared(cfg, spec, world_size, rows, records, fn, plan)
+    clock.lap("prepare")
+    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock)
 
 
 def check_rl_ulysses(cfg: Config, sp: int) -> None:
@@ -172,15 +179,24 @@ def _run(prepared: Prepared) -> dict[str, Any]:
     ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
                      vision)
     summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
+    clock = prepared.clock
+    clock.lap("controller")  # the launch line, the tokenizer, the controller
     writer = None
     try:
-        ctl.start()
+        ctl.start(clock)
         resumed = ctl.resume()
         writer = open_metrics(cfg, enabled=True, after_step=ctl.step)
+        clock.lap("resume")
+        if ctl.push_weights():
+            clock.lap("first_push")
         summary["resumed_from_step"] = ctl.step if resumed else None
         summary["accuracy_before"] = ctl.evaluate()
         summary["sampled_before"] = ctl.evaluate_sampled()
-        history = ctl.fit(writer)
+        if cfg.rl.heldout_eval:
+            clock.lap("eval")
+        startup = clock.metrics()
+        summary["startup"] = {k.removeprefix("time/startup/"): v for k, v in startup.items()}
+        history = ctl.fit(writer, startup)
         summary["steps"] = ctl.step
         summary["history"] = history
         summary["timing"] = mean_timing(history)

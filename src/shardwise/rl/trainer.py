@@ -37,7 +37,9 @@ ppo_epochs / time/update_actor);
 ``rollout/*``: the rollout engine's log-probs of the sampled tokens against the actor's
 (absolute difference, importance ratio; `shardwise.rl.algorithms.rollout_mismatch`);
 with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
-``time/generate``) and ``weight_sync/bytes`` of the step's push.
+``time/generate``) and ``weight_sync/bytes`` of the step's push. The first line written
+also holds ``time/startup/<part>``: where the start-up went (`Controller.start` times Ray
+and the worker groups, the workers their models and engine; `shardwise.jobs.rl` the rest).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from shardwise.rl import algorithms as alg
 from shardwise.rl.cluster import RayWorkerGroup, init_ray
 from shardwise.rl.workers.hybrid import RLWorker
 from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
+from shardwise.telemetry.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +125,15 @@ class Controller:
         self.groups: dict[str, RayWorkerGroup] = {}
 
     # -- the worker groups
-    def start(self) -> None:
+    def start(self, clock: StartupClock | None = None) -> None:
+        """Start Ray and the worker groups; with `clock`, laps ``ray`` and
+        ``worker_groups`` (the parts the workers timed moved out of it: `_split_startup`)."""
+        clock = clock or StartupClock()
         if isinstance(self.reward_fn, ContainedReward):  # its process imports the function while Ray starts
             self.reward_fn.start()
         plan = worker_groups(self.cfg)
         init_ray(num_cpus=self.world_size * len(plan))
+        clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         for name, roles in plan.items():
             self.groups[name] = RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id,
@@ -136,6 +143,24 @@ class Controller:
         # know when a node misbehaves.
         (self.run_dir / "workers.json").write_text(json.dumps(
             {name: g.places_dict() for name, g in self.groups.items()}, indent=2))
+        clock.lap("worker_groups")
+        self._split_startup(clock)
+
+    def _split_startup(self, clock: StartupClock) -> None:
+        """Move what the workers timed (the model loads, the engine: `RLWorker.startup_seconds`)
+        out of ``worker_groups``: per part, the slowest rank's seconds, summed over the groups
+        (groups start one after the other); what is left is Ray's actors, the workers'
+        imports and their process groups."""
+        parts: dict[str, float] = {}
+        for g in self.groups.values():
+            for part, seconds in _slowest_rank(g.startup_seconds()).items():
+                parts[part] = parts.get(part, 0.0) + seconds
+        clock.split("worker_groups", parts)
+
+    def push_weights(self) -> dict[str, float]:
+        """The first push of the actor's weights into a rollout engine that keeps its own
+        (vLLM), before anything generates; {} for an engine that shares the actor's."""
+        return self.group.push_weights()
 
     @property
     def group(self) -> RayWorkerGroup:
@@ -372,19 +397,22 @@ class Controller:
             folder.mkdir(exist_ok=True)
             (folder / f"step_{self.step + 1:08d}.batch").write_bytes(batch.to_bytes())
 
-    def fit(self, writer: MetricsWriter) -> list[dict[str, float]]:
+    def fit(self, writer: MetricsWriter, startup: dict[str, float] | None = None) -> list[dict[str, float]]:
         """Steps until ``train.max_steps`` (from wherever `resume` left the controller), with
         the progress bar and one line per logged step to `writer` (opened after `resume`,
-        with ``after_step=self.step``; the caller closes it); returns every step's metrics."""
+        with ``after_step=self.step``; the caller closes it); returns every step's metrics.
+        `startup` (``time/startup/*``) joins the first line written, not the history."""
         max_steps = self.cfg.train.max_steps
         bar = Progress(total=max_steps, enabled=True, desc=self.cfg.rl.algorithm, initial=self.step)
         history: list[dict[str, float]] = []
+        pending = dict(startup or {})
         try:
             while self.step < max_steps:
                 m = self.train_step()
                 history.append(m)
                 if self.step % self.cfg.train.log_every == 0 or self.step == max_steps:
-                    writer.log(self.step, m)
+                    writer.log(self.step, {**m, **pending})
+                    pending = {}
                 bar.update(1, reward=m["reward/mean"], **({"acc": m["accuracy"]} if "accuracy" in m else {}))
             self.wait_checkpoints()
         finally:
@@ -410,6 +438,12 @@ class Controller:
         return heldout_pass_at_k(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
                                  self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n,
                                  vision=self.vision, chat=text_prompts_as_chat(self.cfg.data))
+
+
+def _slowest_rank(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The parts of the rank whose parts took longest in all (one rank's parts add up to
+    less than the group's start, as the start-up's parts must)."""
+    return max(per_rank, key=lambda parts: sum(parts.values()), default={})
 
 
 def mean_timing(history: list[dict[str, float]]) -> dict[str, float]:

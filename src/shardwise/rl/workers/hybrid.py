@@ -14,6 +14,7 @@ worker group.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,21 @@ class RLWorker:
         seed_everything(self.cfg.run.seed)
         self.actor = self.rollout = self.ref = self.critic = self.reward_model = None
         self._ckpt = self._critic_ckpt = None
+        self.startup_s: dict[str, float] = {}
+        """Seconds this rank spent building each part (`startup_seconds`)."""
+        clock = time.perf_counter()
+
+        def lap(part: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            self.startup_s[part] = self.startup_s.get(part, 0.0) + now - clock
+            clock = now
+
         run_dir = Path(self.cfg.run.dir)
         if "actor" in roles:
             self.actor = ActorWorker(self.cfg, runtime)
             self._ckpt = CheckpointManager(run_dir, self.cfg.checkpoint, runtime, job="rl")
+            lap("model_load")
         if "rollout" in roles:
             self.rollout = build_generator(self.cfg.rl.rollout.engine, self.actor.model, self.cfg.rl.rollout,
                                            runtime, pad_id, eos_id,
@@ -65,15 +77,19 @@ class RLWorker:
             # Ulysses: the sp peers of a group get the same prompts and must draw the same samples
             if hasattr(self.rollout, "seed_rank"):
                 self.rollout.seed_rank = runtime.rank // self.cfg.parallel.ulysses_size
+            lap("engine")
         if "ref" in roles:
             # LoRA: the actor with its adapters disabled is the initial policy, for free
             lora_ref = self.cfg.model.lora.enabled and self.actor is not None
             self.ref = LoraReference(self.actor) if lora_ref else ReferenceWorker(self.cfg, runtime)
+            lap("reference")
         if "critic" in roles:
             self.critic = CriticWorker(self.cfg, runtime)
             self._critic_ckpt = CheckpointManager(run_dir / CRITIC_DIR, self.cfg.checkpoint, runtime, job="rl")
+            lap("critic")
         if "reward_model" in roles:
             self.reward_model = RewardModelWorker(self.cfg, runtime)
+            lap("reward_model")
 
     def _need(self, role: str) -> Any:
         obj = getattr(self, role)
@@ -119,6 +135,22 @@ class RLWorker:
     @register(Dispatch.DP_COMPUTE, collect="first", pad=False)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self._need("critic").update_critic(batch)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def startup_seconds(self) -> dict[str, float]:
+        """Seconds this rank spent building its parts: ``model_load`` (the actor's model,
+        weights and optimizer), ``engine`` (the rollout's generation engine), ``reference``,
+        ``critic``, ``reward_model``; only the parts it hosts."""
+        return dict(self.startup_s)
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def push_weights(self) -> dict[str, float]:
+        """Push the actor's weights into a rollout engine that keeps its own copy, if they
+        changed since the last push (the first push: at start-up, rather than inside the
+        first generation); the push's metrics, or {} when nothing moved."""
+        if self.rollout is None or not self.weight_sync.sync_if_changed():
+            return {}
+        return self.weight_sync.last_metrics()
 
     # -- checkpoints and export
     @register(Dispatch.ONE_TO_ALL, collect="first")
