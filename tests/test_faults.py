@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -693,7 +694,8 @@ def test_a_reward_function_that_kills_its_parent_is_named_and_leaves_nothing(tmp
                    "rl.reward.function=quitter:leave"], timeout=300, cwd=tmp_path,
                   env={"SHARDWISE_TEST_MARK": mark})
     line = one_line(res, code=2)
-    assert "reward function quitter.leave crashed on row 0" in line and "killed by SIGKILL" in line, line
+    # each rank's reward worker scores its own rows and both crash: either may be the one named
+    assert re.search(r"reward function quitter\.leave crashed on row \d+ ", line) and "killed by SIGKILL" in line, line
     assert "SIGTERM" not in res.stderr, res.stderr[-3000:]
     assert str(run / "checkpoints" / "step_") in line, line  # where the same command resumes
     left = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
