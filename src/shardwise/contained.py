@@ -272,7 +272,7 @@ class Contained:
         assert proc is not None
         deadline = time.monotonic() + 5.0
         while True:
-            pids = [*_descendants(proc.pid), *_marked(self._mark)]
+            pids = [*descendants(proc.pid), *_marked(self._mark)]
             if proc.poll() is None:
                 pids.append(proc.pid)
             for p in pids:
@@ -294,8 +294,8 @@ def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _descendants(pid: int) -> list[int]:
-    """Process ids under `pid` (Linux /proc); [] elsewhere."""
+def descendants(pid: int) -> list[int]:
+    """Process ids under `pid` (Linux /proc), deepest last; [] elsewhere."""
     children: dict[int, list[int]] = {}
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
@@ -320,7 +320,7 @@ def kill_left_under(pid: int) -> list[int]:
     child's code started, reparented to `pid`, a subreaper, when the job's process that owned
     the child ended abruptly and the child with it). Returns the pids signalled."""
     out = []
-    for p in _descendants(pid):
+    for p in descendants(pid):
         try:
             with open(f"/proc/{p}/environ", "rb") as f:
                 if not any(x.startswith(f"{MARK_ENV}=".encode()) for x in f.read().split(b"\0")):
@@ -428,7 +428,7 @@ def _keep(worker: int, answer_fd: int) -> int:
         if pid == worker:
             status = os.waitstatus_to_exitcode(wstatus)
     for _ in range(50):
-        pids = _descendants(os.getpid())
+        pids = descendants(os.getpid())
         if not pids:
             break
         for p in pids:

@@ -53,6 +53,7 @@ from typing import Literal, NoReturn
 
 import torch.distributed as dist
 
+from shardwise.contained import descendants
 from shardwise.distributed.runtime import free_port
 from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
 from shardwise.telemetry import activity
@@ -475,27 +476,6 @@ def first_failure(failures: Sequence[Failure]) -> Failure | None:
     causes = [f for f in failures if not f.peer] or list(failures)
     user = [f for f in causes if f.user]
     return min(user or causes, key=lambda f: f.time)
-
-
-def descendants(pid: int) -> list[int]:
-    """Process ids under `pid` (Linux /proc), deepest last; [] elsewhere."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, stack = [], [pid]
-    while stack:
-        for c in children.get(stack.pop(), ()):
-            out.append(c)
-            stack.append(c)
-    return out
 
 
 def kill_tree(pid: int, only: Callable[[str], bool] | None = None) -> list[int]:
