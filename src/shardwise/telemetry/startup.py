@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from shardwise.telemetry import activity
+
 __all__ = ["StartupClock", "launched_at", "process_started_at"]
 
 PREFIX = "time/startup/"
@@ -39,8 +41,6 @@ def process_started_at(pid: int | str = "self") -> float | None:
 def launched_at() -> float | None:
     """When the command began: this process's start, or its supervising parent's when
     `shardwise.jobs.supervisor` forked this process off it; None where unknown."""
-    from shardwise.telemetry import activity
-
     if activity.installed() is not None:  # the forked controller of a supervised command
         parent = process_started_at(os.getppid())
         if parent is not None:
