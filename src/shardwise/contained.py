@@ -76,7 +76,8 @@ def _one_line(text: str, limit: int = _REASON_LIMIT) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
+    """A process's exit status in words (negative: the signal that killed it)."""
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -261,7 +262,7 @@ class Contained:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = proc.wait(timeout=5)
         self.close()
-        how = _describe_exit(code) if code is not None else "closed its pipe"
+        how = describe_exit(code) if code is not None else "closed its pipe"
         return Outcome("crash", reason=f"its process {how}")
 
     def _kill(self) -> None:
@@ -320,12 +321,9 @@ def kill_left_under(pid: int) -> list[int]:
     child's code started, reparented to `pid`, a subreaper, when the job's process that owned
     the child ended abruptly and the child with it). Returns the pids signalled."""
     out = []
+    prefix = f"{MARK_ENV}=".encode()
     for p in descendants(pid):
-        try:
-            with open(f"/proc/{p}/environ", "rb") as f:
-                if not any(x.startswith(f"{MARK_ENV}=".encode()) for x in f.read().split(b"\0")):
-                    continue
-        except OSError:
+        if not any(x.startswith(prefix) for x in _environ(p)):
             continue
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
@@ -338,18 +336,18 @@ def _marked(mark: str) -> list[int]:
     if not mark:
         return []
     needle = f"{MARK_ENV}={mark}".encode()
-    out = []
     with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        out.append(int(entry))
-            except OSError:
-                continue
-    return out
+        return [int(e) for e in os.listdir("/proc") if e.isdigit() and needle in _environ(int(e))]
+    return []
+
+
+def _environ(pid: int) -> list[bytes]:
+    """Process `pid`'s environment as ``NAME=value`` byte strings; [] where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
 
 
 # ---------------------------------------------------------------------- the child side
@@ -439,7 +437,7 @@ def _keep(worker: int, answer_fd: int) -> int:
                 pass
         time.sleep(0.01)
     with contextlib.suppress(OSError):
-        _write_line(answer_fd, {"ended": _describe_exit(status if status is not None else 0)})
+        _write_line(answer_fd, {"ended": describe_exit(status if status is not None else 0)})
     return 0
 
 

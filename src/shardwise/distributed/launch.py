@@ -53,7 +53,7 @@ from typing import Literal, NoReturn
 
 import torch.distributed as dist
 
-from shardwise.contained import descendants
+from shardwise.contained import descendants, describe_exit
 from shardwise.distributed.runtime import free_port
 from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
 from shardwise.telemetry import activity
@@ -104,16 +104,6 @@ def under_torchrun() -> bool:
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV) == "1"
-
-
-def describe_exit(code: int) -> str:
-    """A process's exit status in words (negative: the signal that killed it)."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 # ------------------------------------------------------------------ several nodes
