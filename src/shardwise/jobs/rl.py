@@ -107,7 +107,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     clock.lap("prepare")
-    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock, schemas)
+    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock=clock, schemas=schemas)
 
 
 def check_agents(cfg: Config) -> list[dict] | None:
