@@ -229,6 +229,25 @@ TINY = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64
         "max_position_embeddings: 256, tie_word_embeddings: false}")
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rl.multi_turn.enabled=true"], "rl.multi_turn.enabled': multi-turn rollouts need tools"),
+    (["rl.tools=[m:f]", "rl.multi_turn.max_tool_response_tokens=600"], "max_tool_response_tokens': 600 tokens"),
+    (["rl.tools=[m:f]", "rl.multi_turn.tool_parser=hermez"], "did you mean hermes"),
+    (["rl.tools=[m:f]", "rl.multi_turn.enabled=true", "rl.reward.function=null"], None),
+])
+def test_multi_turn_config_checks(overrides, message):
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+
+    if message is None:  # an environment's reward may stand in: checked by the job with the environment
+        with pytest.raises(ConfigError, match="no reward"):
+            load_config(None, overrides)
+        assert load_config(None, [*overrides, "rl.environment=m:Env"]).rl.environment == "m:Env"
+        return
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
 def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
     """`shardwise rl` with rl.multi_turn on builtin:calc (2 processes, 2 steps): exits 0 and
     logs the multi-turn and tool metrics each step; a tool that cannot be imported is one
@@ -244,8 +263,10 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
     bad = run_cli([*common, f"run.dir={tmp_path / 'bad'}", "rl.tools=[no_such_module:calculator]"], timeout=120,
                   cwd=tmp_path)
     assert bad.returncode == 2 and "rl.tools[0]" in bad.stderr and not (tmp_path / "bad").exists()
+    # the tool a module of the working directory: the Ray workers import it too
+    (tmp_path / "my_calc.py").write_text("from shardwise.agents.builtin import calculator  # noqa: F401\n")
     run = tmp_path / "run"
-    res = run_cli([*common, f"run.dir={run}", "rl.tools=[shardwise.agents.builtin:calculator]"], timeout=300)
+    res = run_cli([*common, f"run.dir={run}", "rl.tools=[my_calc:calculator]"], timeout=300, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
