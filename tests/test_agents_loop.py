@@ -76,14 +76,13 @@ def tools(tmp_path, monkeypatch):
 
 
 class ScriptedEngine(GenerationEngine):
-    """Turn k of every row (k: the assistant markers in its ids, minus one) is `turns[k]`
+    """Turn k of every row (k: the assistant markers in its text, minus one) is `turns[k]`
     and EOS, cut to ``max_new_tokens``; the log-probs are the model's for those tokens."""
 
     shares_model_parameters = True
 
-    def __init__(self, model, tok, turns: list[str]):
-        self.model, self.tok, self.turns = model, tok, turns
-        self.marker = tok.convert_tokens_to_ids("<|assistant|>")
+    def __init__(self, model, tok, turns: list[str], marker: str = "<|assistant|>"):
+        self.model, self.tok, self.turns, self.marker = model, tok, turns, marker
         self.calls: list[int] = []
 
     def sync_weights(self, named_tensors):
@@ -99,19 +98,20 @@ class ScriptedEngine(GenerationEngine):
         produced = torch.zeros((len(ids), r), dtype=torch.bool)
         for i in range(len(ids)):
             real = ids[i][mask[i].bool()].tolist()
-            k = real.count(self.marker) - 1
+            k = self.tok.decode(real).count(self.marker) - 1
             gen = (self.tok(self.turns[k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:r]
             full = torch.tensor([real + gen])
             lp = compute_log_probs(self.model, full, torch.ones_like(full))["log_probs"][0, len(real):]
             responses[i, :len(gen)] = torch.tensor(gen)
             lps[i, :len(gen)] = lp
             produced[i, :len(gen)] = True
-        return assemble_sequences(prompts, ids, mask, responses, lps, produced, 0, self.tok.eos_token_id)
+        return assemble_sequences(prompts, ids, mask, responses, lps, produced, self.tok.pad_token_id,
+                                  self.tok.eos_token_id)
 
 
-def _prompts(tok, schemas, n=2, seed=0, **meta) -> Batch:
+def _prompts(tok, schemas, n=2, seed=0, max_length=64, **meta) -> Batch:
     records = [{"prompt": f"{2 + i}+3=", "response": str(5 + i)} for i in range(n)]
-    batch = agent_prompt_batch(tok, records, 64, [f"u{i}" for i in range(n)], schemas)
+    batch = agent_prompt_batch(tok, records, max_length, [f"u{i}" for i in range(n)], schemas)
     batch.meta.update(seed=seed, **meta)
     return batch
 
@@ -276,3 +276,37 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
             assert isinstance(m[key], (int, float)), key
         assert 1 <= m["multi_turn/turns_mean"] <= 4
     assert (run / "logs" / "tools-rank0.log").exists()
+
+
+def test_qwen_template_glue_and_the_retokenize_check(qwen_tool_tokenizer, tools):
+    """A Qwen2.5-style template writes "\n" after the assistant's <|im_end|>: the tool turn's
+    ids start with it, and the trajectory equals the template's rendering of the whole
+    conversation (schemas in the system turn) token for token; a call written in other
+    whitespace than the template's is counted as a mismatch, its ids kept as generated."""
+    tok, _ = qwen_tool_tokenizer
+    runner, schemas = tools
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         vocab_size=len(tok), max_position_embeddings=2048)).eval()
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    cfg = MultiTurnConfig(enabled=True, max_response_tokens=96)
+    out = run_multi_turn(ScriptedEngine(model, tok, [call, "5"], "<|im_start|>assistant"),
+                         _prompts(tok, schemas, n=1, max_length=1024, max_new_tokens=64), tok, runner, cfg, schemas)
+    t, a = out.tensors, out.arrays
+    mask = t["response_mask"][0].bool()
+    tool_part = t["input_ids"][0][~mask & t["attention_mask"][0].bool()][t["prompt_mask"][0].sum():]
+    assert tok.decode(tool_part) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    real = t["input_ids"][0][t["attention_mask"][0].bool()].tolist()
+    whole = tok.apply_chat_template(a["messages"][0], tools=schemas, tokenize=False)
+    assert real == _ids(tok, whole)[:len(real)] and _ids(tok, whole)[len(real):] == _ids(tok, "\n")
+    assert not a["retokenize_mismatch"][0] and a["final_answer"][0] == "5"
+    torch.testing.assert_close(t["rollout_log_probs"][0][mask], _recomputed(model, out)[0][mask], atol=1e-5, rtol=0)
+    # the same call with a space after the JSON: run and answered, but not the template's text
+    odd = call.replace("}}\n", "}} \n")
+    out = run_multi_turn(ScriptedEngine(model, tok, [odd, "5"], "<|im_start|>assistant"),
+                         _prompts(tok, schemas, n=1, max_length=1024, max_new_tokens=64), tok, runner, cfg, schemas)
+    assert out.arrays["tool_calls"][0] == 1 and out.arrays["retokenize_mismatch"][0]
+    assert out.meta["metrics"]["multi_turn/retokenize_mismatch"] == 1.0
+    assert _ids(tok, odd) == out.tensors["responses"][0][:len(_ids(tok, odd))].tolist()
