@@ -310,3 +310,29 @@ def test_qwen_template_glue_and_the_retokenize_check(qwen_tool_tokenizer, tools)
     assert out.arrays["tool_calls"][0] == 1 and out.arrays["retokenize_mismatch"][0]
     assert out.meta["metrics"]["multi_turn/retokenize_mismatch"] == 1.0
     assert _ids(tok, odd) == out.tensors["responses"][0][:len(_ids(tok, odd))].tolist()
+
+
+def test_controller_scores_trajectories_at_their_last_model_token(tmp_path, tok):
+    """The outcome reward sits on a trajectory's LAST GENERATED token (tool turns after it
+    are outside the mask); an environment's reward stands in for the function's, and
+    rl.multi_turn.truncated_reward scores truncated rows."""
+    from shardwise.config import load_config
+    from shardwise.rl.trainer import Controller
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "rl.tools=[m:f]", "rl.multi_turn.enabled=true",
+                             "rl.environment=m:Env", "rl.reward.function=null", "rl.multi_turn.truncated_reward=-1",
+                             "train.global_batch_size=1"])
+    ctl = Controller(cfg, 1, [{"prompt": "1+1=", "response": "2"}], tok, str(tmp_path), None, schemas=[])
+    p, r = 2, 6
+    model_tokens = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    real = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    batch = Batch.from_dict(
+        {"input_ids": torch.ones((3, p + r), dtype=torch.long),
+         "response_mask": torch.cat([torch.zeros((3, p), dtype=torch.long), model_tokens], 1),
+         "attention_mask": torch.cat([torch.ones((3, p), dtype=torch.long), real], 1)},
+        {"env_reward": [1.0, None, 0.5], "truncated": [False, False, True], "prompt": ["", "", ""],
+         "ground_truth": ["", "", ""]})
+    scored, metrics = ctl.score(batch)
+    s = scored.tensors["token_level_scores"]
+    assert s[0, p + 4] == 1.0 and s[1].abs().sum() == 0 and s[2, p] == -1.0
+    assert (s != 0).sum() == 2 and metrics["reward/mean"] == 0.0 and metrics["accuracy"] == pytest.approx(1 / 3)
