@@ -336,3 +336,28 @@ def test_controller_scores_trajectories_at_their_last_model_token(tmp_path, tok)
     s = scored.tensors["token_level_scores"]
     assert s[0, p + 4] == 1.0 and s[1].abs().sum() == 0 and s[2, p] == -1.0
     assert (s != 0).sum() == 2 and metrics["reward/mean"] == 0.0 and metrics["accuracy"] == pytest.approx(1 / 3)
+
+
+def test_an_environment_observes_plays_and_rewards(tok, model):
+    """GuessNumber: its first observation is a user turn after the prompt (the prompt
+    rendered again with it), its method is a tool with state, its reward() is env_reward."""
+    from shardwise.agents.tools import load_environment
+
+    env = load_environment("shardwise.agents.builtin:GuessNumber")
+    schemas = all_schemas([], env)
+    records = [{"prompt": "guess my number.", "response": "8"}, {"prompt": "guess my number.", "response": "3"}]
+    prompts = agent_prompt_batch(tok, records, 64, ["a", "b"], schemas)
+    prompts.meta.update(seed=0, max_new_tokens=64)
+    play = '<tool_call>{"name": "guess", "arguments": {"number": 8}}</tool_call>'
+    with ToolRunner([], env, timeout_s=20, workers=1) as runner:
+        out = run_multi_turn(ScriptedEngine(model, tok, [play, "8"]), prompts, tok, runner,
+                             MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    a, t = out.arrays, out.tensors
+    assert list(a["env_reward"]) == [1.0, 0.0]
+    first = a["messages"][0][:2]
+    assert first[0] == {"role": "user", "content": "guess my number."} and first[1]["role"] == "user"
+    assert "you have" in first[1]["content"]
+    prompt = t["prompt_ids"][0][t["prompt_mask"][0].bool()].tolist()
+    assert prompt == _ids(tok, tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False))
+    assert [m["content"] for m in a["messages"][1] if m["role"] == "tool"] == ["lower"]
+    assert not a["retokenize_mismatch"].any() and not a["truncated"].any()
