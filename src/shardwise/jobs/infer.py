@@ -37,6 +37,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.agents.execute import ToolRunner
+from shardwise.agents.loop import agent_prompt_batch, run_multi_turn
+from shardwise.agents.tools import EnvironmentSpec, ToolSpec
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_spec
 from shardwise.data.chat import use_chat_template
@@ -62,6 +65,7 @@ from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import (
+    check_agents,
     check_causal_task,
     check_data,
     check_model,
@@ -95,6 +99,8 @@ class Prepared:
     reward_fn: RewardFn | None
     planned: tuple[nn.Module, ShardingPlan] | None
     """The meta model and its plan (used up by the engine that shards it)."""
+    agents: tuple[list[dict], list[ToolSpec], EnvironmentSpec | None] | None = None
+    """infer.multi_turn: the tools' schemas, the tools and the environment (None: single turn)."""
 
 
 def reward_spec(cfg: Config) -> str | None:
@@ -129,6 +135,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
         vllm_engine.check_supported(load_hf_config(cfg.model), "infer", "model.config")
     check_tokenizer(cfg)
     check_tokens(cfg)
+    agents = check_agents(cfg, "infer")
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
     records = load_prompts(cfg, scored=name is not None)
@@ -136,7 +143,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     check_output(cfg)
     fn = contain(fn, name)  # a user's function runs in a child of its own (started by run)
     planned = plan_for(cfg, spec)
-    return Prepared(cfg, spec, records, name, fn, planned)
+    return Prepared(cfg, spec, records, name, fn, planned, agents)
 
 
 GENERATION_KEYS = ("index", "sample", "prompt", "response")
@@ -214,17 +221,28 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     generator = build_generator(icfg.engine, engine.model, icfg, runtime, pad_token_id(tokenizer),
                                 tokenizer.eos_token_id, key="infer.engine",
                                 compute_dtype=cfg.fsdp.mixed_precision.param_dtype)
+    runner = None
+    if prepared.agents is not None:  # this rank's tool processes, printing to run.dir/logs/
+        mt, (_, tools, env) = icfg.multi_turn, prepared.agents
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        runner = ToolRunner(tools, env, timeout_s=icfg.tool_timeout_s, max_chars=max(4096, 16 * mt.max_tool_response_tokens),
+                            output=str(run_dir / "logs" / f"tools-rank{runtime.rank}.log"))
     # the trackers of run.loggers get the config and, from rank 0, the summary (no steps here)
-    with open_metrics(cfg, enabled=runtime.is_main, after_step=None, jsonl=False) as trackers:
-        summary = _generate_all(prepared, runtime, engine, generator, tokenizer)
-        trackers.log_summary(summary)
+    try:
+        with open_metrics(cfg, enabled=runtime.is_main, after_step=None, jsonl=False) as trackers:
+            summary = _generate_all(prepared, runtime, engine, generator, tokenizer, runner)
+            trackers.log_summary(summary)
+    finally:
+        if runner is not None:
+            runner.close()
     # Collective, before the process group goes. Not on an error path: a failed rank leaves
     # at once (`launch.rank_failed`) and a collective would wait for it.
     generator.shutdown()
     return summary
 
 
-def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, generator, tokenizer) -> dict[str, Any]:
+def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, generator, tokenizer,
+                  runner: ToolRunner | None = None) -> dict[str, Any]:
     cfg = prepared.cfg
     icfg = cfg.infer
     fn = prepared.reward_fn
@@ -243,12 +261,21 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     try:
         for call in range(calls):
             idx = list(mine[call * icfg.batch_size:(call + 1) * icfg.batch_size])
-            batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length, [str(i) for i in idx],
-                                 vision)
+            if runner is None:
+                batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length,
+                                     [str(i) for i in idx], vision)
+            else:
+                batch = agent_prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length,
+                                           [str(i) for i in idx], prepared.agents[0])
             batch = batch.repeat(icfg.n, interleave=True)
             batch.meta["seed"] = cfg.run.seed * 1_000_003 + call
-            out = generator.generate_sequences(batch)
-            texts, _ = decode_responses(out, tokenizer)
+            if runner is None:
+                out = generator.generate_sequences(batch)
+                texts, _ = decode_responses(out, tokenizer)
+            else:  # max_new_tokens: per assistant turn
+                batch.meta["max_new_tokens"] = icfg.max_new_tokens
+                out = run_multi_turn(generator, batch, tokenizer, runner, icfg.multi_turn, prepared.agents[0])
+                texts = [str(x) for x in out.arrays["final_answer"]]
             scores = None
             if fn is not None and len(out):
                 scores = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s"
@@ -256,11 +283,15 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
             resp = out.tensors["responses"]
             lengths = out.tensors["response_mask"].sum(-1).tolist()
             ended = (resp == tokenizer.eos_token_id).any(-1).tolist()
+            if runner is not None:  # every finished turn ends in eos: a trajectory ends unless truncated
+                ended = [not bool(x) for x in out.arrays["truncated"]]
             tokens += int(sum(lengths))
             for j, text in enumerate(texts):
                 i = idx[j // icfg.n]
                 row = {"index": i, "sample": j % icfg.n, "prompt": records[i]["prompt"], "response": text,
                        "response_tokens": int(lengths[j]), "ended_with_eos": bool(ended[j])}
+                if runner is not None:  # the whole trajectory
+                    row.update({k: _plain(out.arrays[k][j]) for k in _TRAJECTORY_KEYS})
                 if fn is not None:
                     row["ground_truth"] = records[i]["response"]
                     row["score"] = float(scores[j])
@@ -300,6 +331,16 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
         summary["summary"] = str(_write_json(run_dir / SUMMARY_FILE, summary))
     dist.barrier()
     return summary
+
+
+_TRAJECTORY_KEYS = ("messages", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated",
+                    "env_reward")
+"""What a multi-turn output line holds beside the response (the final answer)."""
+
+
+def _plain(value: Any) -> Any:
+    """A trajectory array's value as plain JSON (numpy scalars become Python ones)."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
