@@ -275,6 +275,8 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
                     "multi_turn/truncated", "multi_turn/retokenize_mismatch", "time/tools"):
             assert isinstance(m[key], (int, float)), key
         assert 1 <= m["multi_turn/turns_mean"] <= 4
+        # the actor's packed forward scores the trained (non-contiguous) tokens as the rollout did
+        assert m["rollout/log_prob_diff_abs_max"] < 1e-4
     assert (run / "logs" / "tools-rank0.log").exists()
 
 
