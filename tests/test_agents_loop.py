@@ -116,9 +116,9 @@ def _prompts(tok, schemas, n=2, seed=0, max_length=64, **meta) -> Batch:
     return batch
 
 
-def _recomputed(model, out: Batch) -> torch.Tensor:
+def _recomputed(model, out: Batch, layout: str = "padded") -> torch.Tensor:
     t = out.tensors
-    return compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"])["log_probs"]
+    return compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"], layout=layout)["log_probs"]
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -167,6 +167,9 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
     # the log-probs are those of the trained ids, where the actor will recompute them
     mask = t["response_mask"].bool()
     torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out)[mask], atol=1e-5, rtol=0)
+    # rl.packing's layout takes the same rows as they are (tool turns are real tokens, mask 0)
+    torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out, "packed")[mask], atol=1e-5,
+                               rtol=0)
     assert (t["rollout_log_probs"][~mask] == 0).all()
     m = out.meta["metrics"]
     assert m["multi_turn/turns_mean"] == 2 and m["tools/calls_per_trajectory"] == 1 and m["tools/errors"] == 0
