@@ -609,6 +609,20 @@ class MultiTurnConfig(Section):
     carry them as extra_info.tools_kwargs); absent in a record: none."""
 
 
+def check_tool_keys(mt: MultiTurnConfig, tools: list[str], environment: str | None, section: str) -> None:
+    """`section`'s (``rl`` or ``infer``) multi_turn, tools and environment agree: ConfigError
+    for a multi-turn loop with nothing to call, or a tool result wider than the response."""
+    if mt.enabled and not tools and environment is None:
+        raise ConfigError(f"{section}.multi_turn.enabled", f"multi-turn rollouts need tools to call, but "
+                          f"{section}.tools is empty and {section}.environment is null",
+                          f"set {section}.tools=[my_tools:calculator] or {section}.environment=my_env:Game")
+    if mt.max_tool_response_tokens > mt.max_response_tokens:
+        raise ConfigError(f"{section}.multi_turn.max_tool_response_tokens",
+                          f"{mt.max_tool_response_tokens} tokens of one tool result do not fit in "
+                          f"{section}.multi_turn.max_response_tokens={mt.max_response_tokens}",
+                          f"set it to at most {mt.max_response_tokens}")
+
+
 class RLConfig(Section):
     """Read by `shardwise rl` only."""
 
@@ -715,7 +729,8 @@ class RLConfig(Section):
                               f"{mt.max_tool_response_tokens} tokens of one tool result do not fit in "
                               f"rl.multi_turn.max_response_tokens={mt.max_response_tokens}",
                               f"set it to at most {mt.max_response_tokens}")
-        if self.reward.function is None and self.reward.model is None:
+        # an environment may give the reward (its reward(); checked once it is imported)
+        if self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment):
             raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
                               "set rl.reward.function=builtin:arithmetic or a module:function")
         return self
@@ -743,6 +758,22 @@ class InferConfig(SamplingConfig):
     """The JSONL file of generations; default run.dir/generations.jsonl. A path with ``..``
     is resolved first; an existing file is replaced only when it holds generations of
     `shardwise infer` (or nothing)."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """Evaluation with tools: rl.multi_turn's loop (the same keys), with infer.tools /
+    infer.environment; each line of the output is then a whole trajectory (its messages,
+    num_turns, tool_calls, truncated, the final answer as its response)."""
+    tools: list[str] = []
+    """The tools of infer.multi_turn, as rl.tools (module:function)."""
+    environment: str | None = None
+    """The environment of infer.multi_turn, as rl.environment (module:Class); its reward()
+    scores a trajectory when it gives one (infer.reward otherwise)."""
+    tool_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """The longest one tool call may take, as rl.tool_timeout_s."""
+
+    @model_validator(mode="after")
+    def _tools_agree(self) -> InferConfig:
+        check_tool_keys(self.multi_turn, self.tools, self.environment, "infer")
+        return self
 
 
 class Config(Section):
