@@ -729,7 +729,7 @@ class RLConfig(Section):
                               f"{mt.max_tool_response_tokens} tokens of one tool result do not fit in "
                               f"rl.multi_turn.max_response_tokens={mt.max_response_tokens}",
                               f"set it to at most {mt.max_response_tokens}")
-        # an environment may give the reward (its reward(); checked once it is imported)
+        # an environment's reward() may be the reward: `shardwise.jobs.rl.check_agents` knows
         if self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment):
             raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
                               "set rl.reward.function=builtin:arithmetic or a module:function")
