@@ -1,0 +1,65 @@
+"""`shardwise infer` with infer.multi_turn: the RL rollout's multi-turn loop, through the
+real CLI on 2 ranks, writing whole trajectories.
+
+The model (tests/tool_model.py) calls the built-in calculator in every assistant turn, so
+each trajectory is 2 turns, 2 calls and 2 tool turns, truncated at infer.multi_turn.max_turns.
+3 prompts over 2 ranks with infer.batch_size=1: rank 1 makes its second call with no rows
+(the loop is collective). The reward function takes ``messages`` (by signature) and is
+contained in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dist.common import TINY_QWEN3
+from dist.launcher import REPO_ROOT, run_cli
+from tool_model import TOOL, build_tool_model
+
+from shardwise.cli import main
+
+EXAMPLE = str(REPO_ROOT / "examples" / "infer_arithmetic.yaml")
+MULTI_TURN = ["infer.multi_turn.enabled=true", f"infer.tools=[{TOOL}]", "infer.multi_turn.max_turns=2",
+              "infer.multi_turn.max_response_tokens=48", "infer.multi_turn.max_tool_response_tokens=8",
+              "infer.max_new_tokens=8"]
+REWARD_PY = """
+def score(prompt, response, ground_truth, messages):
+    tools = [m["content"] for m in messages if m["role"] == "tool"]
+    return {"score": float(tools.count(ground_truth)), "messages": float(len(messages))}
+"""
+
+
+def test_infer_writes_whole_trajectories_of_tool_calls(tmp_path):
+    model = build_tool_model(tmp_path / "model")
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"what is 2*3? ({i})", "response": "6"}) + "\n" for i in range(3)))
+    (tmp_path / "my_reward.py").write_text(REWARD_PY)
+    argv = ["infer", EXAMPLE, f"run.dir={tmp_path / 'run'}", f"model.path={model}", f"data.source={data}",
+            "data.max_length=32", "infer.batch_size=1", "infer.reward=my_reward:score", *MULTI_TURN, "--nproc", "2"]
+    res = run_cli(argv, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    rows = [json.loads(x) for x in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    call = {"name": "calculator", "arguments": {"expression": "2*3"}}
+    for i, r in enumerate(rows):
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant", "tool", "assistant", "tool"], r
+        assert r["messages"][0]["content"] == f"what is 2*3? ({i})"
+        assert [m["tool_calls"][0]["function"] for m in r["messages"][1::2]] == [call, call]
+        assert [m["content"] for m in r["messages"][2::2]] == ["6", "6"]
+        assert (r["num_turns"], r["tool_calls"], r["tool_errors"], r["truncated"]) == (2, 2, 0, True), r
+        # the final answer (no text beside the call), the model's tokens only (2 x 4), scored with the messages
+        assert (r["response"], r["response_tokens"], r["score"]) == ("", 8, 2.0), r
+    summary = json.loads((tmp_path / "run" / "infer_summary.json").read_text())
+    assert summary["multi_turn/turns_mean"] == 2.0 and summary["tools/calls_per_trajectory"] == 2.0
+    assert summary["multi_turn/truncated"] == 1.0 and summary["score_mean"] == 2.0
+    assert "2.00 turns and 2.00 tool calls each" in res.stdout
+
+
+def test_a_bad_infer_tool_exits_2_before_any_process(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    code = main(["infer", EXAMPLE, "model.path=null", TINY_QWEN3, f"run.dir={tmp_path / 'run'}", *MULTI_TURN,
+                 "infer.tools=[no_such_tools_xyz:calc]", "--nproc", "2"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "infer.tools" in err and "no_such_tools_xyz" in err, err
+    assert not (tmp_path / "run").exists()
