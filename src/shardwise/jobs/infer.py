@@ -79,6 +79,7 @@ from shardwise.jobs.inputs import (
     check_tokens,
     ground_truth_key,
     vision_inputs,
+    wants_tools_tokenizer,
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import load_hf_config
@@ -245,7 +246,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
     # a built tokenizer (no model.path) for tool calls is the built-in's tools variant
     tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir,
-                                    tools=cfg.infer.multi_turn.enabled)
+                                    tools=wants_tools_tokenizer(cfg) or cfg.infer.multi_turn.enabled)
     use_chat_template(tokenizer, cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     if runtime.is_main:

@@ -43,6 +43,7 @@ from shardwise.jobs.inputs import (
     check_tokens,
     ground_truth_key,
     vision_inputs,
+    wants_tools_tokenizer,
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
@@ -106,7 +107,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     clock.lap("prepare")
-    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock, schemas)
+    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock=clock, schemas=schemas)
 
 
 def check_agents(cfg: Config) -> list[dict] | None:
@@ -193,7 +194,8 @@ def plot_panels(cfg: Config, on_policy_shortcut: bool) -> list[tuple[str, list[s
 
 def _run(prepared: Prepared) -> dict[str, Any]:
     cfg = prepared.cfg
-    folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True)
+    folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True,
+                           tools=wants_tools_tokenizer(cfg))
     tokenizer = use_chat_template(load_tokenizer(folder), cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     vision = vision_inputs(cfg, tokenizer)
