@@ -29,7 +29,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.agents.host import LOST
 from shardwise.agents.parsers import ToolCall
 from shardwise.agents.tools import EnvironmentSpec, ToolSpec, check_names
 from shardwise.contained import Contained, Outcome
@@ -39,6 +38,7 @@ __all__ = ["ToolResult", "ToolRunner"]
 
 _TARGET = "shardwise.agents.host:serve"
 _STATUSES = ("ok", "error", "timeout", "crash")
+_NO_ENVIRONMENT = "the environment of this trajectory was ended or never started"
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class ToolRunner:
                 jobs.append((self._pin(traj), {"op": "reward", "traj": traj}))
                 where.append(i)
             else:
-                self.reward_errors[traj] = self._failed.get(traj, LOST)
+                self.reward_errors[traj] = self._failed.get(traj, _NO_ENVIRONMENT)
         for i, outcome in zip(where, self._run(jobs), strict=True):
             answer = _answer(outcome, f"{self.environment.spec}.reward", self.timeout_s)
             if answer.status == "ok":
@@ -239,7 +239,7 @@ class ToolRunner:
                 return ToolResult(self._cut(f"error: the environment of this trajectory could not be started: "
                                             f"{self._failed[traj]}"), "error")
             if traj not in self._envs:
-                return ToolResult(self._cut(f"error: {LOST}"), "error")
+                return ToolResult(self._cut(f"error: {_NO_ENVIRONMENT}"), "error")
             return None
         names = [*self.tools, *self.methods]
         hint = did_you_mean(call.name, names) if names else "there are no tools"
@@ -264,7 +264,12 @@ class ToolRunner:
         # Each payload is bounded by the children (timeout_s after the previous answer, a
         # start by start_timeout_s); this bound only catches a runner bug.
         bound = max(len(idx) for idx in groups.values()) * (self.timeout_s + self.start_timeout_s + 10) + 30
-        done, pending = concurrent.futures.wait(futures.values(), timeout=bound)
+        try:
+            _, pending = concurrent.futures.wait(futures.values(), timeout=bound)
+        except BaseException:  # an interrupt (Ctrl-C): the children are killed, their threads wake and end
+            for child in self._children:
+                child.close()
+            raise
         if pending:
             stuck = [w for w, f in futures.items() if f in pending]
             for w in stuck:
