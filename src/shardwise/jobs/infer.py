@@ -134,13 +134,16 @@ def reward_spec(cfg: Config) -> str | None:
 
 def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
     """The records to generate for (see the module docstring); raises DataError /
-    ConfigError for a source that cannot be read or holds no records."""
+    ConfigError for a source that cannot be read or holds no records. Scored, or with
+    infer.multi_turn (an environment's ``reset(**row)`` and the per-row tool arguments read
+    them), records carry ``data_source`` and ``extra_info``."""
     n = cfg.infer.num_prompts
     response_key, name = ground_truth_key(cfg) if scored else (None, "data.response_key")
+    extras = scored or cfg.infer.multi_turn.enabled
     if cfg.data.source.startswith(BUILTIN_PREFIX):
         return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS,
-                          heldout=True, scoring=scored, response_name=name)
-    records = check_data(cfg, response_key, scoring=scored, response_name=name)
+                          heldout=True, scoring=extras, response_name=name)
+    records = check_data(cfg, response_key, scoring=extras, response_name=name)
     return records[:n] if n else records
 
 
