@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, at_once, run_cli
 from tool_model import TOOL, build_tool_model
@@ -90,11 +91,19 @@ def test_infer_writes_whole_trajectories_of_tool_calls(tmp_path):
     assert summary["reward"] == "my_env:Counter.reward" and summary["score_mean"] == 7.0
 
 
-def test_a_bad_infer_tool_exits_2_before_any_process(capsys, monkeypatch, tmp_path):
+BAD = [
+    (["infer.tools=[no_such_tools_xyz:calc]"], "infer.tools[0]", "no_such_tools_xyz"),
+    (["infer.tools=[]"], "infer.multi_turn.enabled", "infer.tools is empty and infer.environment is null"),
+    (["infer.multi_turn.tool_parser=hermez"], "infer.multi_turn.tool_parser", "did you mean hermes?"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,words", BAD, ids=[b[1] for b in BAD])
+def test_bad_infer_tool_settings_exit_2_before_any_process(overrides, key, words, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code = main(["infer", EXAMPLE, "model.path=null", TINY_QWEN3, f"run.dir={tmp_path / 'run'}", *MULTI_TURN,
-                 "infer.tools=[no_such_tools_xyz:calc]", "--nproc", "2"])
+                 *overrides, "--nproc", "2"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "infer.tools" in err and "no_such_tools_xyz" in err, err
+    assert f"'{key}'" in err and words in err, err
     assert not (tmp_path / "run").exists()

@@ -567,11 +567,11 @@ class KLInRewardConfig(Section):
 
 def _check_tool_parser(name: str) -> str:
     """`name` when `shardwise.agents.parsers.TOOL_PARSERS` has it (imported by name, the
-    first time: the schema sits below agents/); a ConfigError naming the nearest otherwise."""
+    first time: the schema sits below agents/); a ValueError naming the nearest otherwise
+    (the loader names the key it was given under: rl.multi_turn or infer.multi_turn)."""
     parsers = importlib.import_module("shardwise.agents.parsers").TOOL_PARSERS
     if name not in parsers:
-        raise ConfigError("rl.multi_turn.tool_parser", f"{name!r} is not a tool-call parser",
-                          did_you_mean(str(name), list(parsers)))
+        raise ValueError(f"{name!r} is not a tool-call parser ({did_you_mean(str(name), list(parsers))})")
     return name
 
 
