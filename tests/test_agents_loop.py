@@ -76,14 +76,13 @@ def tools(tmp_path, monkeypatch):
 
 
 class ScriptedEngine(GenerationEngine):
-    """Turn k of every row (k: the assistant markers in its ids, minus one) is `turns[k]`
+    """Turn k of every row (k: the assistant markers in its text, minus one) is `turns[k]`
     and EOS, cut to ``max_new_tokens``; the log-probs are the model's for those tokens."""
 
     shares_model_parameters = True
 
-    def __init__(self, model, tok, turns: list[str]):
-        self.model, self.tok, self.turns = model, tok, turns
-        self.marker = tok.convert_tokens_to_ids("<|assistant|>")
+    def __init__(self, model, tok, turns: list[str], marker: str = "<|assistant|>"):
+        self.model, self.tok, self.turns, self.marker = model, tok, turns, marker
         self.calls: list[int] = []
 
     def sync_weights(self, named_tensors):
@@ -99,19 +98,20 @@ class ScriptedEngine(GenerationEngine):
         produced = torch.zeros((len(ids), r), dtype=torch.bool)
         for i in range(len(ids)):
             real = ids[i][mask[i].bool()].tolist()
-            k = real.count(self.marker) - 1
+            k = self.tok.decode(real).count(self.marker) - 1
             gen = (self.tok(self.turns[k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:r]
             full = torch.tensor([real + gen])
             lp = compute_log_probs(self.model, full, torch.ones_like(full))["log_probs"][0, len(real):]
             responses[i, :len(gen)] = torch.tensor(gen)
             lps[i, :len(gen)] = lp
             produced[i, :len(gen)] = True
-        return assemble_sequences(prompts, ids, mask, responses, lps, produced, 0, self.tok.eos_token_id)
+        return assemble_sequences(prompts, ids, mask, responses, lps, produced, self.tok.pad_token_id,
+                                  self.tok.eos_token_id)
 
 
-def _prompts(tok, schemas, n=2, seed=0, **meta) -> Batch:
+def _prompts(tok, schemas, n=2, seed=0, max_length=64, **meta) -> Batch:
     records = [{"prompt": f"{2 + i}+3=", "response": str(5 + i)} for i in range(n)]
-    batch = agent_prompt_batch(tok, records, 64, [f"u{i}" for i in range(n)], schemas)
+    batch = agent_prompt_batch(tok, records, max_length, [f"u{i}" for i in range(n)], schemas)
     batch.meta.update(seed=seed, **meta)
     return batch
 
@@ -229,6 +229,25 @@ TINY = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64
         "max_position_embeddings: 256, tie_word_embeddings: false}")
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rl.multi_turn.enabled=true"], "rl.multi_turn.enabled': multi-turn rollouts need tools"),
+    (["rl.tools=[m:f]", "rl.multi_turn.max_tool_response_tokens=600"], "max_tool_response_tokens': 600 tokens"),
+    (["rl.tools=[m:f]", "rl.multi_turn.tool_parser=hermez"], "did you mean hermes"),
+    (["rl.tools=[m:f]", "rl.multi_turn.enabled=true", "rl.reward.function=null"], None),
+])
+def test_multi_turn_config_checks(overrides, message):
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+
+    if message is None:  # an environment's reward may stand in: checked by the job with the environment
+        with pytest.raises(ConfigError, match="no reward"):
+            load_config(None, overrides)
+        assert load_config(None, [*overrides, "rl.environment=m:Env"]).rl.environment == "m:Env"
+        return
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
 def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
     """`shardwise rl` with rl.multi_turn on builtin:calc (2 processes, 2 steps): exits 0 and
     logs the multi-turn and tool metrics each step; a tool that cannot be imported is one
@@ -244,8 +263,10 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
     bad = run_cli([*common, f"run.dir={tmp_path / 'bad'}", "rl.tools=[no_such_module:calculator]"], timeout=120,
                   cwd=tmp_path)
     assert bad.returncode == 2 and "rl.tools[0]" in bad.stderr and not (tmp_path / "bad").exists()
+    # the tool a module of the working directory: the Ray workers import it too
+    (tmp_path / "my_calc.py").write_text("from shardwise.agents.builtin import calculator  # noqa: F401\n")
     run = tmp_path / "run"
-    res = run_cli([*common, f"run.dir={run}", "rl.tools=[shardwise.agents.builtin:calculator]"], timeout=300)
+    res = run_cli([*common, f"run.dir={run}", "rl.tools=[my_calc:calculator]"], timeout=300, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
@@ -255,3 +276,88 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
             assert isinstance(m[key], (int, float)), key
         assert 1 <= m["multi_turn/turns_mean"] <= 4
     assert (run / "logs" / "tools-rank0.log").exists()
+
+
+def test_qwen_template_glue_and_the_retokenize_check(qwen_tool_tokenizer, tools):
+    """A Qwen2.5-style template writes "\n" after the assistant's <|im_end|>: the tool turn's
+    ids start with it, and the trajectory equals the template's rendering of the whole
+    conversation (schemas in the system turn) token for token; a call written in other
+    whitespace than the template's is counted as a mismatch, its ids kept as generated."""
+    tok, _ = qwen_tool_tokenizer
+    runner, schemas = tools
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         vocab_size=len(tok), max_position_embeddings=2048)).eval()
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    cfg = MultiTurnConfig(enabled=True, max_response_tokens=96)
+    out = run_multi_turn(ScriptedEngine(model, tok, [call, "5"], "<|im_start|>assistant"),
+                         _prompts(tok, schemas, n=1, max_length=1024, max_new_tokens=64), tok, runner, cfg, schemas)
+    t, a = out.tensors, out.arrays
+    mask = t["response_mask"][0].bool()
+    tool_part = t["input_ids"][0][~mask & t["attention_mask"][0].bool()][t["prompt_mask"][0].sum():]
+    assert tok.decode(tool_part) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    real = t["input_ids"][0][t["attention_mask"][0].bool()].tolist()
+    whole = tok.apply_chat_template(a["messages"][0], tools=schemas, tokenize=False)
+    assert real == _ids(tok, whole)[:len(real)] and _ids(tok, whole)[len(real):] == _ids(tok, "\n")
+    assert not a["retokenize_mismatch"][0] and a["final_answer"][0] == "5"
+    torch.testing.assert_close(t["rollout_log_probs"][0][mask], _recomputed(model, out)[0][mask], atol=1e-5, rtol=0)
+    # the same call with a space after the JSON: run and answered, but not the template's text
+    odd = call.replace("}}\n", "}} \n")
+    out = run_multi_turn(ScriptedEngine(model, tok, [odd, "5"], "<|im_start|>assistant"),
+                         _prompts(tok, schemas, n=1, max_length=1024, max_new_tokens=64), tok, runner, cfg, schemas)
+    assert out.arrays["tool_calls"][0] == 1 and out.arrays["retokenize_mismatch"][0]
+    assert out.meta["metrics"]["multi_turn/retokenize_mismatch"] == 1.0
+    assert _ids(tok, odd) == out.tensors["responses"][0][:len(_ids(tok, odd))].tolist()
+
+
+def test_controller_scores_trajectories_at_their_last_model_token(tmp_path, tok):
+    """The outcome reward sits on a trajectory's LAST GENERATED token (tool turns after it
+    are outside the mask); an environment's reward stands in for the function's, and
+    rl.multi_turn.truncated_reward scores truncated rows."""
+    from shardwise.config import load_config
+    from shardwise.rl.trainer import Controller
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "rl.tools=[m:f]", "rl.multi_turn.enabled=true",
+                             "rl.environment=m:Env", "rl.reward.function=null", "rl.multi_turn.truncated_reward=-1",
+                             "train.global_batch_size=1"])
+    ctl = Controller(cfg, 1, [{"prompt": "1+1=", "response": "2"}], tok, str(tmp_path), None, schemas=[])
+    p, r = 2, 6
+    model_tokens = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    real = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    batch = Batch.from_dict(
+        {"input_ids": torch.ones((3, p + r), dtype=torch.long),
+         "response_mask": torch.cat([torch.zeros((3, p), dtype=torch.long), model_tokens], 1),
+         "attention_mask": torch.cat([torch.ones((3, p), dtype=torch.long), real], 1)},
+        {"env_reward": [1.0, None, 0.5], "truncated": [False, False, True], "prompt": ["", "", ""],
+         "ground_truth": ["", "", ""]})
+    scored, metrics = ctl.score(batch)
+    s = scored.tensors["token_level_scores"]
+    assert s[0, p + 4] == 1.0 and s[1].abs().sum() == 0 and s[2, p] == -1.0
+    assert (s != 0).sum() == 2 and metrics["reward/mean"] == 0.0 and metrics["accuracy"] == pytest.approx(1 / 3)
+
+
+def test_an_environment_observes_plays_and_rewards(tok, model):
+    """GuessNumber: its first observation is a user turn after the prompt (the prompt
+    rendered again with it), its method is a tool with state, its reward() is env_reward."""
+    from shardwise.agents.tools import load_environment
+
+    env = load_environment("shardwise.agents.builtin:GuessNumber")
+    schemas = all_schemas([], env)
+    records = [{"prompt": "guess my number.", "response": "8"}, {"prompt": "guess my number.", "response": "3"}]
+    prompts = agent_prompt_batch(tok, records, 64, ["a", "b"], schemas)
+    prompts.meta.update(seed=0, max_new_tokens=64)
+    play = '<tool_call>{"name": "guess", "arguments": {"number": 8}}</tool_call>'
+    with ToolRunner([], env, timeout_s=20, workers=1) as runner:
+        out = run_multi_turn(ScriptedEngine(model, tok, [play, "8"]), prompts, tok, runner,
+                             MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    a, t = out.arrays, out.tensors
+    assert list(a["env_reward"]) == [1.0, 0.0]
+    first = a["messages"][0][:2]
+    assert first[0] == {"role": "user", "content": "guess my number."} and first[1]["role"] == "user"
+    assert "you have" in first[1]["content"]
+    prompt = t["prompt_ids"][0][t["prompt_mask"][0].bool()].tolist()
+    assert prompt == _ids(tok, tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False))
+    assert [m["content"] for m in a["messages"][1] if m["role"] == "tool"] == ["lower"]
+    assert not a["retokenize_mismatch"].any() and not a["truncated"].any()

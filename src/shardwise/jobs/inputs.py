@@ -173,8 +173,8 @@ def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> No
 def wants_tools_tokenizer(cfg: Config) -> bool:
     """A job that builds the built-in tokenizer builds its tools variant (Hermes tool calls
     in its template, `shardwise.data.tokenizer`): its data are a built-in task that calls
-    tools (``builtin:calc``, ``builtin:guess``)."""
-    return task_needs_tools(cfg.data.source)
+    tools (``builtin:calc``, ``builtin:guess``), or its rollouts do (``rl.multi_turn``)."""
+    return task_needs_tools(cfg.data.source) or cfg.rl.multi_turn.enabled
 
 
 def job_tokenizer(cfg: Config):
