@@ -748,11 +748,13 @@ class InferConfig(SamplingConfig):
     `shardwise infer` (or nothing)."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Evaluation with tools: the multi-turn loop of rl.multi_turn (max_new_tokens is then
-    the most tokens per assistant turn); each output line holds the whole trajectory."""
+    the most tokens per assistant turn); each output line holds the whole trajectory (its
+    messages, num_turns, tool_calls, truncated, the final answer as its response)."""
     tools: list[str] = []
     """The tools of infer.multi_turn, as rl.tools."""
     environment: str | None = None
-    """The environment of infer.multi_turn, as rl.environment."""
+    """The environment of infer.multi_turn, as rl.environment; its reward() scores a
+    trajectory (in place of infer.reward) where it gives one."""
     tool_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """The longest one tool call may take, as rl.tool_timeout_s."""
 

@@ -18,6 +18,13 @@ Scoring: ``infer.reward`` (builtin:NAME or module:function, as ``rl.reward.funct
 against ``data.response_key``; by default a built-in task is scored by its own scorer and
 a file is not scored (its ``response_key`` column is then not read).
 
+Evaluation with tools (``infer.multi_turn.enabled``): each prompt is a multi-turn
+trajectory of `shardwise.agents.loop.run_multi_turn`, the RL rollout's loop, with the tools
+of ``infer.tools`` / the environment of ``infer.environment`` (run in worker processes, one
+`ToolRunner` per rank); a line of the output is a whole trajectory (``messages``,
+``num_turns``, ``tool_calls``, ``tool_errors``, ``truncated``, the final answer as its
+``response``), scored by ``infer.reward`` and / or the environment's ``reward()``.
+
 Sampling (``infer.temperature`` > 0) is seeded by ``run.seed``, the call and the rank: a
 run repeats exactly with the same world size and ``infer.batch_size``. Greedy output does
 not depend on either.
@@ -99,8 +106,23 @@ class Prepared:
     reward_fn: RewardFn | None
     planned: tuple[nn.Module, ShardingPlan] | None
     """The meta model and its plan (used up by the engine that shards it)."""
-    agents: tuple[list[dict], list[ToolSpec], EnvironmentSpec | None] | None = None
-    """infer.multi_turn: the tools' schemas, the tools and the environment (None: single turn)."""
+    agents: Agents | None = None
+    """infer.multi_turn's tools and environment (None: single-turn)."""
+
+
+@dataclass(frozen=True)
+class Agents:
+    """What infer.multi_turn calls, checked by `prepare`: the tools, the environment and the
+    schemas the chat template gets."""
+
+    tools: list[ToolSpec]
+    environment: EnvironmentSpec | None
+    schemas: list[dict]
+
+    @property
+    def env_reward(self) -> bool:
+        """The environment gives each trajectory's reward (its ``reward()``)."""
+        return self.environment is not None and self.environment.has_reward
 
 
 def reward_spec(cfg: Config) -> str | None:
@@ -112,13 +134,16 @@ def reward_spec(cfg: Config) -> str | None:
 
 def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
     """The records to generate for (see the module docstring); raises DataError /
-    ConfigError for a source that cannot be read or holds no records."""
+    ConfigError for a source that cannot be read or holds no records. Scored, or with
+    infer.multi_turn (an environment's ``reset(**row)`` and the per-row tool arguments read
+    them), records carry ``data_source`` and ``extra_info``."""
     n = cfg.infer.num_prompts
     response_key, name = ground_truth_key(cfg) if scored else (None, "data.response_key")
+    extras = scored or cfg.infer.multi_turn.enabled
     if cfg.data.source.startswith(BUILTIN_PREFIX):
         return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS,
-                          heldout=True, scoring=scored, response_name=name)
-    records = check_data(cfg, response_key, scoring=scored, response_name=name)
+                          heldout=True, scoring=extras, response_name=name)
+    records = check_data(cfg, response_key, scoring=extras, response_name=name)
     return records[:n] if n else records
 
 
@@ -135,7 +160,8 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
         vllm_engine.check_supported(load_hf_config(cfg.model), "infer", "model.config")
     check_tokenizer(cfg)
     check_tokens(cfg)
-    agents = check_agents(cfg, "infer")
+    checked = check_agents(cfg, "infer")  # the tools and environment, as rl's
+    agents = Agents(checked[1], checked[2], checked[0]) if checked is not None else None
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
     records = load_prompts(cfg, scored=name is not None)
@@ -223,9 +249,10 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
                                 compute_dtype=cfg.fsdp.mixed_precision.param_dtype)
     runner = None
     if prepared.agents is not None:  # this rank's tool processes, printing to run.dir/logs/
-        mt, (_, tools, env) = icfg.multi_turn, prepared.agents
+        agents, mt = prepared.agents, icfg.multi_turn
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        runner = ToolRunner(tools, env, timeout_s=icfg.tool_timeout_s, max_chars=max(4096, 16 * mt.max_tool_response_tokens),
+        runner = ToolRunner(agents.tools, agents.environment, timeout_s=icfg.tool_timeout_s,
+                            max_chars=max(4096, 16 * mt.max_tool_response_tokens),
                             output=str(run_dir / "logs" / f"tools-rank{runtime.rank}.log"))
     # the trackers of run.loggers get the config and, from rank 0, the summary (no steps here)
     try:
@@ -246,6 +273,8 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     cfg = prepared.cfg
     icfg = cfg.infer
     fn = prepared.reward_fn
+    agents = prepared.agents
+    scored = fn is not None or (agents is not None and agents.env_reward)
     records = prepared.records
     run_dir = Path(cfg.run.dir)
     vision = vision_inputs(cfg, tokenizer)  # a VL model: each prompt's image (prepare checked the files)
@@ -261,39 +290,38 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     try:
         for call in range(calls):
             idx = list(mine[call * icfg.batch_size:(call + 1) * icfg.batch_size])
-            if runner is None:
-                batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length,
-                                     [str(i) for i in idx], vision)
+            recs, uids = [records[i] for i in idx], [str(i) for i in idx]
+            if agents is not None:
+                batch = agent_prompt_batch(tokenizer, recs, cfg.data.max_length, uids, agents.schemas)
             else:
-                batch = agent_prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length,
-                                           [str(i) for i in idx], prepared.agents[0])
+                batch = prompt_batch(tokenizer, recs, cfg.data.max_length, uids, vision)
             batch = batch.repeat(icfg.n, interleave=True)
             batch.meta["seed"] = cfg.run.seed * 1_000_003 + call
-            if runner is None:
+            if agents is not None:  # collective like generate_sequences: every rank makes `calls` of them
+                batch.meta["max_new_tokens"] = icfg.max_new_tokens  # per assistant turn
+                out = run_multi_turn(generator, batch, tokenizer, runner, icfg.multi_turn, agents.schemas)
+                texts = [str(t) for t in out.arrays["final_answer"]]
+                ended = [not t for t in out.arrays["truncated"]]
+            else:
                 out = generator.generate_sequences(batch)
                 texts, _ = decode_responses(out, tokenizer)
-            else:  # max_new_tokens: per assistant turn
-                batch.meta["max_new_tokens"] = icfg.max_new_tokens
-                out = run_multi_turn(generator, batch, tokenizer, runner, icfg.multi_turn, prepared.agents[0])
-                texts = [str(x) for x in out.arrays["final_answer"]]
+                ended = (out.tensors["responses"] == tokenizer.eos_token_id).any(-1).tolist()
             scores = None
-            if fn is not None and len(out):
-                scores = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s"
+            if scored and len(out):
+                scores = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s",
+                                         truncated_reward=icfg.multi_turn.truncated_reward
                                          ).tensors["token_level_scores"].sum(-1).tolist()
-            resp = out.tensors["responses"]
-            lengths = out.tensors["response_mask"].sum(-1).tolist()
-            ended = (resp == tokenizer.eos_token_id).any(-1).tolist()
-            if runner is not None:  # every finished turn ends in eos: a trajectory ends unless truncated
-                ended = [not bool(x) for x in out.arrays["truncated"]]
+            lengths = out.tensors["response_mask"].sum(-1).tolist()  # the model's tokens (not the tools')
             tokens += int(sum(lengths))
             for j, text in enumerate(texts):
                 i = idx[j // icfg.n]
                 row = {"index": i, "sample": j % icfg.n, "prompt": records[i]["prompt"], "response": text,
                        "response_tokens": int(lengths[j]), "ended_with_eos": bool(ended[j])}
-                if runner is not None:  # the whole trajectory
-                    row.update({k: _plain(out.arrays[k][j]) for k in _TRAJECTORY_KEYS})
+                if agents is not None:
+                    row |= {k: _plain(out.arrays[k][j]) for k in TRAJECTORY_KEYS}
                 if fn is not None:
                     row["ground_truth"] = records[i]["response"]
+                if scores is not None:
                     row["score"] = float(scores[j])
                 rows.append(row)
             bar.update(1)
@@ -322,10 +350,12 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
             tokens_per_s=generated / seconds if seconds > 0 else float("nan"),
             peak_memory_bytes=max(part["peak"] for part in gathered),
         )
-        if fn is not None:
-            summary["reward"] = prepared.reward_spec
+        if agents is not None:
+            summary |= trajectory_summary(all_rows)
+        if scored:
+            summary["reward"] = prepared.reward_spec or f"{agents.environment.spec}.reward"
             summary["score_mean"] = sum(r["score"] for r in all_rows) / len(all_rows)
-            if prepared.reward_spec.startswith(BUILTIN_PREFIX):
+            if prepared.reward_spec and prepared.reward_spec.startswith(BUILTIN_PREFIX):
                 summary["accuracy"] = sum(r["score"] >= 1.0 for r in all_rows) / len(all_rows)
         summary["output"] = str(_write_jsonl(output_path(cfg), all_rows))
         summary["summary"] = str(_write_json(run_dir / SUMMARY_FILE, summary))
@@ -333,14 +363,26 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     return summary
 
 
-_TRAJECTORY_KEYS = ("messages", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated",
-                    "env_reward")
-"""What a multi-turn output line holds beside the response (the final answer)."""
+TRAJECTORY_KEYS = ("messages", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated", "env_reward")
+"""What a line of a multi-turn run's output holds beside `GENERATION_KEYS` (the final answer
+is its ``response``)."""
 
 
 def _plain(value: Any) -> Any:
-    """A trajectory array's value as plain JSON (numpy scalars become Python ones)."""
+    """A batch array's item as plain JSON (numpy scalars as Python numbers)."""
     return value.item() if hasattr(value, "item") else value
+
+
+def trajectory_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The multi-turn figures of the summary, over all trajectories: the metrics of the RL
+    rollout by the same names (``multi_turn/turns_mean``, ``tools/calls_per_trajectory``,
+    ``tools/errors`` and ``tools/timeouts`` as totals, ``multi_turn/truncated`` as a share)."""
+    n = len(rows)
+    return {"multi_turn/turns_mean": sum(r["num_turns"] for r in rows) / n,
+            "tools/calls_per_trajectory": sum(r["tool_calls"] for r in rows) / n,
+            "tools/errors": float(sum(r["tool_errors"] for r in rows)),
+            "tools/timeouts": float(sum(r["tool_timeouts"] for r in rows)),
+            "multi_turn/truncated": sum(bool(r["truncated"]) for r in rows) / n}
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
