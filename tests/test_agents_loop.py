@@ -368,25 +368,6 @@ def test_an_environment_observes_plays_and_rewards(tok, model):
     assert not a["retokenize_mismatch"].any() and not a["truncated"].any()
 
 
-def test_infer_cli_writes_whole_trajectories(tmp_path):
-    """`shardwise infer` with infer.multi_turn: each output line is a trajectory (its
-    messages, turns, calls, truncated flag), the response its final answer."""
-    out = tmp_path / "gen.jsonl"
-    res = run_cli(["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"), "--nproc", "1", "model.path=null",
-                   TINY, f"run.dir={tmp_path}", f"infer.output={out}", "data.source=builtin:calc",
-                   "data.max_length=32", "infer.num_prompts=3", "infer.max_new_tokens=12",
-                   "infer.multi_turn.enabled=true", "infer.multi_turn.max_response_tokens=40",
-                   "infer.multi_turn.max_tool_response_tokens=16",
-                   "infer.tools=[shardwise.agents.builtin:calculator]"], timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["index"] for r in rows] == [0, 1, 2]
-    for r in rows:
-        assert r["messages"][0] == r["prompt"][0] and r["messages"][1]["role"] == "assistant"
-        assert r["num_turns"] >= 1 and isinstance(r["truncated"], bool) and r["ended_with_eos"] != r["truncated"]
-        assert 1 <= r["response_tokens"] <= 40 and "score" in r
-
-
 class OverScripted(ScriptedEngine):
     """A scripted engine over a collective one: every call goes through the HF engine on the
     sharded model (its all-gather must be matched by every rank), then the rows' turns are
