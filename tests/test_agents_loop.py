@@ -426,3 +426,15 @@ def test_ranks_with_uneven_turns_make_the_same_generate_calls(tmp_path):
     r0, r1 = run_ranks(_uneven_turns_body, 2, str(tmp_path), timeout=120)
     assert r0["calls"] == [1, 0] and r1["calls"] == [1, 1]
     assert r0["turns"] == [1] and r1["turns"] == [2] and r0["width"][1] == r1["width"][1]
+
+
+def test_per_row_tool_arguments_come_from_the_data(tok, model, tools):
+    """rl.multi_turn.tools_kwargs_key: a row's {tool: {argument: value}} is given to its calls."""
+    runner, schemas = tools
+    records = [{"prompt": "2+3=", "response": "5", "extra_info": {"tools_kwargs": {"add": {"b": 10}}}},
+               {"prompt": "2+3=", "response": "5"}]
+    prompts = agent_prompt_batch(tok, records, 64, ["a", "b"], schemas)
+    prompts.meta.update(seed=0, max_new_tokens=64)
+    out = run_multi_turn(ScriptedEngine(model, tok, [CALL, "5"]), prompts, tok, runner,
+                         MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    assert [m[2]["content"] for m in out.arrays["messages"]] == ["12", "5"]
