@@ -115,7 +115,7 @@ class RLWorker:
         self.tokenizer = use_chat_template(load_tokenizer(folder), self.cfg.data.chat_template)
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.tools = ToolRunner(tools, env, timeout_s=rl.tool_timeout_s,
+        self.tools = ToolRunner(tools, env, timeout_s=rl.tool_timeout_s, workers=rl.multi_turn.tool_workers,
                                 max_chars=max(4096, 16 * rl.multi_turn.max_tool_response_tokens),
                                 output=str(logs / f"tools-rank{self.runtime.rank}.log"))
 
