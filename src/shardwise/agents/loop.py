@@ -476,8 +476,9 @@ def _retokenize_mismatch(tokenizer, t: Trajectory, tools: list[dict] | None) -> 
 def trajectory_metrics(batches: Batch | Sequence[Batch]) -> dict[str, float]:
     """The multi-turn metrics of a rollout's rows (the per-row arrays of `run_multi_turn`;
     several batches: all their rows together): ``multi_turn/turns_mean`` (assistant turns
-    per trajectory), ``tools/calls_per_trajectory``, ``tools/errors`` and ``tools/timeouts``
-    (calls, all rows together), ``multi_turn/truncated`` and ``multi_turn/retokenize_mismatch``
+    per trajectory), ``tools/calls_per_trajectory``, ``tools/share`` (share of rows that
+    called a tool at least once), ``tools/errors`` and ``tools/timeouts`` (calls, all rows
+    together), ``multi_turn/truncated`` and ``multi_turn/retokenize_mismatch``
     (share of rows), ``multi_turn/prefix_fallbacks`` (tool turns whose template delta was not
     a token prefix, all rows)."""
     parts = [batches] if isinstance(batches, Batch) else list(batches)
@@ -490,6 +491,7 @@ def trajectory_metrics(batches: Batch | Sequence[Batch]) -> dict[str, float]:
 
     return {"multi_turn/turns_mean": total("num_turns") / n,
             "tools/calls_per_trajectory": total("tool_calls") / n,
+            "tools/share": sum(int(x) > 0 for b in parts for x in b.arrays["tool_calls"]) / n,
             "tools/errors": total("tool_errors"),
             "tools/timeouts": total("tool_timeouts"),
             "multi_turn/truncated": total("truncated") / n,

@@ -197,6 +197,11 @@ def rl(cfg: Config, summary: dict) -> None:
         if sb and sa:
             print(f"  held-out sampled (T={cfg.rl.rollout.temperature:g}): "
                   + ", ".join(f"{k} {sb[k]:.1%} -> {sa[k]:.1%}" for k in sb))
+        tb, ta = summary.get("heldout_tools_before") or {}, summary.get("heldout_tools_after") or {}
+        shares = [f"{kind} {tb[kind]['tools/share']:.1%} -> {ta[kind]['tools/share']:.1%}"
+                  for kind in ("greedy", "sampled") if kind in tb and kind in ta]
+        if shares:  # rl.multi_turn: how the answers were reached
+            print("  held-out trajectories calling a tool: " + ", ".join(shares))
     timing = summary.get("timing") or {}
     if timing.get("time/step"):
         step_s = timing["time/step"]

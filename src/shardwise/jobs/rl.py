@@ -219,6 +219,7 @@ def _run(prepared: Prepared) -> dict[str, Any]:
         summary["resumed_from_step"] = ctl.step if resumed else None
         summary["accuracy_before"] = ctl.evaluate()
         summary["sampled_before"] = ctl.evaluate_sampled()
+        summary["heldout_tools_before"] = dict(ctl.heldout_tools) or None  # rl.multi_turn
         if cfg.rl.heldout_eval:
             clock.lap("eval")
         startup = clock.metrics()
@@ -229,6 +230,7 @@ def _run(prepared: Prepared) -> dict[str, Any]:
         summary["timing"] = mean_timing(history)
         summary["accuracy_after"] = ctl.evaluate()
         summary["sampled_after"] = ctl.evaluate_sampled()
+        summary["heldout_tools_after"] = dict(ctl.heldout_tools) or None
         if cfg.checkpoint.export_hf and cfg.model.lora.enabled:
             summary["adapter"] = ctl.group.export_adapter(str(ctl.run_dir / "adapter"))
         if cfg.checkpoint.export_hf and (not cfg.model.lora.enabled or cfg.checkpoint.export_merged):

@@ -122,6 +122,10 @@ class Controller:
         self.schemas = schemas if cfg.rl.multi_turn.enabled else None
         """rl.multi_turn: the tools' schemas; prompts are chats rendered with them
         (`shardwise.agents.loop.agent_prompt_batch`) and the workers roll out trajectories."""
+        self.heldout_tools: dict[str, dict[str, float]] = {}
+        """rl.multi_turn: the trajectory figures (`trajectory_metrics`: ``tools/share``,
+        ``tools/calls_per_trajectory``, ...) of the last held-out evaluation, under
+        "greedy" (`evaluate`) and "sampled" (`evaluate_sampled`)."""
         k = cfg.rl.kl_in_reward
         self.kl_ctl = alg.kl_controller(k.controller, k.coef, k.target, k.horizon)
         self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
@@ -455,7 +459,7 @@ class Controller:
         data or ``rl.heldout_eval: false``), by the same function every job reports it with."""
         if not self.cfg.rl.heldout_eval:
             return None
-        return heldout_accuracy(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
+        return heldout_accuracy(self._heldout_generate("greedy"), self.tokenizer, self.cfg.data.source,
                                 self.cfg.run.seed, self.cfg.data.max_length, vision=self.vision,
                                 chat=text_prompts_as_chat(self.cfg.data), batch_fn=self._heldout_batch_fn())
 
@@ -465,7 +469,7 @@ class Controller:
         ``rl.heldout_eval: false``)."""
         if not self.cfg.rl.heldout_eval:
             return None
-        return heldout_pass_at_k(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
+        return heldout_pass_at_k(self._heldout_generate("sampled"), self.tokenizer, self.cfg.data.source,
                                  self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n,
                                  vision=self.vision, chat=text_prompts_as_chat(self.cfg.data),
                                  batch_fn=self._heldout_batch_fn())
@@ -473,6 +477,19 @@ class Controller:
     def _heldout_batch_fn(self):
         """Multi-turn: the held-out prompts are asked with the tools (`prompt_batch`)."""
         return self.prompt_batch if self.schemas is not None else None
+
+    def _heldout_generate(self, kind: str):
+        """The workers' ``generate_sequences``; multi-turn: it also keeps the held-out
+        trajectories' figures in ``heldout_tools[kind]`` (the score is the final answer's,
+        `shardwise.data.rewards.score_sequences`; this is how it was reached)."""
+        if self.schemas is None:
+            return self.group.generate_sequences
+
+        def generate(batch: Batch) -> Batch:
+            out = self.group.generate_sequences(batch)
+            self.heldout_tools[kind] = trajectory_metrics(out)
+            return out
+        return generate
 
 
 _ROW_METRICS = ("multi_turn/", "tools/")
