@@ -260,7 +260,8 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
               "data.source=builtin:calc", "data.max_length=32", "train.global_batch_size=2",
               "train.micro_batch_size=4", "train.max_steps=2", "rl.rollout.n=2", "rl.rollout.max_new_tokens=12",
               "rl.multi_turn.enabled=true", "rl.multi_turn.max_response_tokens=40",
-              "rl.multi_turn.max_tool_response_tokens=16", "rl.reward.function=builtin:calc",
+              "rl.multi_turn.max_tool_response_tokens=16", "rl.multi_turn.tool_workers=2",
+              "rl.reward.function=builtin:calc",
               "rl.heldout_eval=false", "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false",
               "checkpoint.every_steps=0", "checkpoint.export_hf=false",
               "checkpoint.async=false"]
