@@ -116,9 +116,9 @@ def _prompts(tok, schemas, n=2, seed=0, max_length=64, **meta) -> Batch:
     return batch
 
 
-def _recomputed(model, out: Batch) -> torch.Tensor:
+def _recomputed(model, out: Batch, layout: str = "padded") -> torch.Tensor:
     t = out.tensors
-    return compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"])["log_probs"]
+    return compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"], layout=layout)["log_probs"]
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -167,6 +167,9 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
     # the log-probs are those of the trained ids, where the actor will recompute them
     mask = t["response_mask"].bool()
     torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out)[mask], atol=1e-5, rtol=0)
+    # rl.packing's layout takes the same rows as they are (tool turns are real tokens, mask 0)
+    torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out, "packed")[mask], atol=1e-5,
+                               rtol=0)
     assert (t["rollout_log_probs"][~mask] == 0).all()
     m = out.meta["metrics"]
     assert m["multi_turn/turns_mean"] == 2 and m["tools/calls_per_trajectory"] == 1 and m["tools/errors"] == 0
@@ -275,6 +278,8 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
                     "multi_turn/truncated", "multi_turn/retokenize_mismatch", "time/tools"):
             assert isinstance(m[key], (int, float)), key
         assert 1 <= m["multi_turn/turns_mean"] <= 4
+        # the actor's packed forward scores the trained (non-contiguous) tokens as the rollout did
+        assert m["rollout/log_prob_diff_abs_max"] < 1e-4
     assert (run / "logs" / "tools-rank0.log").exists()
 
 
@@ -361,3 +366,22 @@ def test_an_environment_observes_plays_and_rewards(tok, model):
     assert prompt == _ids(tok, tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False))
     assert [m["content"] for m in a["messages"][1] if m["role"] == "tool"] == ["lower"]
     assert not a["retokenize_mismatch"].any() and not a["truncated"].any()
+
+
+def test_infer_cli_writes_whole_trajectories(tmp_path):
+    """`shardwise infer` with infer.multi_turn: each output line is a trajectory (its
+    messages, turns, calls, truncated flag), the response its final answer."""
+    out = tmp_path / "gen.jsonl"
+    res = run_cli(["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"), "--nproc", "1", "model.path=null",
+                   TINY, f"run.dir={tmp_path}", f"infer.output={out}", "data.source=builtin:calc",
+                   "data.max_length=32", "infer.num_prompts=3", "infer.max_new_tokens=12",
+                   "infer.multi_turn.enabled=true", "infer.multi_turn.max_response_tokens=40",
+                   "infer.multi_turn.max_tool_response_tokens=16",
+                   "infer.tools=[shardwise.agents.builtin:calculator]"], timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["messages"][0] == r["prompt"][0] and r["messages"][1]["role"] == "assistant"
+        assert r["num_turns"] >= 1 and isinstance(r["truncated"], bool) and r["ended_with_eos"] != r["truncated"]
+        assert 1 <= r["response_tokens"] <= 40 and "score" in r

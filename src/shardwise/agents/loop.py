@@ -296,7 +296,10 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
             parsed = parse(text)
             t.messages.append(tool_call_message(parsed))
             t.num_turns += 1
-            t.final_answer = parsed.content
+            # what the reward reads: the turn's text without special tokens (the template's
+            # markers, a stray pad) where it made no call, else its content
+            t.final_answer = parsed.content if parsed.calls else \
+                tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=True).strip()
             if not ended:  # cut by the budget or the per-turn limit
                 t.finish(truncated=True)
             elif not parsed.calls:

@@ -37,7 +37,11 @@ ppo_epochs / time/update_actor);
 ``rollout/*``: the rollout engine's log-probs of the sampled tokens against the actor's
 (absolute difference, importance ratio; `shardwise.rl.algorithms.rollout_mismatch`);
 with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
-``time/generate``) and ``weight_sync/bytes`` of the step's push. The first line written
+``time/generate``) and ``weight_sync/bytes`` of the step's push. With ``rl.multi_turn``
+(`shardwise.agents.loop`): ``multi_turn/*`` and ``tools/*`` over every trajectory of the step
+(`trajectory_metrics`), ``time/tools`` (the slowest rank's, inside ``time/generate``);
+``response_length/*`` count the model's tokens only and ``clip_frac`` is the share of
+truncated trajectories. The first line written
 also holds ``time/startup/<part>``: where the start-up went (`Controller.start` times Ray
 and the worker groups, the workers their models and engine; `shardwise.jobs.rl` the rest).
 """
