@@ -101,7 +101,7 @@ BAD = [
 @pytest.mark.parametrize("overrides,key,words", BAD, ids=[b[1] for b in BAD])
 def test_bad_infer_tool_settings_exit_2_before_any_process(overrides, key, words, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    code = main(["infer", EXAMPLE, "model.path=null", TINY_QWEN3, "model.config.vocab_size=72", f"run.dir={tmp_path / 'run'}", *MULTI_TURN,
+    code = main(["infer", EXAMPLE, "model.path=null", TINY_QWEN3, f"run.dir={tmp_path / 'run'}", *MULTI_TURN,
                  *overrides, "--nproc", "2"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err

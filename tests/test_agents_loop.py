@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from dist.launcher import REPO_ROOT, run_cli
+from dist.launcher import REPO_ROOT, run_cli, run_ranks
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from shardwise.agents.execute import ToolRunner
@@ -368,20 +368,61 @@ def test_an_environment_observes_plays_and_rewards(tok, model):
     assert not a["retokenize_mismatch"].any() and not a["truncated"].any()
 
 
-def test_infer_cli_writes_whole_trajectories(tmp_path):
-    """`shardwise infer` with infer.multi_turn: each output line is a trajectory (its
-    messages, turns, calls, truncated flag), the response its final answer."""
-    out = tmp_path / "gen.jsonl"
-    res = run_cli(["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"), "--nproc", "1", "model.path=null",
-                   TINY, f"run.dir={tmp_path}", f"infer.output={out}", "data.source=builtin:calc",
-                   "data.max_length=32", "infer.num_prompts=3", "infer.max_new_tokens=12",
-                   "infer.multi_turn.enabled=true", "infer.multi_turn.max_response_tokens=40",
-                   "infer.multi_turn.max_tool_response_tokens=16",
-                   "infer.tools=[shardwise.agents.builtin:calculator]"], timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["index"] for r in rows] == [0, 1, 2]
-    for r in rows:
-        assert r["messages"][0] == r["prompt"][0] and r["messages"][1]["role"] == "assistant"
-        assert r["num_turns"] >= 1 and isinstance(r["truncated"], bool) and r["ended_with_eos"] != r["truncated"]
-        assert 1 <= r["response_tokens"] <= 40 and "score" in r
+class OverScripted(ScriptedEngine):
+    """A scripted engine over a collective one: every call goes through the HF engine on the
+    sharded model (its all-gather must be matched by every rank), then the rows' turns are
+    the script's (log-prob 0)."""
+
+    def __init__(self, inner, tok, turns):
+        super().__init__(None, tok, turns)
+        self.inner = inner
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        self.inner.generate_sequences(prompts)
+        call = sampling_call(prompts, RolloutConfig(temperature=0))
+        ids, mask, r = call.ids, call.mask, call.max_new_tokens
+        self.calls.append(len(ids))
+        responses = torch.zeros((len(ids), r), dtype=torch.long)
+        produced = torch.zeros((len(ids), r), dtype=torch.bool)
+        for i in range(len(ids)):
+            k = self.tok.decode(ids[i][mask[i].bool()].tolist()).count(self.marker) - 1
+            gen = (_ids(self.tok, self.turns[k]) + [self.tok.eos_token_id])[:r]
+            responses[i, :len(gen)], produced[i, :len(gen)] = torch.tensor(gen), True
+        return assemble_sequences(prompts, ids, mask, responses, torch.zeros((len(ids), r)), produced, 0,
+                                  self.tok.eos_token_id)
+
+
+def _uneven_turns_body(rank: int, world: int, folder: str) -> dict:
+    import os
+    import sys
+
+    from shardwise.config import load_config
+    from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.train import TrainEngine
+
+    os.chdir(folder)
+    sys.path.insert(0, folder)
+    runtime = init_distributed(timeout_s=30)  # a rank left waiting in a collective fails in seconds
+    cfg = load_config(None, [TINY, "fsdp.mixed_precision.param_dtype=fp32"])
+    tok = load_tokenizer(f"{folder}/tok")
+    inner = HFGenerator(TrainEngine(cfg, runtime).model, RolloutConfig(temperature=0), runtime, 0, tok.eos_token_id)
+    engine = OverScripted(inner, tok, ["5"] if rank == 0 else [CALL, "5"])  # rank 0 is done after one turn
+    specs = load_tools(["loop_tools:add"])
+    schemas = all_schemas(specs, None)
+    with ToolRunner(specs, None, timeout_s=20, workers=1) as runner:
+        out = run_multi_turn(engine, _prompts(tok, schemas, n=1, max_new_tokens=64), tok, runner,
+                             MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    teardown()
+    return {"calls": engine.calls, "turns": [int(x) for x in out.arrays["num_turns"]],
+            "width": list(out.tensors["input_ids"].shape)}
+
+
+def test_ranks_with_uneven_turns_make_the_same_generate_calls(tmp_path):
+    """The HF engine's call is collective (one all-gather of the sharded model): a rank
+    whose trajectories are done keeps calling with 0 rows while another rank's go on."""
+    (tmp_path / "loop_tools.py").write_text(textwrap.dedent(TOOLS))
+    build_char_tokenizer(tmp_path / "tok", tools=True)
+    r0, r1 = run_ranks(_uneven_turns_body, 2, str(tmp_path), timeout=120)
+    assert r0["calls"] == [1, 0] and r1["calls"] == [1, 1]
+    assert r0["turns"] == [1] and r1["turns"] == [2] and r0["width"][1] == r1["width"][1]

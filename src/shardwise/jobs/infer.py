@@ -158,10 +158,11 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     check_model(cfg)
     if cfg.infer.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
         vllm_engine.check_supported(load_hf_config(cfg.model), "infer", "model.config")
+    # the tools and environment, as rl's: before the tokens (their tokenizer is the tools variant)
+    checked = check_agents(cfg, "infer")
+    agents = Agents(checked[1], checked[2], checked[0]) if checked is not None else None
     check_tokenizer(cfg)
     check_tokens(cfg)
-    checked = check_agents(cfg, "infer")  # the tools and environment, as rl's
-    agents = Agents(checked[1], checked[2], checked[0]) if checked is not None else None
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
     records = load_prompts(cfg, scored=name is not None)
