@@ -149,8 +149,9 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
     assert engine.calls == [2, 2]  # every row in one call per turn
     t, a = out.tensors, out.arrays
     p = t["prompt_ids"].shape[1]
-    assert t["input_ids"].shape == (2, p + 96) and t["responses"].shape == (2, 96)
     eos = tok.eos_token_id
+    longest = len(_ids(tok, CALL)) + 1 + len(_ids(tok, "<|user|>tool: 5\n<|assistant|>")) + 2
+    assert t["input_ids"].shape == (2, p + longest) and t["responses"].shape == (2, longest)  # the longest row
     for row in range(2):
         turn1, turn2 = _ids(tok, CALL) + [eos], _ids(tok, "5") + [eos]
         tool_ids = _ids(tok, "<|user|>tool: 5\n<|assistant|>")
@@ -159,7 +160,7 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
         assert t["responses"][row, :n].tolist() == expected
         assert t["response_mask"][row, p:p + n].tolist() == [1] * len(turn1) + [0] * len(tool_ids) + [1] * len(turn2)
         assert t["response_mask"][row, :p].sum() == 0 and t["response_mask"][row, p + n:].sum() == 0
-        assert t["attention_mask"][row, p:].tolist() == [1] * n + [0] * (96 - n)
+        assert t["attention_mask"][row, p:].tolist() == [1] * n
         assert a["final_answer"][row] == "5" and a["num_turns"][row] == 2 and a["tool_calls"][row] == 1
         assert not a["truncated"][row] and not a["retokenize_mismatch"][row] and a["env_reward"][row] is None
         assert [m["role"] for m in a["messages"][row]] == ["user", "assistant", "tool", "assistant"]
@@ -415,7 +416,7 @@ def _uneven_turns_body(rank: int, world: int, folder: str) -> dict:
                              MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
     teardown()
     return {"calls": engine.calls, "turns": [int(x) for x in out.arrays["num_turns"]],
-            "width": list(out.tensors["input_ids"].shape)}
+            "width": list(out.tensors["input_ids"].shape[1:])}
 
 
 def test_ranks_with_uneven_turns_make_the_same_generate_calls(tmp_path):
@@ -425,4 +426,16 @@ def test_ranks_with_uneven_turns_make_the_same_generate_calls(tmp_path):
     build_char_tokenizer(tmp_path / "tok", tools=True)
     r0, r1 = run_ranks(_uneven_turns_body, 2, str(tmp_path), timeout=120)
     assert r0["calls"] == [1, 0] and r1["calls"] == [1, 1]
-    assert r0["turns"] == [1] and r1["turns"] == [2] and r0["width"][1] == r1["width"][1]
+    assert r0["turns"] == [1] and r1["turns"] == [2] and r0["width"] == r1["width"]  # the batches concatenate
+
+
+def test_per_row_tool_arguments_come_from_the_data(tok, model, tools):
+    """rl.multi_turn.tools_kwargs_key: a row's {tool: {argument: value}} is given to its calls."""
+    runner, schemas = tools
+    records = [{"prompt": "2+3=", "response": "5", "extra_info": {"tools_kwargs": {"add": {"b": 10}}}},
+               {"prompt": "2+3=", "response": "5"}]
+    prompts = agent_prompt_batch(tok, records, 64, ["a", "b"], schemas)
+    prompts.meta.update(seed=0, max_new_tokens=64)
+    out = run_multi_turn(ScriptedEngine(model, tok, [CALL, "5"]), prompts, tok, runner,
+                         MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    assert [m[2]["content"] for m in out.arrays["messages"]] == ["12", "5"]

@@ -580,10 +580,10 @@ class MultiTurnConfig(Section):
     """Most tool calls run per trajectory; calls beyond are answered with an error message
     (not run)."""
     max_response_tokens: Pos = 512
-    """Every token after the prompt, the model's and the tools' together (the response
-    width of the batch). Each assistant turn generates at most
-    min(rl.rollout.max_new_tokens, what is left of this); a trajectory that runs out is
-    truncated."""
+    """Most tokens after the prompt, the model's and the tools' together (the batch's
+    response part is as wide as its longest trajectory). Each assistant turn generates at
+    most min(rl.rollout.max_new_tokens (infer.max_new_tokens), what is left of this); a
+    trajectory that runs out is truncated."""
     max_tool_response_tokens: Pos = 128
     """Most tokens of one tool result (the text the tool returned; its head is kept and
     the tail cut), before the template wraps it in a tool turn."""
@@ -593,6 +593,10 @@ class MultiTurnConfig(Section):
     truncated_reward: float | None = None
     """The reward of a truncated trajectory (turns or tokens exhausted before a final
     answer), e.g. 0; null: scored like any other."""
+    tool_workers: Pos = 8
+    """Processes per rank that run the tool calls: a turn's calls (of every trajectory)
+    are spread over them and run concurrently; a call that hangs holds its process until
+    the tool timeout. Each is a small Python process that imports the tools' modules."""
     tools_kwargs_key: str = "extra_info.tools_kwargs"
     """A dotted key of the data record holding per-row tool arguments,
     ``{tool name: {argument: value}}``, passed to the tool on every call (verl's datasets

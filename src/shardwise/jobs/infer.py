@@ -252,7 +252,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     if prepared.agents is not None:  # this rank's tool processes, printing to run.dir/logs/
         agents, mt = prepared.agents, icfg.multi_turn
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        runner = ToolRunner(agents.tools, agents.environment, timeout_s=icfg.tool_timeout_s,
+        runner = ToolRunner(agents.tools, agents.environment, timeout_s=icfg.tool_timeout_s, workers=mt.tool_workers,
                             max_chars=max(4096, 16 * mt.max_tool_response_tokens),
                             output=str(run_dir / "logs" / f"tools-rank{runtime.rank}.log"))
     # the trackers of run.loggers get the config and, from rank 0, the summary (no steps here)

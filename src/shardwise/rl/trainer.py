@@ -528,20 +528,30 @@ def drop_zero_variance_groups(batch: Batch) -> Batch:
 
 def concat_rounds(batches: list[Batch], pad_id: int) -> Batch:
     """The rows of several sampling rounds in one batch: the prompt columns left-padded to
-    the widest round's (each round's prompts are as wide as its longest), the rounds'
-    sampling seeds dropped from meta."""
+    the widest round's (each round's prompts are as wide as its longest), the response
+    columns right-padded to the widest round's (a multi-turn round's responses are as wide
+    as its longest trajectory), the rounds' sampling seeds dropped from meta."""
     if len(batches) == 1:
         return batches[0]
     width = max(b.tensors["prompt_ids"].shape[1] for b in batches)
+    response = max(b.tensors["input_ids"].shape[1] - b.tensors["prompt_ids"].shape[1] for b in batches)
     padded = []
     for b in batches:
         extra = width - b.tensors["prompt_ids"].shape[1]
+        after = response - (b.tensors["input_ids"].shape[1] - b.tensors["prompt_ids"].shape[1])
         tensors = dict(b.tensors)
-        for k in (*_SEQ_KEYS, *_PROMPT_KEYS):
-            if k in tensors and extra:
-                v = tensors[k]
-                fill = pad_id if k in ("input_ids", "prompt_ids") else 0
-                tensors[k] = torch.cat([torch.full((v.shape[0], extra), fill, dtype=v.dtype), v], dim=1)
+        for k in (*_SEQ_KEYS, *_PROMPT_KEYS, "responses"):
+            if k not in tensors:
+                continue
+            v = tensors[k]
+            fill = pad_id if k in ("input_ids", "prompt_ids", "responses") else 0
+            left = extra if k != "responses" else 0
+            right = after if k not in _PROMPT_KEYS else 0
+            if left or right:
+                # right padding's positions go on as generate's own (the row's last position)
+                tail = v[:, -1:].expand(-1, right) if k == "position_ids" else \
+                    torch.full((v.shape[0], right), fill, dtype=v.dtype)
+                tensors[k] = torch.cat([torch.full((v.shape[0], left), fill, dtype=v.dtype), v, tail], dim=1)
         padded.append(Batch(tensors=tensors, arrays=dict(b.arrays),
                             meta={k: v for k, v in b.meta.items() if k != "seed"}))
     return Batch.concat(padded)
