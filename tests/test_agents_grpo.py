@@ -16,10 +16,24 @@ from pathlib import Path
 import pytest
 from dist.launcher import REPO_ROOT, run_cli
 
+from shardwise.agents.loop import trajectory_metrics
+from shardwise.data.batch import Batch
+
 pytest.importorskip("ray")
 
 SFT = str(REPO_ROOT / "examples" / "sft_tools.yaml")
 GRPO = str(REPO_ROOT / "examples" / "grpo_tools.yaml")
+
+
+def test_tool_share_is_the_share_of_trajectories_that_called_a_tool():
+    def rows(calls):
+        n = len(calls)
+        return Batch.from_dict(arrays={"tool_calls": calls, "num_turns": [c + 1 for c in calls],
+                                       "tool_errors": [0] * n, "tool_timeouts": [0] * n, "truncated": [False] * n,
+                                       "retokenize_mismatch": [False] * n, "prefix_fallbacks": [0] * n})
+
+    m = trajectory_metrics([rows([0, 2, 1]), rows([0])])  # two ranks' rows: 2 of 4 called
+    assert m["tools/share"] == 0.5 and m["tools/calls_per_trajectory"] == 0.75
 
 
 @pytest.fixture(scope="module")
