@@ -39,7 +39,8 @@ def test_tool_share_is_the_share_of_trajectories_that_called_a_tool():
 @pytest.fixture(scope="module")
 def tool_sft_model(tmp_path_factory) -> Path:
     """The exported HF folder of the tool demo's SFT (examples/sft_tools.yaml as it is: 300
-    steps, 2 processes, ~80 s): a model that calls the calculator in some of its sampled
+    steps, 2 processes, ~80 s; shorter ones leave the copy of the factors into the call
+    unlearnt: 120 steps at lr 3e-3 and 160 at 5e-3 gave a held-out pass@8 of 0%): a model that calls the calculator in some of its sampled
     answers (~25%) and writes a wrong product directly in the others."""
     run_dir = tmp_path_factory.mktemp("sft_tools")
     res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={run_dir}", "checkpoint.every_steps=0",
@@ -53,6 +54,7 @@ def percents(line: str) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the SFT fixture (~80 s) and the GRPO run (~150 s) on 2 busy cores: up to ~5 minutes
 def test_grpo_with_the_tool_raises_heldout_accuracy_and_tool_share(tool_sft_model, tmp_path):
     """examples/grpo_tools.yaml as it is (20 GRPO steps of 16 prompts x 8 trajectories, lr
     2e-4) from the SFT model.
