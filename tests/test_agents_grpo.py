@@ -1,17 +1,16 @@
-"""The tool demo end to end through the real CLI: `shardwise train examples/sft_tools.yaml`
-(demonstrations of builtin:calc that call the calculator 30% of the time) then
-`shardwise rl examples/grpo_tools.yaml` (GRPO, rl.multi_turn with the calculator, HF
-engine, 2 processes): GRPO raises the held-out accuracy and the share of held-out
-trajectories that call the tool. The held-out evaluation runs the multi-turn loop with the
-tool and scores the final answer, so its right answers are the ones reached through the
-tool (a model this size cannot multiply 3-digit numbers).
+"""The tool demo's path end to end through the real CLI, made small: `shardwise train
+examples/sft_tools.yaml` on demonstrations of builtin:calc that call the calculator only
+sometimes, then `shardwise rl examples/grpo_tools.yaml` (GRPO, rl.multi_turn with the real
+calculator tool, HF engine, 2 processes) from its exported model: GRPO raises the rollouts'
+accuracy and the share of their trajectories that call the tool. Right answers come
+through the tool only (a model this size cannot multiply 3-digit numbers), so the reward
+is the tool's. The examples as they are (300 SFT steps, 20 GRPO steps with held-out
+evaluations, ~4 minutes) are measured in examples/grpo_tools.yaml's header and the README.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
 from dist.launcher import REPO_ROOT, run_cli
@@ -36,58 +35,54 @@ def test_tool_share_is_the_share_of_trajectories_that_called_a_tool():
     assert m["tools/share"] == 0.5 and m["tools/calls_per_trajectory"] == 0.75
 
 
-@pytest.fixture(scope="module")
-def tool_sft_model(tmp_path_factory) -> Path:
-    """The exported HF folder of the tool demo's SFT (examples/sft_tools.yaml as it is: 300
-    steps, 2 processes, ~80 s; shorter ones leave the copy of the factors into the call
-    unlearnt: 120 steps at lr 3e-3 and 160 at 5e-3 gave a held-out pass@8 of 0%): a model that calls the calculator in some of its sampled
-    answers (~25%) and writes a wrong product directly in the others."""
-    run_dir = tmp_path_factory.mktemp("sft_tools")
-    res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={run_dir}", "checkpoint.every_steps=0",
-                   "train.log_every=100"], timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return run_dir / "hf"
+GRPO_STEPS = 10
+K = 3  # steps averaged at each end of the GRPO run
 
 
-def percents(line: str) -> list[float]:
-    return [float(x.rstrip("%")) for x in re.findall(r"[0-9.]+%", line)]
+@pytest.mark.timeout(600)  # SFT ~80 s + GRPO ~70 s (44 s of start-up) on 2 cores; 221 s at a load of 9
+def test_grpo_with_the_tool_raises_accuracy_and_tool_share(tmp_path):
+    """SFT: examples/sft_tools.yaml as it is (300 steps, 30% tool conversations): fewer
+    steps leave the copy of the factors into the call unlearnt, whatever the share of tool
+    conversations (rollout accuracy 0 after 150 steps at 60% and at 80%; after 250 steps
+    at 60%, seed 0 learnt it, seed 1 barely, seed 2 not). GRPO: examples/grpo_tools.yaml
+    with no held-out evaluation and GRPO_STEPS steps (its scheduler is constant, so these
+    are the first steps of the example's 20). The figures are the per-step training metrics
+    in metrics.jsonl (`accuracy` and `tools/share` of the step's 16 prompts x 8 sampled
+    trajectories): the mean of the last K steps against the first K.
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)  # the SFT fixture (~80 s) and the GRPO run (~150 s) on 2 busy cores: up to ~5 minutes
-def test_grpo_with_the_tool_raises_heldout_accuracy_and_tool_share(tool_sft_model, tmp_path):
-    """examples/grpo_tools.yaml as it is (20 GRPO steps of 16 prompts x 8 trajectories, lr
-    2e-4) from the SFT model.
-
-    Measured (greedy held-out accuracy; share of sampled held-out trajectories that call
-    the tool): seed 0 5.0% -> 71.0%, 24.9% -> 97.1%; seed 1 37.0% -> 68.5%, 22.4% -> 83.8%;
-    seed 2 20.5% -> 82.5%, 27.1% -> 96.8% (greedy tool share 15 -> 100%, 77 -> 100%,
-    37 -> 100%). The held-out set is 200 prompts (x 8 samples for the sampled share), so
-    one figure's sampling error is a few points (binomial sd <= 3.5 points over 200
-    prompts, the sampled share's less): the smallest effects seen, +31.5 points of accuracy and +61.4 of tool share,
-    are several sd above the asserted +10 and +30, on any seed. (With lr 4e-4 and 8 steps
-    seed 1's rollout accuracy fell to 0 while its tool share rose: the copy of the factors
-    into the call is what a too-large step breaks first.) What GRPO rewards is the tool: a
-    direct answer (the model's own product) is never right, so the greedy accuracy cannot
-    exceed the greedy tool share, which does not fall.
+    Measured, steps 1-3 -> 8-10 (run.seed=N on both jobs; this test runs seed 0; seeds 1
+    and 2 read off the first 10 steps of the example's 20-step runs, which these are):
+    accuracy 13.8 -> 26.3%, 3.1 -> 8.9%, 12.0 -> 28.9%; tool share 32.0 -> 81.8%,
+    25.0 -> 54.7%, 34.6 -> 87.8%. A mean over K steps is over 384 trajectories of 48
+    prompts: its sd is at most 0.5/sqrt(384) = 2.6 points if the trajectories were
+    independent and 0.5/sqrt(48) = 7.2 if the 8 of a prompt were one (the tool share
+    varies within a prompt, so it is nearer the first), so <= ~4-10 points for a
+    difference of two means; at accuracies of 3-9% (seed 1) the binomial sd of the
+    difference is ~1.7 points (~4.8 for whole prompts). The asserted rises, +15 points of
+    tool share and +2 of accuracy, are half the smallest share rise seen (+29.7, seed 1)
+    and a third of the smallest accuracy rise (+5.8, seed 1; seed 0's is +12.5); the
+    start's share is at most 50% (25-35% seen): the tool is used only sometimes.
+    Right answers come through the tool only: a step's accuracy never exceeds its share.
     """
-    run_dir = tmp_path / "grpo"
-    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={run_dir}", f"model.path={tool_sft_model}",
-                   "checkpoint.every_steps=0", "checkpoint.async=false", "checkpoint.export_hf=false"],
-                  timeout=600)
+    sft_dir, rl_dir = tmp_path / "sft", tmp_path / "grpo"
+    res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={sft_dir}", "checkpoint.every_steps=0",
+                   "train.log_every=100"], timeout=500)
+    assert res.returncode == 0, res.stderr[-4000:]
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={rl_dir}", f"model.path={sft_dir / 'hf'}",
+                   "rl.heldout_eval=false", f"train.max_steps={GRPO_STEPS}", "checkpoint.every_steps=0",
+                   "checkpoint.async=false", "checkpoint.export_hf=false"], timeout=500)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
-    summary = dict(line.split(": ", 1) for line in res.stdout.splitlines() if ": " in line)
-    acc_before, acc_after = percents(summary["  held-out accuracy (greedy)"])  # "before RL 5.0%, after RL 71.0%"
-    # "greedy 15.0% -> 100.0%, sampled 24.9% -> 97.1%"
-    greedy_before, greedy_after, sampled_before, sampled_after = percents(
-        summary["  held-out trajectories calling a tool"])
-    assert acc_after >= acc_before + 10.0, res.stdout
-    assert sampled_after >= sampled_before + 30.0, res.stdout
-    assert greedy_after >= greedy_before, res.stdout
-    # right answers come through the tool only: scored on the final answer, after the call
-    assert acc_before <= greedy_before and 0 < acc_after <= greedy_after, res.stdout
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 20
-    share = [m["tools/share"] for m in lines]  # the rollout's share of trajectories calling the tool
-    assert all(0.0 <= s <= 1.0 for s in share) and share[-1] > share[0], share
-    assert all(m["accuracy"] <= m["tools/share"] for m in lines), lines
+    lines = [json.loads(x) for x in (rl_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == GRPO_STEPS
+
+    def mean(key, part):
+        return sum(m[key] for m in part) / len(part)
+
+    first, last = lines[:K], lines[-K:]
+    acc0, acc1 = mean("accuracy", first), mean("accuracy", last)
+    share0, share1 = mean("tools/share", first), mean("tools/share", last)
+    figures = f"accuracy {acc0:.3f} -> {acc1:.3f}, tool share {share0:.3f} -> {share1:.3f}"
+    assert share0 <= 0.5, figures  # the tool is used only sometimes at the start
+    assert share1 >= share0 + 0.15, figures
+    assert acc1 >= acc0 + 0.02, figures
+    assert all(m["accuracy"] <= m["tools/share"] for m in lines), lines  # right answers come through the tool
