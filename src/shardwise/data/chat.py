@@ -2,7 +2,10 @@
 
 A conversation is a list of turns ``{"role": ..., "content": str}`` with the roles of
 `ROLES`; ShareGPT turns ``{"from": "human" | "gpt" | "system", "value": ...}`` are mapped
-onto them (`normalize_messages`). It is rendered by the tokenizer's chat template
+onto them (`normalize_messages`). A tool conversation (OpenAI / TRL format) has assistant
+turns with ``tool_calls`` and ``tool`` turns holding each call's result; its function
+schemas (a record's ``tools``) go to the template as ``tools``. It is rendered by the
+tokenizer's chat template
 (``tokenizer.chat_template``, or the file ``data.chat_template`` names, set on the
 tokenizer by `use_chat_template`) in a bounded jinja sandbox (`shardwise.data.template`:
 the same rendering as transformers' ``apply_chat_template``, offline, with a budget of
@@ -14,6 +17,7 @@ This module makes text only. Which tokens a record has and which of them are tra
 
 from __future__ import annotations
 
+import json
 import re
 import weakref
 from collections.abc import Sequence
@@ -24,8 +28,9 @@ from shardwise.data import template
 from shardwise.data.template import Budget, Rendered, TemplateBudgetError
 from shardwise.errors import ConfigError, DataError, did_you_mean
 
-__all__ = ["ROLES", "SHAREGPT_ROLES", "TRAIN_ON", "export_template", "has_generation_markers", "normalize_messages",
-           "render", "render_text", "text_prompts_as_chat", "use_chat_template"]
+__all__ = ["ROLES", "SHAREGPT_ROLES", "TRAIN_ON", "check_tools", "export_template", "has_generation_markers",
+           "normalize_messages", "normalize_tool_calls", "render", "render_text", "text_prompts_as_chat",
+           "use_chat_template"]
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 """The roles a turn may have."""
@@ -42,14 +47,17 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # ---------------------------------------------------------------- messages
 
 
-def normalize_messages(value: Any, where: str) -> list[dict[str, str]]:
+def normalize_messages(value: Any, where: str) -> list[dict[str, Any]]:
     """`value` (a row's messages column) as ``[{"role", "content"}, ...]``.
 
-    OpenAI / TRL turns (``role`` / ``content``) are kept (other keys of a turn, e.g.
-    ``tool_calls``, pass through to the template); ShareGPT turns (``from`` / ``value``)
-    are mapped with `SHAREGPT_ROLES`. Raises `DataError` naming `where` (config key, file,
-    row) for a value that is not a non-empty list of turns, an unknown role or a content
-    that is not a string.
+    OpenAI / TRL turns (``role`` / ``content``) are kept (other keys of a turn, e.g. a
+    ``tool`` turn's ``name`` / ``tool_call_id``, pass through to the template); ShareGPT
+    turns (``from`` / ``value``) are mapped with `SHAREGPT_ROLES`. An assistant turn's
+    ``tool_calls`` (OpenAI format, `normalize_tool_calls`) are checked and written as
+    ``{"type": "function", "function": {"name", "arguments": dict}}``; such a turn may have
+    no content (None: ""). Raises `DataError` naming `where` (config key, file, row) for a
+    value that is not a non-empty list of turns, an unknown role, a content that is not a
+    string or a malformed tool call.
     """
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(f"{where}: expected a non-empty list of turns like "
@@ -72,11 +80,48 @@ def normalize_messages(value: Any, where: str) -> list[dict[str, str]]:
             shown = turn.get("role", turn.get("from"))
             hint = did_you_mean(str(shown), allowed) or f"valid: {', '.join(allowed)}"
             raise DataError(f"{where}: turn {i} has the unknown role {shown!r}; {hint}")
+        if "tool_calls" in extra and extra["tool_calls"] is not None:
+            if role != "assistant":
+                raise DataError(f"{where}: turn {i} ({role}) has tool_calls; only assistant turns call tools")
+            extra["tool_calls"] = normalize_tool_calls(extra["tool_calls"], f"{where}: turn {i} (assistant)")
+            if content is None:
+                content = ""
         if not isinstance(content, str):
             raise DataError(f"{where}: turn {i} ({role}) has content {_describe(content)}; "
                             "every turn's content must be a string")
         turns.append({"role": role, "content": content, **extra})
     return turns
+
+
+def normalize_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` as ``[{"type": "function", "function": {"name":
+    str, "arguments": dict}}, ...]``. Takes OpenAI's form (``arguments`` a dict or the JSON
+    text of an object, as OpenAI's API writes it; ``id`` kept) and the flat
+    ``{"name", "arguments"}``. Raises `DataError` naming `where` for anything else."""
+    if not isinstance(value, (list, tuple)):
+        raise DataError(f"{where}: tool_calls is {_describe(value)}, not a list of calls like "
+                        '{"type": "function", "function": {"name": ..., "arguments": {...}}}')
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataError(f"{where}: tool call {j} is {_describe(call)}; give it a function with a name, like "
+                            '{"type": "function", "function": {"name": ..., "arguments": {...}}}')
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise DataError(f"{where}: tool call {j} ({fn['name']}) has arguments that are not JSON: "
+                                f"{e}") from None
+        if not isinstance(args, dict):
+            raise DataError(f"{where}: tool call {j} ({fn['name']}) has arguments {_describe(args)}; they must "
+                            "be an object (or its JSON text)")
+        out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call, dict) and "id" in call:
+            out["id"] = call["id"]
+        calls.append(out)
+    return calls
 
 
 def _describe(value: Any) -> str:
@@ -156,19 +201,34 @@ def template_source(tokenizer) -> str:
     return tokenizer.get_chat_template()
 
 
-def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, where: str) -> Rendered:
+def check_tools(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """A record's ``tools`` (the schemas its template gets): None, or a list of JSON
+    objects (OpenAI function schemas, ``{"type": "function", "function": {"name", ...}}``);
+    DataError naming `where` otherwise. An empty list is None (no tools)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"{where}: tools is {_describe(value)}, not a list of function schemas like "
+                        '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}')
+    return list(value) or None
+
+
+def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, where: str,
+           tools: Sequence[dict] | None = None) -> Rendered:
     """`messages` rendered by the tokenizer's template within a `Budget` sized by the
     conversation (`shardwise.data.template`): text, nothing tokenized, with the spans of
-    its ``{% generation %}`` blocks and where each turn began. Raises DataError naming
-    `where` with jinja's message when the template fails, and ConfigError on
-    data.chat_template naming `where` when it goes past the budget (too much output or
+    its ``{% generation %}`` blocks and where each turn began. `tools`: the function
+    schemas the template gets (``apply_chat_template(tools=...)``; None: none). Raises
+    DataError naming `where` with jinja's message when the template fails, and ConfigError
+    on data.chat_template naming `where` when it goes past the budget (too much output or
     time: a hostile or broken template)."""
     check_template(tokenizer, where)
     source = template_source(tokenizer)
-    budget = Budget.for_input(sum(len(str(v)) + 8 for m in messages for v in m.values()))
+    size = sum(len(str(v)) + 8 for m in messages for v in m.values()) + len(str(tools or ""))
     try:
-        return template.render(source, list(messages), budget, add_generation_prompt=add_generation_prompt,
-                               tools=None, documents=None, **tokenizer.special_tokens_map)
+        return template.render(source, list(messages), Budget.for_input(size),
+                               add_generation_prompt=add_generation_prompt, tools=list(tools) if tools else None,
+                               documents=None, **tokenizer.special_tokens_map)
     except TemplateBudgetError as e:
         file = _TEMPLATE_FILES.get(tokenizer)
         whose = (f"the template file {file!r}" if file is not None else
@@ -182,6 +242,7 @@ def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, whe
                         f"{message}") from None
 
 
-def render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, where: str) -> str:
+def render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, where: str,
+                tools: Sequence[dict] | None = None) -> str:
     """`render`'s text."""
-    return render(tokenizer, messages, add_generation_prompt, where).text
+    return render(tokenizer, messages, add_generation_prompt, where, tools).text

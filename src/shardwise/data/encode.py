@@ -10,12 +10,15 @@ For a record and a tokenizer:
 - a **conversation** (``"messages"``): rendered by the chat template
   (`shardwise.data.chat.render`, bounded) and tokenized once; loss on the assistant turns
   (`conversation_example`, ``data.train_on``);
-- a **tool conversation** (issue 23: assistant turns with ``tool_calls``, ``tool`` turns,
-  the record's tool schemas): not built yet; `encode_record` marks where it goes.
+- a **tool conversation** (``"messages"`` with assistant turns carrying ``tool_calls`` and
+  ``tool`` turns, OpenAI / TRL format, and optionally the record's ``"tools"``: the function
+  schemas passed to the template as ``tools``): loss on the assistant turns, their calls
+  included (the template writes them inside the turn), none on the tool results, the
+  schemas or the glue between turns;
 
 - `encode_prompt` (generation): an `Encoded` of the ids a model is asked (``[bos] +
-  prompt``, or chat messages with the template's generation prompt), the last
-  ``max_length`` kept, no loss mask.
+  prompt``, or chat messages with the template's generation prompt and the `tools`
+  schemas), the last ``max_length`` kept, no loss mask.
 
 Conventions: one training example is ``prompt tokens + response tokens + eos``, ``bos``
 first when the tokenizer has one; truncation keeps an example's beginning (a long example
@@ -107,11 +110,10 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int, train
     if "messages" in record:
         if image_tokens:
             raise DataError(f"{where}: chat messages with an image are not supported yet; use text records")
-        # Issue 23: a tool conversation (record["tools"], assistant turns with "tool_calls",
-        # "tool" turns) is encoded here: its schemas passed to chat.render as `tools`, the
-        # tool results untrained, the calls trained. Today tool turns render as the
-        # template writes them and are untrained like every non-assistant turn.
-        ids, mask = _conversation(tokenizer, record["messages"], train_on, where)
+        # A tool conversation: the calls are part of their assistant turns (trained), the
+        # "tool" turns are not assistant turns (untrained), the schemas go to the template.
+        tools = chat.check_tools(record.get("tools"), where)
+        ids, mask = _conversation(tokenizer, record["messages"], train_on, where, tools)
     else:
         ids, mask = _pair(tokenizer, record["prompt"], record["response"], image_tokens)
         _check_image_fits(tokenizer, image_tokens, max_length)
@@ -119,9 +121,11 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int, train
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_length: int,
-                  image_tokens: Sequence[int] = (), where: str = "prompt") -> Encoded:
+                  image_tokens: Sequence[int] = (), where: str = "prompt",
+                  tools: list[dict] | None = None) -> Encoded:
     """A prompt as the ids a model is asked: ``[bos] + prompt`` (no eos), or chat messages
-    rendered with the template's generation prompt; the last `max_length` tokens kept so
+    rendered with the template's generation prompt (and the function schemas `tools`, as
+    ``apply_chat_template(tools=...)`` gets them); the last `max_length` tokens kept so
     the text just before the answer survives. `image_tokens` (a VL prompt's image) follow
     bos and are always kept; the text is cut instead."""
     if max_length < 1:
@@ -129,7 +133,7 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_length
     if isinstance(prompt, list):
         if image_tokens:
             raise DataError(f"{where}: chat messages with an image are not supported yet; use text prompts")
-        ids = prompt_ids(tokenizer, prompt, where)
+        ids = prompt_ids(tokenizer, prompt, where, tools)
         return Encoded(ids[-max_length:], None, len(ids), 0)
     text = _encode(tokenizer, prompt)
     if image_tokens:
@@ -150,17 +154,19 @@ def encode_records(tokenizer: Any, records: Sequence[dict[str, Any]], max_length
         for r in records:
             if prompts:
                 out.append(encode_prompt(tokenizer, r["prompt"], max_length, image_tokens,
-                                         where=r.get("where", "prompt")))
+                                         where=r.get("where", "prompt"),
+                                         tools=chat.check_tools(r.get("tools"), r.get("where", "prompt"))))
             else:
                 out.append(encode_record(tokenizer, r, max_length, train_on, image_tokens))
             beat.done += 1
     return out
 
 
-def prompt_text(tokenizer: Any, prompt: str | list[dict[str, Any]], where: str = "prompt") -> str:
+def prompt_text(tokenizer: Any, prompt: str | list[dict[str, Any]], where: str = "prompt",
+                tools: list[dict] | None = None) -> str:
     """The text of a prompt as the model is asked it: text as it is, chat messages as the
-    template renders them (with the generation prompt)."""
-    return chat.render_text(tokenizer, prompt, True, where) if isinstance(prompt, list) else prompt
+    template renders them (with the generation prompt and the schemas `tools`)."""
+    return chat.render_text(tokenizer, prompt, True, where, tools) if isinstance(prompt, list) else prompt
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_length: int,
@@ -169,9 +175,11 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_leng
     return encode_prompt(tokenizer, prompt, max_length, image_tokens, where).ids
 
 
-def prompt_ids(tokenizer: Any, messages: Sequence[dict], where: str = "prompt") -> list[int]:
-    """Token ids of chat `messages` with the template's generation prompt (untruncated)."""
-    return _tokenize(tokenizer, chat.render_text(tokenizer, messages, True, where), where)[0]
+def prompt_ids(tokenizer: Any, messages: Sequence[dict], where: str = "prompt",
+               tools: list[dict] | None = None) -> list[int]:
+    """Token ids of chat `messages` with the template's generation prompt and the schemas
+    `tools` (untruncated)."""
+    return _tokenize(tokenizer, chat.render_text(tokenizer, messages, True, where, tools), where)[0]
 
 
 # ---------------------------------------------------------------- truncation notes
@@ -253,11 +261,12 @@ def conversation_example(tokenizer: Any, messages: Sequence[dict], max_length: i
     return enc.example, enc.length, enc.lost
 
 
-def _conversation(tokenizer: Any, messages: Sequence[dict], train_on: str, where: str) -> tuple[list[int], list[int]]:
+def _conversation(tokenizer: Any, messages: Sequence[dict], train_on: str, where: str,
+                  tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     if train_on not in chat.TRAIN_ON:
         raise ConfigError("data.train_on", f"{train_on!r} is not one of {', '.join(chat.TRAIN_ON)}",
                           did_you_mean(train_on, chat.TRAIN_ON))
-    text, spans = assistant_spans(tokenizer, messages, where)
+    text, spans = assistant_spans(tokenizer, messages, where, tools)
     if train_on == "last_assistant":
         spans = spans[-1:]
     ids, offsets = _tokenize(tokenizer, text, where)
@@ -292,10 +301,12 @@ def _tokenize(tokenizer: Any, text: str, where: str) -> tuple[list[int], list[tu
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
 
-def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span ``[start, end)`` of each assistant
-    turn in it, in order (see the module docstring for how they are found)."""
-    rendered = chat.render(tokenizer, messages, False, where)
+def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str,
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation (with the schemas `tools`) and the character span
+    ``[start, end)`` of each assistant turn in it, in order (see the module docstring for
+    how they are found)."""
+    rendered = chat.render(tokenizer, messages, False, where, tools)
     n_assistant = sum(m["role"] == "assistant" for m in messages)
     if chat.has_generation_markers(tokenizer):
         spans = [(a, b) for a, b in rendered.generation if b > a]
@@ -303,7 +314,7 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str) -> tup
             raise DataError(f"{where}: the chat template marks {len(spans)} assistant spans for {n_assistant} "
                             "assistant turns; check its {% generation %} blocks (one around each assistant turn)")
         return rendered.text, spans
-    return rendered.text, _unmarked_spans(tokenizer, messages, rendered, where)
+    return rendered.text, _unmarked_spans(tokenizer, messages, rendered, where, tools)
 
 
 def _special_tokens(tokenizer: Any) -> set[str]:
@@ -321,12 +332,12 @@ def _trim(text: str, start: int, end: int, special: set[str]) -> int:
 
 
 def prefix_span(tokenizer: Any, messages: Sequence[dict], i: int, full: str, where: str,
-                special: set[str]) -> tuple[int, int]:
+                special: set[str], tools: list[dict] | None = None) -> tuple[int, int]:
     """Assistant turn `i`'s span found by rendering prefixes (two renders of up to ``i+1``
     turns): from the end of ``messages[:i]`` with the generation prompt to the end of
     ``messages[:i+1]``. The reference the one-pass spans are checked against."""
-    before = chat.render_text(tokenizer, messages[:i], True, where) if i else ""
-    upto = chat.render_text(tokenizer, messages[: i + 1], False, where)
+    before = chat.render_text(tokenizer, messages[:i], True, where, tools) if i else ""
+    upto = chat.render_text(tokenizer, messages[: i + 1], False, where, tools)
     if not (upto.startswith(before) and full.startswith(upto)):
         raise DataError(
             f"{where}: the chat template does not render turn {i} as a prefix of the whole conversation "
@@ -337,7 +348,7 @@ def prefix_span(tokenizer: Any, messages: Sequence[dict], i: int, full: str, whe
 
 
 def _unmarked_spans(tokenizer: Any, messages: Sequence[dict], rendered: Rendered,
-                    where: str) -> list[tuple[int, int]]:
+                    where: str, tools: list[dict] | None = None) -> list[tuple[int, int]]:
     """Spans for a template without markers: one pass (where the template took each turn),
     checked against prefix renders on `SPOT_CHECKS` turns; prefixes for every turn of a
     short conversation whose check fails."""
@@ -346,7 +357,7 @@ def _unmarked_spans(tokenizer: Any, messages: Sequence[dict], rendered: Rendered
     if not turns:
         return []
     picks = sorted({turns[round(j * (len(turns) - 1) / (SPOT_CHECKS - 1))] for j in range(SPOT_CHECKS)})
-    exact = {i: prefix_span(tokenizer, messages, i, full, where, special) for i in picks}
+    exact = {i: prefix_span(tokenizer, messages, i, full, where, special, tools) for i in picks}
     one_pass = _one_pass_spans(messages, rendered, turns, exact, special)
     if one_pass is not None and all(one_pass[turns.index(i)] == exact[i] for i in picks):
         return one_pass
@@ -355,7 +366,8 @@ def _unmarked_spans(tokenizer: Any, messages: Sequence[dict], rendered: Rendered
                         f"conversation has {len(turns)} of them (more than {PREFIX_LIMIT} to find by rendering "
                         "every prefix); set data.chat_template to a template whose assistant text is in "
                         "{% generation %} ... {% endgeneration %} blocks")
-    return [exact[i] if i in exact else prefix_span(tokenizer, messages, i, full, where, special) for i in turns]
+    return [exact[i] if i in exact else prefix_span(tokenizer, messages, i, full, where, special, tools)
+            for i in turns]
 
 
 def _one_pass_spans(messages: Sequence[dict], rendered: Rendered, turns: list[int],

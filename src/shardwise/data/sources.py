@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.data.chat import normalize_messages
+from shardwise.data.chat import check_tools, normalize_messages
 from shardwise.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, get_builtin_task
 from shardwise.errors import DataError, nearest
 
@@ -98,7 +98,8 @@ def load_records(
     Conversations and chat prompts (`shardwise.data.chat`): `fmt` is ``data.format``
     (``auto``: messages when the data hold them). With `conversations` (SFT) and messages,
     each record is ``{"messages": turns}`` read from `messages_key`, which must hold at
-    least one assistant turn. Otherwise a prompt column holding a list of turns gives
+    least one assistant turn, plus ``"tools"`` (function schemas for the template) when the
+    row has a ``tools`` column. Otherwise a prompt column holding a list of turns gives
     ``"prompt": turns``; a text prompt stays text unless `fmt` is ``messages`` or `as_chat`
     (a chat template was asked for), which make it one user turn (with `conversations`:
     the user turn and the response as the assistant's). `extra_keys`: record field ->
@@ -145,6 +146,8 @@ def load_records(
                 raise _error(f"data.messages_key: '{source}' {where}: the conversation has no assistant turn, so "
                              "there is nothing to train on; add one or remove the row")
             record: dict[str, Any] = {"messages": turns}
+            if isinstance(row, dict) and row.get("tools") is not None:  # the schemas its template gets
+                record["tools"] = check_tools(row["tools"], f"data.source '{source}' {where}")
         else:
             record = {"prompt": _prompt(row, prompt_key, source, where, pkey, fmt, as_chat),
                       "response": None}

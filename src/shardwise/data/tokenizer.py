@@ -18,6 +18,19 @@ The causal variant has a chat template (`CHAT_TEMPLATE`) with the role markers
 characters; `ROLE_TOKENS`): ``<bos><|user|>12+34=\n<|assistant|>46<eos>``, the assistant's
 text and its ``<eos>`` inside ``{% generation %}`` markers; a tool turn is written as a user
 turn starting ``tool:``. Conversations therefore run offline on the tiny models.
+
+The tools variant (``tools=True``, for the built-in tool tasks such as ``builtin:calc``) is
+the causal variant plus what a tool call needs: the characters ``{ } _ [ ]`` (ids 60-64,
+`TOOL_CHARACTERS`) and the special tokens ``<tool_call>``, ``</tool_call>`` (ids 65, 66,
+`TOOL_TOKENS`): `BUILTIN_TOOLS_VOCAB_SIZE` tokens. Every id of the causal variant is the
+same. Its template (`TOOLS_CHAT_TEMPLATE`) writes an assistant turn's ``tool_calls``
+(OpenAI format) after its content, one Hermes block each,
+``<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>``
+(JSON as ``tojson`` writes it: ``", "`` and ``": "`` separators), inside the
+``{% generation %}`` block with the eos, so the calls are trained; a ``tool`` turn is a
+user turn starting ``tool:`` (``<|user|>tool: 3\n``), as in the causal variant. The
+``tools`` schemas a caller passes render nothing: a tiny model learns its one tool from
+the demonstrations, and a schema would be hundreds of tokens of prompt.
 """
 
 from __future__ import annotations
@@ -56,6 +69,14 @@ BUILTIN_VOCAB_SIZE: int = CHAR_VOCAB_SIZE + len(ROLE_TOKENS)
 """Tokens of the causal built-in tokenizer (characters, specials and role markers): the
 smallest `vocab_size` of a model trained with it."""
 
+TOOL_CHARACTERS: tuple[str, ...] = ("{", "}", "_", "[", "]")
+"""The tools variant's extra characters (JSON objects, lists, tool names), ids
+BUILTIN_VOCAB_SIZE onwards in this order."""
+TOOL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>")
+"""The tools variant's special tokens around a call, after `TOOL_CHARACTERS`."""
+BUILTIN_TOOLS_VOCAB_SIZE: int = BUILTIN_VOCAB_SIZE + len(TOOL_CHARACTERS) + len(TOOL_TOKENS)
+"""Tokens of the tools variant: the smallest `vocab_size` of a model trained with it."""
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
@@ -68,21 +89,43 @@ CHAT_TEMPLATE = (
 )
 """The causal built-in tokenizer's chat template (jinja, as transformers renders it)."""
 
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] or '' }}"
+    "{% for call in m['tool_calls'] or [] %}{% set f = call['function'] or call %}"
+    "<tool_call>{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "}</tool_call>{% endfor %}"
+    "{{ eos_token }}{% endgeneration %}"
+    "{% elif m['role'] == 'system' %}<|system|>{{ m['content'] }}\n"
+    "{% elif m['role'] == 'tool' %}<|user|>tool: {{ m['content'] }}\n"
+    "{% else %}<|user|>{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The tools variant's chat template: `CHAT_TEMPLATE` plus Hermes tool calls in assistant
+turns (module docstring); ``tools`` is accepted and renders nothing."""
 
-def build_char_tokenizer(out_dir: str | Path, encoder: bool = False) -> PreTrainedTokenizerFast:
+
+def build_char_tokenizer(out_dir: str | Path, encoder: bool = False, tools: bool = False) -> PreTrainedTokenizerFast:
     """Build the character tokenizer, save it to `out_dir` and return it.
 
     `encoder`: the encoder variant (module docstring): CHAR_VOCAB_SIZE + 1 tokens, mask
     ``<mask>`` = CHAR_VOCAB_SIZE, cls ``<bos>``, sep ``<eos>``, and encoding adds them.
-    Otherwise the causal variant: BUILTIN_VOCAB_SIZE tokens, the role markers and
-    `CHAT_TEMPLATE`.
+    `tools`: the tools variant: BUILTIN_TOOLS_VOCAB_SIZE tokens, the causal variant's plus
+    `TOOL_CHARACTERS` and `TOOL_TOKENS`, and `TOOLS_CHAT_TEMPLATE`. Otherwise the causal
+    variant: BUILTIN_VOCAB_SIZE tokens, the role markers and `CHAT_TEMPLATE`.
 
     `out_dir` receives ``tokenizer.json`` and ``tokenizer_config.json`` (created if
     missing). The returned tokenizer has pad ``<pad>`` = 0, bos ``<bos>`` = 1,
     eos ``<eos>`` = 2 and unk ``<unk>`` = 3, pads on the right, and does not clean up
     spaces when decoding (that would break the exact round trip).
     """
-    extra_tokens = (MASK_TOKEN,) if encoder else ROLE_TOKENS
+    if encoder and tools:
+        raise ConfigError("model.task", "the built-in tokenizer's tools variant is for causal LMs",
+                          "set model.task=causal_lm for tool tasks")
+    extra_tokens = (MASK_TOKEN,) if encoder else ROLE_TOKENS + (TOOL_CHARACTERS + TOOL_TOKENS if tools else ())
     vocab = dict(CHAR_VOCAB) | {tok: CHAR_VOCAB_SIZE + i for i, tok in enumerate(extra_tokens)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # `[\s\S]` rather than `.` so that a newline is a character like any other.
@@ -90,6 +133,8 @@ def build_char_tokenizer(out_dir: str | Path, encoder: bool = False) -> PreTrain
     # Fuse joins the token strings with nothing in between (WordLevel's default is a space).
     backend.decoder = decoders.Fuse()
     extra = {"extra_special_tokens": list(ROLE_TOKENS), "chat_template": CHAT_TEMPLATE}
+    if tools:
+        extra = {"extra_special_tokens": list(ROLE_TOKENS + TOOL_TOKENS), "chat_template": TOOLS_CHAT_TEMPLATE}
     if encoder:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{BOS_TOKEN} $A {EOS_TOKEN}", pair=f"{BOS_TOKEN} $A {EOS_TOKEN} $B {EOS_TOKEN}",
@@ -125,11 +170,12 @@ def has_tokenizer_files(folder: str | Path) -> bool:
 
 
 def tokenizer_dir(tokenizer: str | None, model_path: str | None, run_dir: str | Path, build: bool,
-                  encoder: bool = False) -> Path:
+                  encoder: bool = False, tools: bool = False) -> Path:
     """The folder of a run's tokenizer: ``model.tokenizer`` (which must hold tokenizer
     files); else ``model.path`` if it holds them; else ``<run.dir>/tokenizer``, where the
-    built-in character tokenizer (its `encoder` variant) is built when none is there yet
-    and `build` is set (only one process of a job may build it). Raises ConfigError on
+    built-in character tokenizer (its `encoder` variant, or with `tools` its tools variant:
+    the job's task or config calls tools) is built when none is there yet and `build` is
+    set (only one process of a job may build it). Raises ConfigError on
     ``model.tokenizer``."""
     if tokenizer is not None and not has_tokenizer_files(tokenizer):
         raise ConfigError("model.tokenizer", f"{tokenizer!r} holds no tokenizer files",
@@ -138,7 +184,7 @@ def tokenizer_dir(tokenizer: str | None, model_path: str | None, run_dir: str | 
     if found is None:
         found = Path(run_dir) / "tokenizer"
         if build:
-            build_char_tokenizer(found, encoder=encoder)
+            build_char_tokenizer(found, encoder=encoder, tools=tools)
     return found
 
 
@@ -153,16 +199,19 @@ def load_tokenizer(folder: str | Path, require_eos: bool = True):
     return tok
 
 
-def shared_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path, encoder: bool = False):
+def shared_tokenizer(tokenizer: str | None, model_path: str | None, run_dir: str | Path, encoder: bool = False,
+                     tools: bool = False):
     """(tokenizer, its folder) for every rank of a job: rank 0 finds or builds the folder
     and broadcasts where it is, the others load it from there. Collective when a process
     group exists (a rank that looked for itself could miss a folder rank 0 is writing).
-    `encoder`: build the encoder variant when building, and need no eos token."""
+    `encoder`: build the encoder variant when building, and need no eos token; `tools`:
+    build the tools variant when building."""
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     where: list[str | None] = [None]
     if rank == 0:
-        where[0] = str(tokenizer_dir(tokenizer, model_path, run_dir, build=True, encoder=encoder))
+        where[0] = str(tokenizer_dir(tokenizer, model_path, run_dir, build=True, encoder=encoder,
+                                     tools=tools))
     if distributed:
         dist.broadcast_object_list(where, src=0)  # a path string, from our own rank 0
     return load_tokenizer(where[0], require_eos=not encoder), where[0]
