@@ -27,6 +27,7 @@ LAYERS = [
     {"fsdp"},
     {"engine"},
     {"checkpoint"},
+    {"agents"},
     {"rl"},
     {"jobs"},
     {"cli"},

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.data import template
+from shardwise.data.tasks import task_needs_tools
 from shardwise.data.template import Budget, Rendered, TemplateBudgetError
 from shardwise.errors import ConfigError, DataError, did_you_mean
 
@@ -152,10 +153,12 @@ _TEMPLATE_FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def text_prompts_as_chat(data) -> bool:
-    """A text prompt is asked as one user turn of a chat (``data.format: messages``, or a
-    template file in ``data.chat_template``) rather than as ``bos + text``; `data` is the
-    config's ``data`` section. Training prompts and the held-out ones follow it alike."""
-    return data.format == "messages" or data.chat_template not in ("auto", "none")
+    """A text prompt is asked as one user turn of a chat (``data.format: messages``, a
+    template file in ``data.chat_template``, or a built-in task that calls tools) rather
+    than as ``bos + text``; `data` is the config's ``data`` section. Training prompts and
+    the held-out ones follow it alike."""
+    return (data.format == "messages" or data.chat_template not in ("auto", "none")
+            or (data.format == "auto" and task_needs_tools(data.source)))
 
 
 def read_template(path: str, key: str = "data.chat_template") -> str:

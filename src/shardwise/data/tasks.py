@@ -22,6 +22,21 @@ truth the task's scorer compares a generated response with. A task's held-out pr
   ``benchmarks/rl_vs_trl.py --task long``).
 - ``colours`` / ``colours_mixed``: for vision-language models, an image of a coloured
   shape -> its colour (`shardwise.data.visual`); records carry an ``image``.
+- ``calc``: ``"123*456="`` -> ``"56088"``: the product of two 3-digit numbers, which a tiny
+  model cannot compute but can get from its tool, ``shardwise.agents.builtin:calculator``
+  (`BuiltinTask.tools`). Its training rows also carry ``messages``, the SFT
+  demonstrations: `CALC_TOOL_SHARE` of them use the tool (user, assistant calling
+  ``calculator``, the tool's result, assistant answering it), the others answer directly
+  with the true product (which the model cannot learn, so RL that rewards right answers
+  raises the share of trajectories that call the tool). Reward: the final answer's
+  exact match.
+- ``guess``: ``"guess my number."`` -> the secret (1 to 15): a stateful environment,
+  ``shardwise.agents.builtin:GuessNumber`` (`BuiltinTask.environment`), answers each
+  ``guess`` with higher / lower / correct; demonstrations search by halving.
+
+A task that calls tools (`BuiltinTask.needs_tools`) is a chat task: its prompts are asked
+as one user turn (`shardwise.data.chat.text_prompts_as_chat`), and the jobs build the
+built-in tokenizer's tools variant for it (`shardwise.data.tokenizer`).
 """
 
 from __future__ import annotations
@@ -148,6 +163,90 @@ def count_mixed_demonstrations(n: int, seed: int, down_share: float = COUNT_DOWN
             for r in count_examples(n, seed)]
 
 
+CALC_TOOL = "shardwise.agents.builtin:calculator"
+"""The tool of ``builtin:calc``."""
+CALC_TOOL_SHARE = 0.3
+"""Share of ``calc`` demonstrations that call the calculator (the rest answer directly)."""
+
+
+def calc_examples(n: int, seed: int) -> list[dict[str, str]]:
+    """`n` problems ``{"prompt": "123*456=", "response": "56088"}`` (both factors uniform
+    in [100, 999], ``random.Random(seed)``), the same for the same seed."""
+    if n < 0:
+        raise DataError(f"calc_examples: n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        rows.append({"prompt": f"{a}*{b}=", "response": str(a * b)})
+    return rows
+
+
+def tool_call(name: str, **arguments) -> dict:
+    """One OpenAI-format tool call ``{"type": "function", "function": {"name", "arguments"}}``."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def calc_demonstrations(n: int, seed: int, tool_share: float = CALC_TOOL_SHARE) -> list[dict]:
+    """The rows of `calc_examples(n, seed)`, each with ``messages``: with probability
+    `tool_share` (per row, its own ``random.Random`` stream) a tool conversation (the user's
+    prompt, the assistant calling ``calculator(expression="123*456")``, the tool's result,
+    the assistant answering it), else the prompt answered directly (the true product)."""
+    if not 0.0 <= tool_share <= 1.0:
+        raise DataError(f"calc_demonstrations: tool_share must be in [0, 1], got {tool_share}")
+    writer = random.Random(f"writer-{seed}")
+    rows = []
+    for r in calc_examples(n, seed):
+        user = {"role": "user", "content": r["prompt"]}
+        if writer.random() < tool_share:
+            call = tool_call("calculator", expression=r["prompt"].removesuffix("="))
+            turns = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "name": "calculator", "content": r["response"]},
+                     {"role": "assistant", "content": r["response"]}]
+        else:
+            turns = [user, {"role": "assistant", "content": r["response"]}]
+        rows.append({**r, "messages": turns})
+    return rows
+
+
+GUESS_ENVIRONMENT = "shardwise.agents.builtin:GuessNumber"
+"""The environment of ``builtin:guess``."""
+GUESS_HIGH = 15
+"""``guess``'s secrets lie in [1, GUESS_HIGH] (`shardwise.agents.builtin.GuessNumber`'s default range)."""
+GUESS_PROMPT = "guess my number."
+
+
+def guess_examples(n: int, seed: int) -> list[dict[str, str]]:
+    """`n` games ``{"prompt": GUESS_PROMPT, "response": "9"}``: a secret uniform in
+    [1, GUESS_HIGH] (``random.Random(seed)``)."""
+    if n < 0:
+        raise DataError(f"guess_examples: n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    return [{"prompt": GUESS_PROMPT, "response": str(rng.randint(1, GUESS_HIGH))} for _ in range(n)]
+
+
+def guess_demonstrations(n: int, seed: int) -> list[dict]:
+    """The rows of `guess_examples(n, seed)`, each with ``messages``: the game played by
+    halving the range (at most 4 guesses for 15 numbers), each guess an assistant turn
+    calling ``guess`` and answered higher / lower / correct, then the number as the final
+    answer."""
+    rows = []
+    for r in guess_examples(n, seed):
+        secret, low, high = int(r["response"]), 1, GUESS_HIGH
+        turns: list[dict] = [{"role": "user", "content": r["prompt"]}]
+        while True:
+            mid = (low + high) // 2
+            answer = "correct" if mid == secret else "higher" if mid < secret else "lower"
+            turns += [{"role": "assistant", "content": "", "tool_calls": [tool_call("guess", number=mid)]},
+                      {"role": "tool", "name": "guess", "content": answer}]
+            if answer == "correct":
+                break
+            low, high = (mid + 1, high) if answer == "higher" else (low, mid - 1)
+        turns.append({"role": "assistant", "content": r["response"]})
+        rows.append({**r, "messages": turns})
+    return rows
+
+
 def first_answer(response: str) -> str:
     """The answer part of a generated response: the text before the first ``<eos>``,
     with leading whitespace removed, up to the first whitespace (newline included)."""
@@ -184,6 +283,15 @@ class BuiltinTask:
     make_heldout: Callable[[int, int], list[dict[str, str]]] | None = None
     """Held-out examples with true answers, when the training rows are not (None: the
     training rows' maker)."""
+    tools: tuple[str, ...] = ()
+    """The tools (``module:function``) its trajectories may call."""
+    environment: str | None = None
+    """The environment (``module:Class``) each of its trajectories plays, if any."""
+
+    @property
+    def needs_tools(self) -> bool:
+        """Its trajectories call tools: a chat task, with the tokenizer's tools variant."""
+        return bool(self.tools) or self.environment is not None
 
     def heldout_examples(self, n: int, seed: int) -> list[dict[str, str]]:
         """`n` examples to evaluate on, generated from `seed`, each with its true answer."""
@@ -246,7 +354,33 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
         max_new_tokens=8,
         make_heldout=visual.colour_examples,
     ),
+    "calc": BuiltinTask(
+        name="calc",
+        make_examples=calc_demonstrations,
+        score=score_exact,
+        description=f"product of two 3-digit numbers with a calculator tool ({CALC_TOOL}); SFT rows are "
+                    f"demonstrations ({CALC_TOOL_SHARE:.0%} call the tool); exact-answer reward",
+        max_new_tokens=64,  # a call <tool_call>{"name": "calculator", ...}</tool_call> and its eos fit
+        make_heldout=calc_examples,
+        tools=(CALC_TOOL,),
+    ),
+    "guess": BuiltinTask(
+        name="guess",
+        make_examples=guess_demonstrations,
+        score=score_exact,
+        description=f"guess a number from 1 to {GUESS_HIGH} told higher / lower by an environment "
+                    f"({GUESS_ENVIRONMENT}); SFT rows are halving demonstrations; exact-answer reward",
+        max_new_tokens=48,
+        make_heldout=guess_examples,
+        environment=GUESS_ENVIRONMENT,
+    ),
 }
+
+
+def task_needs_tools(source: str) -> bool:
+    """`source` (``data.source``) is a built-in task that calls tools."""
+    return source.startswith(BUILTIN_PREFIX) and source.removeprefix(BUILTIN_PREFIX) in BUILTIN_TASKS and \
+        BUILTIN_TASKS[source.removeprefix(BUILTIN_PREFIX)].needs_tools
 
 
 def get_builtin_task(name: str) -> BuiltinTask:

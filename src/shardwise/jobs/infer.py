@@ -69,6 +69,7 @@ from shardwise.jobs.inputs import (
     check_tokens,
     ground_truth_key,
     vision_inputs,
+    wants_tools_tokenizer,
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import load_hf_config
@@ -198,7 +199,8 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
+    tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir,
+                                    tools=wants_tools_tokenizer(cfg))
     use_chat_template(tokenizer, cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     if runtime.is_main:

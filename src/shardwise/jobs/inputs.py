@@ -19,6 +19,7 @@ from shardwise.data.chat import text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import example_loss_tokens
 from shardwise.data.encode import UNLIMITED, encode_record, encode_records
 from shardwise.data.sources import load_records
+from shardwise.data.tasks import task_needs_tools
 from shardwise.data.tokenizer import (
     build_char_tokenizer,
     check_vocab,
@@ -169,14 +170,22 @@ def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> No
                       "example, or more to keep whole responses")
 
 
+def wants_tools_tokenizer(cfg: Config) -> bool:
+    """A job that builds the built-in tokenizer builds its tools variant (Hermes tool calls
+    in its template, `shardwise.data.tokenizer`): its data are a built-in task that calls
+    tools (``builtin:calc``, ``builtin:guess``)."""
+    return task_needs_tools(cfg.data.source)
+
+
 def job_tokenizer(cfg: Config):
     """The tokenizer a job will use, for checks before it starts: ``model.tokenizer`` /
-    ``model.path``'s / the run's built-in one, else the built-in one built in a temporary
-    folder (a job builds it in run.dir); with ``data.chat_template`` applied."""
+    ``model.path``'s / the run's built-in one, else the built-in one (its tools variant
+    when `wants_tools_tokenizer`) built in a temporary folder (a job builds it in run.dir);
+    with ``data.chat_template`` applied."""
     found = locate_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir)
     if found is None:
         with tempfile.TemporaryDirectory() as tmp:
-            tokenizer = build_char_tokenizer(tmp)
+            tokenizer = build_char_tokenizer(tmp, tools=wants_tools_tokenizer(cfg))
     else:
         tokenizer = load_tokenizer(found)
     return use_chat_template(tokenizer, cfg.data.chat_template)

@@ -42,6 +42,7 @@ from shardwise.jobs.inputs import (
     check_tokens,
     ground_truth_key,
     vision_inputs,
+    wants_tools_tokenizer,
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
@@ -162,7 +163,8 @@ def plot_panels(cfg: Config, on_policy_shortcut: bool) -> list[tuple[str, list[s
 
 def _run(prepared: Prepared) -> dict[str, Any]:
     cfg = prepared.cfg
-    folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True)
+    folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True,
+                           tools=wants_tools_tokenizer(cfg))
     tokenizer = use_chat_template(load_tokenizer(folder), cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     vision = vision_inputs(cfg, tokenizer)

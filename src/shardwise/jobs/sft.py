@@ -52,6 +52,7 @@ from shardwise.jobs.inputs import (
     check_tokenizer,
     check_tokens,
     vision_inputs,
+    wants_tools_tokenizer,
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import load_hf_config
@@ -179,7 +180,8 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(by_alias=True, mode="json"), indent=2))
     encoder_task = encoder.is_encoder_task(cfg.model.task)
-    tokenizer, tok_dir = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, encoder=encoder_task)
+    tokenizer, tok_dir = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, encoder=encoder_task,
+                                          tools=wants_tools_tokenizer(cfg))
     use_chat_template(tokenizer, cfg.data.chat_template)
     hf_config = load_hf_config(cfg.model)
     vision = vision_inputs(cfg, tokenizer)

@@ -1,0 +1,1 @@
+"""Agents: tools, environments and the multi-turn rollout loop (issue 27)."""
