@@ -1,0 +1,319 @@
+"""Tool calls run where the user's code cannot break the rollout.
+
+`ToolRunner` keeps `workers` contained children (`shardwise.contained.Contained`, their
+side is `shardwise.agents.host`) and runs a batch of calls concurrently over them: one
+thread per child, each child given its calls in one request. What a tool does stays in
+its child: a raise, a hang (stopped after ``timeout_s``), ``os._exit``, killing its parent,
+megabytes of prints (they go to `output`, by default nowhere), a return value that is not a
+string, arguments that do not fit its signature: each is a `ToolResult` whose text the
+model reads (``"error: ..."``, one line), never an exception in the job. A child that
+ended or was killed is started afresh on its next call.
+
+An environment is constructed once per trajectory, in the child the trajectory is pinned
+to (by a hash of its id), where it stays across the trajectory's calls. When that child
+ends (a call in it hung or crashed), the environments it held are lost: their later calls
+are answered ``"error: the environment of this trajectory was lost (its process ended)"``
+and their reward is None. Plain tool calls go to the least loaded child.
+
+Texts are cut to their first ``max_chars`` characters (the head is kept: a tool's output
+usually says what matters first); the loop cuts them again to tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.agents.parsers import ToolCall
+from shardwise.agents.tools import EnvironmentSpec, ToolSpec, check_names
+from shardwise.contained import Contained, Outcome
+from shardwise.errors import did_you_mean
+
+__all__ = ["ToolResult", "ToolRunner"]
+
+_TARGET = "shardwise.agents.host:serve"
+_STATUSES = ("ok", "error", "timeout", "crash")
+_NO_ENVIRONMENT = "the environment of this trajectory was ended or never started"
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one call gave: `text`, what the model reads (cut to ``max_chars``; ``"error: ..."``
+    for a fault), and `status`: ``ok``, ``error`` (the call was malformed, named no tool, did
+    not fit the signature, raised, returned a non-string; or its environment is gone),
+    ``timeout`` (stopped after ``timeout_s``) or ``crash`` (its process ended)."""
+
+    text: str
+    status: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON (what the data carries: numpy values become lists / numbers, the
+    rest their string)."""
+    def default(obj: Any) -> Any:
+        if hasattr(obj, "tolist"):
+            return obj.tolist()
+        return str(obj)
+
+    return json.loads(json.dumps(value, default=default)) if value is not None else None
+
+
+class ToolRunner:
+    """Runs `tools` (plain functions) and the methods of `environment` (one instance per
+    trajectory) in `workers` contained processes; see the module docstring.
+
+    `timeout_s` bounds each call (and each reset, reward and end); `start_timeout_s` bounds a
+    child's start together with the import of the user's modules in it. `output` takes what
+    the tools print: None (nowhere, ``subprocess.DEVNULL``), a path (appended to) or a file
+    descriptor / file object. Extra keyword arguments from the data are merged over the
+    model's arguments, those the function takes (all for a ``**kwargs`` function). One caller
+    (not thread-safe); `close` leaves no process.
+    """
+
+    def __init__(self, tools: list[ToolSpec], environment: EnvironmentSpec | None, *, timeout_s: float,
+                 workers: int = 4, max_chars: int = 4096, output: Any = None, start_timeout_s: float = 120.0):
+        check_names(tools, environment)
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, not {workers}")
+        self.tools = {t.name: t for t in tools}
+        self.environment = environment
+        self.methods = {t.name: t for t in environment.tools} if environment is not None else {}
+        self.timeout_s = float(timeout_s)
+        self.max_chars = int(max_chars)
+        self.start_timeout_s = float(start_timeout_s)
+        self._own_output = None
+        if output is None:
+            output = subprocess.DEVNULL
+        elif isinstance(output, (str, os.PathLike)):
+            output = self._own_output = open(output, "ab")  # noqa: SIM115 (closed in close())
+        # The user's modules are found where they were found when the tools were loaded,
+        # whatever the working directory is when a child (re)starts.
+        path = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+        self._specs = [t.spec for t in tools] + ([environment.spec] if environment is not None else [])
+        self._children = [Contained(_TARGET, start_timeout_s=self.start_timeout_s, env=env, output=output,
+                                    max_result_bytes=max(1 << 20, 16 * self.max_chars + 4096))
+                          for _ in range(workers)]
+        self._loaded = [False] * workers
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shardwise-tools")
+        self._envs: set[str] = set()
+        """Trajectories whose environment was constructed and reset."""
+        self._failed: dict[str, str] = {}
+        """Trajectory -> why its environment could not be started."""
+        self.reward_errors: dict[str, str] = {}
+        """Trajectory -> why its reward() gave no value (the last `reward` call's)."""
+        self._closed = False
+        for child in self._children:
+            child.start()
+
+    # ------------------------------------------------------------------ the API
+    def reset(self, traj_ids: list[str], rows: list[dict]) -> list[str | None]:
+        """One environment per trajectory in `traj_ids`, constructed and reset with its data
+        record `rows[i]` (the fields ``reset`` takes; all for ``**kwargs``); the first
+        observations (None: none, or no environment). An environment that could not be
+        constructed or reset gives None, and its trajectory's calls are answered with the
+        reason."""
+        if len(traj_ids) != len(rows):
+            raise ValueError(f"reset got {len(traj_ids)} trajectory ids and {len(rows)} rows")
+        if self.environment is None:
+            return [None] * len(traj_ids)
+        jobs = []
+        for traj, row in zip(traj_ids, rows, strict=True):
+            self._envs.discard(traj)
+            self._failed.pop(traj, None)
+            jobs.append((self._pin(traj), {"op": "reset", "env": self.environment.spec, "traj": traj,
+                                           "row": _plain(row), "max_chars": self.max_chars}))
+        out: list[str | None] = []
+        for traj, outcome in zip(traj_ids, self._run(jobs), strict=True):
+            answer = _answer(outcome, f"the environment {self.environment.spec}", self.timeout_s)
+            if answer.status == "ok":
+                self._envs.add(traj)
+                out.append(outcome.value.get("text"))
+            else:
+                self._failed[traj] = answer.text.removeprefix("error: ")
+                out.append(None)
+        return out
+
+    def call(self, calls: list[tuple[str, ToolCall, dict]]) -> list[ToolResult]:
+        """The results of `calls`, ``(trajectory id, call, extra keyword arguments from the
+        data)`` each, in order; run concurrently over the children, each bounded by
+        ``timeout_s``. A trajectory's calls of its environment run in the order given."""
+        results: list[ToolResult | None] = [None] * len(calls)
+        jobs: list[tuple[int, dict]] = []
+        where: list[int] = []
+        plain: list[tuple[int, dict]] = []
+        for i, (traj, call, extra) in enumerate(calls):
+            early = self._refuse(traj, call)
+            if early is not None:
+                results[i] = early
+                continue
+            payload = {"arguments": _plain(call.arguments), "extra": _plain(extra) if extra else {},
+                       "max_chars": self.max_chars}
+            if call.name in self.tools:
+                plain.append((i, {"op": "call", "spec": self.tools[call.name].spec, "name": call.name, **payload}))
+            else:
+                jobs.append((self._pin(traj), {"op": "env_call", "traj": traj, "method": call.name, **payload}))
+                where.append(i)
+        load = [0] * len(self._children)
+        for worker, _ in jobs:
+            load[worker] += 1
+        for i, payload in plain:
+            worker = min(range(len(load)), key=load.__getitem__)
+            load[worker] += 1
+            jobs.append((worker, payload))
+            where.append(i)
+        for i, outcome in zip(where, self._run(jobs), strict=True):
+            results[i] = _answer(outcome, calls[i][1].name, self.timeout_s, self.max_chars)
+        return results  # type: ignore[return-value]
+
+    def reward(self, traj_ids: list[str]) -> list[float | None]:
+        """Each trajectory's environment's ``reward()`` (None: no environment or no reward,
+        or it failed: `reward_errors` says why)."""
+        self.reward_errors = {}
+        if self.environment is None or not self.environment.has_reward:
+            return [None] * len(traj_ids)
+        out: list[float | None] = [None] * len(traj_ids)
+        jobs, where = [], []
+        for i, traj in enumerate(traj_ids):
+            if traj in self._envs:
+                jobs.append((self._pin(traj), {"op": "reward", "traj": traj}))
+                where.append(i)
+            else:
+                self.reward_errors[traj] = self._failed.get(traj, _NO_ENVIRONMENT)
+        for i, outcome in zip(where, self._run(jobs), strict=True):
+            answer = _answer(outcome, f"{self.environment.spec}.reward", self.timeout_s)
+            if answer.status == "ok":
+                out[i] = float(outcome.value["value"])
+            else:
+                self.reward_errors[traj_ids[i]] = answer.text.removeprefix("error: ")
+        return out
+
+    def end(self, traj_ids: list[str]) -> None:
+        """Close (their ``close()``, if any) and forget those trajectories' environments."""
+        jobs = []
+        for traj in traj_ids:
+            self._failed.pop(traj, None)
+            if traj in self._envs:
+                self._envs.discard(traj)
+                jobs.append((self._pin(traj), {"op": "end", "traj": traj}))
+        self._run(jobs)
+
+    def close(self) -> None:
+        """Kill every child with what it started; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for child in self._children:
+            child.close()
+        if self._own_output is not None:
+            self._own_output.close()
+
+    def __enter__(self) -> ToolRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ inside
+    def _pin(self, traj: str) -> int:
+        return zlib.crc32(str(traj).encode()) % len(self._children)
+
+    def _refuse(self, traj: str, call: ToolCall) -> ToolResult | None:
+        """The result of a call answered without running it, or None."""
+        if call.error is not None:
+            return ToolResult(self._cut(f"error: {call.error}"), "error")
+        if call.name in self.tools:
+            return None
+        if call.name in self.methods:
+            if traj in self._failed:
+                return ToolResult(self._cut(f"error: the environment of this trajectory could not be started: "
+                                            f"{self._failed[traj]}"), "error")
+            if traj not in self._envs:
+                return ToolResult(self._cut(f"error: {_NO_ENVIRONMENT}"), "error")
+            return None
+        names = [*self.tools, *self.methods]
+        hint = did_you_mean(call.name, names) if names else "there are no tools"
+        return ToolResult(self._cut(f"error: unknown tool {call.name!r}" + (f" ({hint})" if hint else "")),
+                          "error")
+
+    def _cut(self, text: str) -> str:
+        return text[:self.max_chars]
+
+    def _run(self, jobs: list[tuple[int, dict]]) -> list[Outcome]:
+        """The outcomes of `jobs` (``(child, payload)``), in order: each child's payloads in
+        one thread, in order."""
+        if not jobs:
+            return []
+        if self._closed:
+            raise RuntimeError("the ToolRunner is closed")
+        groups: dict[int, list[int]] = {}
+        for j, (worker, _) in enumerate(jobs):
+            groups.setdefault(worker, []).append(j)
+        futures = {worker: self._pool.submit(self._serve, worker, [jobs[j][1] for j in idx])
+                   for worker, idx in groups.items()}
+        # Each payload is bounded by the children (timeout_s after the previous answer, a
+        # start by start_timeout_s); this bound only catches a runner bug.
+        bound = max(len(idx) for idx in groups.values()) * (self.timeout_s + self.start_timeout_s + 10) + 30
+        try:
+            _, pending = concurrent.futures.wait(futures.values(), timeout=bound)
+        except BaseException:  # an interrupt (Ctrl-C): the children are killed, their threads wake and end
+            for child in self._children:
+                child.close()
+            raise
+        if pending:
+            stuck = [w for w, f in futures.items() if f in pending]
+            for w in stuck:
+                self._children[w].close()
+            raise RuntimeError(f"tool worker(s) {stuck} did not answer within {bound:g} s")
+        out: list[Outcome | None] = [None] * len(jobs)
+        for worker, idx in groups.items():
+            for j, outcome in zip(idx, futures[worker].result(), strict=True):
+                out[j] = outcome
+        return out  # type: ignore[return-value]
+
+    def _serve(self, worker: int, payloads: list[dict]) -> list[Outcome]:
+        """`payloads` run in child `worker`, in order. A payload that timed out or crashed
+        ends that child; the payloads after it go to a fresh one (where the environments of
+        the old one are lost)."""
+        child = self._children[worker]
+        out: list[Outcome] = []
+        while len(out) < len(payloads):
+            if not self._loaded[worker]:
+                started = child.call({"op": "load", "specs": self._specs}, self.start_timeout_s)
+                if not started.ok:  # the user's modules' import hung or ended the process (their errors are the calls')
+                    failed = Outcome("crash", reason=f"the tool process could not start: {started.reason}")
+                    return out + [failed] * (len(payloads) - len(out))
+                self._loaded[worker] = True
+            got = child.map(payloads[len(out):], self.timeout_s)
+            out.extend(got)
+            if not got or got[-1].kind in ("timeout", "crash"):
+                self._loaded[worker] = False
+        return out
+
+
+def _answer(outcome: Outcome, name: str, timeout_s: float, max_chars: int | None = None) -> ToolResult:
+    """`outcome` of a request as the text the model reads."""
+    if outcome.kind == "ok" and isinstance(outcome.value, dict) and outcome.value.get("status") in _STATUSES:
+        status = outcome.value["status"]
+        text = outcome.value.get("text")
+        if status != "ok":
+            text = f"error: {text}"
+    elif outcome.kind == "timeout":
+        status, text = "timeout", f"error: {name} did not return within {timeout_s:g} s (it was stopped)"
+    elif outcome.kind == "crash":
+        status, text = "crash", f"error: {name} crashed: {outcome.reason}"
+    else:
+        status, text = "error", f"error: {name} failed: {outcome.reason or 'no answer'}"
+    if isinstance(text, str) and max_chars is not None:
+        text = text[:max_chars]
+    return ToolResult(text if isinstance(text, str) else "", status)
