@@ -24,7 +24,7 @@ from pydantic import (
 
 from shardwise.config.dtypes import canonical_dtype
 from shardwise.config.paths import resolve_dots
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, did_you_mean
 from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, TRACKERS
 
 DType = Annotated[str, BeforeValidator(canonical_dtype)]
@@ -565,6 +565,50 @@ class KLInRewardConfig(Section):
     """adaptive: samples over which a full error of the KL is corrected."""
 
 
+def _check_tool_parser(name: str) -> str:
+    """`name` when `shardwise.agents.parsers.TOOL_PARSERS` has it (imported by name, the
+    first time: the schema sits below agents/); a ConfigError naming the nearest otherwise."""
+    parsers = importlib.import_module("shardwise.agents.parsers").TOOL_PARSERS
+    if name not in parsers:
+        raise ConfigError("rl.multi_turn.tool_parser", f"{name!r} is not a tool-call parser",
+                          did_you_mean(str(name), list(parsers)))
+    return name
+
+
+class MultiTurnConfig(Section):
+    """Agentic rollouts (`shardwise.agents.loop`): the model answers over several turns,
+    calling the tools of ``rl.tools`` (or the environment of ``rl.environment``) in
+    between; their results join the conversation as the chat template renders tool turns.
+    The loss mask is 1 on the model's tokens (its calls included) only."""
+
+    enabled: bool = False
+    """Roll out multi-turn trajectories with tool calls (needs rl.tools or rl.environment)."""
+    max_turns: Pos = 4
+    """Most assistant turns per trajectory; a trajectory still calling tools after this
+    many is truncated."""
+    max_tool_calls: Pos = 8
+    """Most tool calls run per trajectory; calls beyond are answered with an error message
+    (not run)."""
+    max_response_tokens: Pos = 512
+    """Every token after the prompt, the model's and the tools' together (the response
+    width of the batch). Each assistant turn generates at most
+    min(rl.rollout.max_new_tokens, what is left of this); a trajectory that runs out is
+    truncated."""
+    max_tool_response_tokens: Pos = 128
+    """Most tokens of one tool result (the text the tool returned; its head is kept and
+    the tail cut), before the template wraps it in a tool turn."""
+    tool_parser: Annotated[str, AfterValidator(_check_tool_parser)] = "hermes"
+    """How calls are read from an assistant turn: hermes (``<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>``, Qwen2.5 / Qwen3 / Hermes templates)."""
+    truncated_reward: float | None = None
+    """The reward of a truncated trajectory (turns or tokens exhausted before a final
+    answer), e.g. 0; null: scored like any other."""
+    tools_kwargs_key: str = "extra_info.tools_kwargs"
+    """A dotted key of the data record holding per-row tool arguments,
+    ``{tool name: {argument: value}}``, passed to the tool on every call (verl's datasets
+    carry them as extra_info.tools_kwargs); absent in a record: none."""
+
+
 class RLConfig(Section):
     """Read by `shardwise rl` only."""
 
@@ -622,6 +666,20 @@ class RLConfig(Section):
     filter_groups_max_rounds: Pos = 4
     """Most extra sampling rounds per step with filter_groups_refill; when they are spent
     the update runs on the kept groups it has."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """Multi-turn rollouts with tool calls (agentic RL)."""
+    tools: list[str] = []
+    """Tools of rl.multi_turn, each a plain Python function as module:function (cwd on the
+    import path, like rl.reward.function) with type hints and a docstring: its JSON schema
+    (transformers' get_json_schema) is passed to the chat template. Calls run in worker
+    processes, each bounded by rl.tool_timeout_s."""
+    environment: str | None = None
+    """A class as module:Class constructed once per trajectory: reset(**row) may return a
+    first observation (asked as a user turn after the prompt), its public methods are tools
+    with state, and reward() (optional) gives the trajectory's reward. null: none."""
+    tool_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """The longest one tool call may take; past it the call's process is stopped and the
+    model sees an error message (counted in tools/timeouts)."""
 
     @model_validator(mode="after")
     def _roles_agree(self) -> RLConfig:
@@ -647,7 +705,18 @@ class RLConfig(Section):
             which = "rl.actor.kl_loss" if self.actor.kl_loss.enabled else "rl.kl_in_reward"
             raise ConfigError("rl.reference.enabled", f"{which} needs the reference policy",
                               "set rl.reference.enabled=true")
-        if self.reward.function is None and self.reward.model is None:
+        mt = self.multi_turn
+        if mt.enabled and not self.tools and self.environment is None:
+            raise ConfigError("rl.multi_turn.enabled", "multi-turn rollouts need tools to call, but rl.tools is "
+                              "empty and rl.environment is null",
+                              "set rl.tools=[my_tools:calculator] or rl.environment=my_env:Game")
+        if mt.max_tool_response_tokens > mt.max_response_tokens:
+            raise ConfigError("rl.multi_turn.max_tool_response_tokens",
+                              f"{mt.max_tool_response_tokens} tokens of one tool result do not fit in "
+                              f"rl.multi_turn.max_response_tokens={mt.max_response_tokens}",
+                              f"set it to at most {mt.max_response_tokens}")
+        # an environment's reward() may be the reward: `shardwise.jobs.rl.check_agents` knows
+        if self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment):
             raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
                               "set rl.reward.function=builtin:arithmetic or a module:function")
         return self

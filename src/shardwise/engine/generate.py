@@ -423,8 +423,14 @@ def score_accuracy(sequences: Batch, tokenizer, scorer: RewardFn) -> float:
     return float((scores >= 1.0).float().mean())
 
 
+PromptBatchFn = Callable[[list[dict[str, Any]], list[str]], Batch]
+"""(records, uids) -> the prompt batch of those records (default: `prompt_batch`; a
+multi-turn rollout's prompts are rendered with the tools, `shardwise.agents.loop`)."""
+
+
 def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
-                     n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None, chat: bool = False) -> float | None:
+                     n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None, chat: bool = False,
+                     batch_fn: PromptBatchFn | None = None) -> float | None:
     """Greedy accuracy on the held-out prompts of a built-in task: the figure `shardwise
     train`, `shardwise rl` and `shardwise infer` all print (None for a file source).
 
@@ -436,25 +442,29 @@ def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str,
     """
     if not source.startswith(BUILTIN_PREFIX):
         return None
-    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision, chat)
+    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision, chat, batch_fn)
     batch.meta.update(seed=0, greedy=True, max_new_tokens=task.max_new_tokens)
     return score_accuracy(generate(batch), tokenizer, task.score)
 
 
 def _heldout_batch(tokenizer, source: str, seed: int, max_length: int, n: int,
-                   vision: VisionInputs | None = None, chat: bool = False) -> tuple[Any, Batch]:
+                   vision: VisionInputs | None = None, chat: bool = False,
+                   batch_fn: PromptBatchFn | None = None) -> tuple[Any, Batch]:
     """The built-in task of `source` and the prompt batch of its `n` held-out examples
-    (with `chat`, each prompt one user turn of a chat)."""
+    (with `chat`, each prompt one user turn of a chat; `batch_fn` builds the batch)."""
     task = get_builtin_task(source)
     records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
     if chat:
         records = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in records]
-    return task, prompt_batch(tokenizer, records, max_length, [f"heldout-{i}" for i in range(n)], vision)
+    uids = [f"heldout-{i}" for i in range(n)]
+    if batch_fn is not None:
+        return task, batch_fn(records, uids)
+    return task, prompt_batch(tokenizer, records, max_length, uids, vision)
 
 
 def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
                       k: int, n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None,
-                      chat: bool = False) -> dict[str, float] | None:
+                      chat: bool = False, batch_fn: PromptBatchFn | None = None) -> dict[str, float] | None:
     """Sampled accuracy on the held-out prompts of `heldout_accuracy` (None for a file
     source): `k` samples per prompt at the engine's temperature (seeded with `seed`), and
     ``{"pass@1": share of samples right, "pass@k": share of prompts with at least one
@@ -462,7 +472,7 @@ def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str
     greedy accuracy."""
     if not source.startswith(BUILTIN_PREFIX):
         return None
-    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision, chat)
+    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision, chat, batch_fn)
     batch = batch.repeat(k, interleave=True)
     batch.meta.update(seed=seed, greedy=False, max_new_tokens=task.max_new_tokens)
     out = generate(batch)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardwise.agents.tools import all_schemas, load_environment, load_tools
 from shardwise.config.schema import Config
 from shardwise.config.validate import (
     MeshSpec,
@@ -46,6 +47,7 @@ from shardwise.jobs.inputs import (
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
+from shardwise.models.vision import is_vision_language
 from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, mean_timing
 from shardwise.telemetry import plot_metrics
@@ -69,6 +71,8 @@ class Prepared:
     reward_fn: RewardFn | None
     plan: ShardingPlan | None = None
     """The actor's plan on the meta device (its memory per rank, for the launch line)."""
+    schemas: list[dict] | None = None
+    """rl.multi_turn: the tools' schemas the chat template gets (None: single-turn rollouts)."""
     clock: StartupClock = field(default_factory=StartupClock)
     """The start-up's timeline so far (``launch``: the process's start to `prepare`, and
     ``prepare``); `run` goes on with it to the first step."""
@@ -87,6 +91,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
     check_token_budgets(cfg)
     check_model(cfg)
+    schemas = check_agents(cfg)
     if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
         vllm_engine.check_supported(load_hf_config(cfg.model), "rl.rollout", "model.config")
     check_rl_ulysses(cfg, spec.ulysses)
@@ -102,7 +107,30 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     clock.lap("prepare")
-    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock)
+    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock=clock, schemas=schemas)
+
+
+def check_agents(cfg: Config) -> list[dict] | None:
+    """With ``rl.multi_turn.enabled``: the tools and the environment imported and checked
+    here (`shardwise.agents.tools`: one ConfigError line naming the key for a module that
+    cannot be imported, a function without type hints or docstring, ...), before any
+    process starts; returns the schemas the chat template gets. None when multi-turn is
+    off (rl.tools / rl.environment are then ignored, with a warning)."""
+    rl = cfg.rl
+    if not rl.multi_turn.enabled:
+        if rl.tools or rl.environment is not None:
+            log.warning("rl.tools / rl.environment have no effect with rl.multi_turn.enabled=false")
+        return None
+    if is_vision_language(load_hf_config(cfg.model)):
+        raise ConfigError("rl.multi_turn.enabled", "multi-turn rollouts of a vision-language model are not "
+                          "supported yet", "set rl.multi_turn.enabled=false, or use a text model")
+    tools = load_tools(rl.tools)
+    env = load_environment(rl.environment)
+    if rl.reward.function is None and rl.reward.model is None and (env is None or not env.has_reward):
+        raise ConfigError("rl.reward", "no reward: rl.reward.function and rl.reward.model are null and "
+                          f"{'no rl.environment' if env is None else rl.environment + ' has no reward()'} gives one",
+                          "set rl.reward.function, or give the environment a reward() method")
+    return all_schemas(tools, env)
 
 
 def check_rl_ulysses(cfg: Config, sp: int) -> None:
@@ -127,13 +155,16 @@ def check_token_budgets(cfg: Config) -> None:
     """ConfigError naming the key when a token budget of the RL passes cannot hold the
     longest row a rollout can make: a prompt of data.max_length tokens and a response of
     rl.rollout.max_new_tokens."""
-    longest = cfg.data.max_length + cfg.rl.rollout.max_new_tokens
+    response, what = cfg.rl.rollout.max_new_tokens, "rl.rollout.max_new_tokens"
+    if cfg.rl.multi_turn.enabled:  # every token after the prompt, the model's and the tools'
+        response, what = cfg.rl.multi_turn.max_response_tokens, "rl.multi_turn.max_response_tokens"
+    longest = cfg.data.max_length + response
     for key, budget in (("rl.actor.max_tokens_per_micro_batch", cfg.rl.actor.max_tokens_per_micro_batch),
                         ("rl.log_prob_max_tokens_per_micro_batch", cfg.rl.log_prob_max_tokens_per_micro_batch)):
         if budget is not None and budget < longest:
             raise ConfigError(key, f"{budget} tokens do not hold the longest row a rollout can make: "
-                              f"data.max_length ({cfg.data.max_length}) + rl.rollout.max_new_tokens "
-                              f"({cfg.rl.rollout.max_new_tokens}) = {longest} tokens",
+                              f"data.max_length ({cfg.data.max_length}) + {what} "
+                              f"({response}) = {longest} tokens",
                               f"raise it to at least {longest}")
 
 
@@ -179,7 +210,7 @@ def _run(prepared: Prepared) -> dict[str, Any]:
                     "the reference is the actor with its adapters disabled (no second model in memory)"
                     if cfg.rl.reference.enabled else "no reference")
     ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
-                     vision)
+                     vision, prepared.schemas)
     summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
     clock = prepared.clock
     clock.lap("controller")  # the launch line, the tokenizer, the controller

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from shardwise.agents.loop import agent_prompt_batch, trajectory_metrics
 from shardwise.config.schema import Config
 from shardwise.config.validate import mesh_spec, rl_update_groups
 from shardwise.data.batch import Batch
@@ -98,7 +99,8 @@ class Controller:
     """
 
     def __init__(self, cfg: Config, world_size: int, records: list[dict[str, Any]], tokenizer,
-                 tokenizer_dir: str, reward_fn: RewardFn | None, vision: VisionInputs | None = None):
+                 tokenizer_dir: str, reward_fn: RewardFn | None, vision: VisionInputs | None = None,
+                 schemas: list[dict] | None = None):
         self.cfg = cfg
         self.world_size = world_size
         self.run_dir = Path(cfg.run.dir)
@@ -113,6 +115,9 @@ class Controller:
         self.reward_fn = reward_fn
         self.vision = vision
         """A VL policy's image encoder: prompts carry their images (`shardwise.models.vision`)."""
+        self.schemas = schemas if cfg.rl.multi_turn.enabled else None
+        """rl.multi_turn: the tools' schemas; prompts are chats rendered with them
+        (`shardwise.agents.loop.agent_prompt_batch`) and the workers roll out trajectories."""
         k = cfg.rl.kl_in_reward
         self.kl_ctl = alg.kl_controller(k.controller, k.coef, k.target, k.horizon)
         self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
@@ -227,31 +232,44 @@ class Controller:
         indices = next(self._batches)
         tag = str(self.step) if round_ == 0 else f"{self.step}.{round_}"
         uids = [f"{tag}-{i}" for i in range(len(indices))]
-        batch = prompt_batch(self.tokenizer, [self.records[i] for i in indices], self.cfg.data.max_length, uids,
-                             self.vision)
+        batch = self.prompt_batch([self.records[i] for i in indices], uids)
         batch = batch.repeat(self.cfg.rl.rollout.n, interleave=True)
         batch.meta["seed"] = self.cfg.run.seed * 1_000_003 + self.step + round_ * _ROUND_SEED
         return batch
 
+    def prompt_batch(self, records: list[dict[str, Any]], uids: list[str]) -> Batch:
+        """The prompt batch of `records`: `prompt_batch`, or with rl.multi_turn chats
+        rendered with the tools' schemas (`agent_prompt_batch`)."""
+        if self.schemas is not None:
+            return agent_prompt_batch(self.tokenizer, records, self.cfg.data.max_length, uids, self.schemas)
+        return prompt_batch(self.tokenizer, records, self.cfg.data.max_length, uids, self.vision)
+
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``token_level_scores`` (rule-based reward plus reward-model score, each at the
-        last response token) and the reward metrics."""
+        last response token: with multi-turn rollouts the last token the model generated)
+        and the reward metrics. Multi-turn rows (`outcome_scores`): an environment's
+        ``env_reward`` takes the rule-based reward's place, and with
+        rl.multi_turn.truncated_reward a truncated trajectory gets that value."""
         mask = batch.tensors["response_mask"].bool()
         scores = torch.zeros(mask.shape, dtype=torch.float32)
         metrics: dict[str, float] = {}
         last = _last_token_index(mask)
         has = mask.any(-1)
+        rows = torch.arange(len(batch))[has]
+        rule = None
         if self.reward_fn is not None:
             scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s)
             rule = scored.tensors["token_level_scores"].sum(-1)
-            scores += scored.tensors["token_level_scores"]
-            metrics["accuracy"] = float((rule >= 1.0).float().mean())
-            metrics["reward/rule_mean"] = float(rule.mean())
             metrics |= {k: v for k, v in scored.meta["metrics"].items()  # a function's own metrics (dict returns)
                         if not k.startswith("reward/score_") and k != "reward/empty_responses"}
+        if self.schemas is not None:
+            rule = outcome_scores(batch, rule, self.cfg.rl.multi_turn.truncated_reward)
+        if rule is not None:
+            scores[rows, last[has]] += rule[has]
+            metrics["accuracy"] = float((rule >= 1.0).float().mean())
+            metrics["reward/rule_mean"] = float(rule.mean())
         if self.cfg.rl.reward.model is not None:
             rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
-            rows = torch.arange(len(batch))[has]
             scores[rows, last[has]] += rm[has]
             metrics["reward/model_mean"] = float(rm.mean())
         seq = scores.sum(-1)
@@ -283,6 +301,8 @@ class Controller:
         with timer("generate"):
             batch = self.group.generate_sequences(self.next_prompts(round_))
         for name, values in batch.meta.pop("metrics", {}).items():
+            if name.startswith(_ROW_METRICS):  # over all rows of the step: `sample`
+                continue
             metrics[name] = metrics.get(name, 0.0) + float(max(values) if isinstance(values, list) else values)
         with timer("reward"):
             return self.score(batch)
@@ -324,9 +344,15 @@ class Controller:
             if take:
                 metrics["filter/kept_reward_mean"] = float(batch.tensors["token_level_scores"].sum(-1).mean())
         metrics.update(merge_reward_metrics(generated, scored))
+        # model tokens only: a multi-turn row's tool turns are outside its response_mask
         lengths = torch.cat([b.tensors["response_mask"].sum(-1) for b in generated]).float()
         metrics["response_length/mean"] = float(lengths.mean())
-        metrics["response_length/clip_frac"] = float((lengths >= rl.rollout.max_new_tokens).float().mean())
+        if self.schemas is not None:  # clipped: the trajectory ran out of tokens or turns
+            metrics["response_length/clip_frac"] = float(sum(bool(x) for b in generated for x in b.arrays["truncated"])
+                                                         / max(sum(len(b) for b in generated), 1))
+            metrics.update(trajectory_metrics(generated))
+        else:
+            metrics["response_length/clip_frac"] = float((lengths >= rl.rollout.max_new_tokens).float().mean())
         return batch
 
     def train_step(self) -> dict[str, float]:
@@ -427,7 +453,7 @@ class Controller:
             return None
         return heldout_accuracy(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
                                 self.cfg.run.seed, self.cfg.data.max_length, vision=self.vision,
-                                chat=text_prompts_as_chat(self.cfg.data))
+                                chat=text_prompts_as_chat(self.cfg.data), batch_fn=self._heldout_batch_fn())
 
     def evaluate_sampled(self) -> dict[str, float] | None:
         """pass@1 and pass@n (n = ``rl.rollout.n``) of the current policy, sampled at the
@@ -437,7 +463,31 @@ class Controller:
             return None
         return heldout_pass_at_k(self.group.generate_sequences, self.tokenizer, self.cfg.data.source,
                                  self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n,
-                                 vision=self.vision, chat=text_prompts_as_chat(self.cfg.data))
+                                 vision=self.vision, chat=text_prompts_as_chat(self.cfg.data),
+                                 batch_fn=self._heldout_batch_fn())
+
+    def _heldout_batch_fn(self):
+        """Multi-turn: the held-out prompts are asked with the tools (`prompt_batch`)."""
+        return self.prompt_batch if self.schemas is not None else None
+
+
+_ROW_METRICS = ("multi_turn/", "tools/")
+"""Metrics of a multi-turn rollout's rows, computed over the whole step (`trajectory_metrics`)
+rather than taken from one rank's figures."""
+
+
+def outcome_scores(batch: Batch, rule: torch.Tensor | None, truncated_reward: float | None) -> torch.Tensor:
+    """Each multi-turn row's outcome reward ``(B,)`` fp32: the environment's ``env_reward``
+    where it gave one, else `rule` (the reward function's score; 0 without one); a
+    ``truncated`` row gets `truncated_reward` when it is set."""
+    out = torch.zeros(len(batch), dtype=torch.float32) if rule is None else rule.clone().float()
+    for i, r in enumerate(batch.arrays.get("env_reward", [])):
+        if r is not None:
+            out[i] = float(r)
+    if truncated_reward is not None and "truncated" in batch.arrays:
+        cut = torch.tensor([bool(x) for x in batch.arrays["truncated"]], dtype=torch.bool)
+        out[cut] = float(truncated_reward)
+    return out
 
 
 def _slowest_rank(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -19,10 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shardwise.agents.execute import ToolRunner
+from shardwise.agents.loop import run_multi_turn
+from shardwise.agents.tools import all_schemas, load_environment, load_tools
 from shardwise.checkpoint.dcp import CheckpointManager, is_complete
 from shardwise.checkpoint.hf_export import export_adapter, export_model
 from shardwise.config.load import config_from_dict
 from shardwise.data.batch import Batch
+from shardwise.data.chat import use_chat_template
+from shardwise.data.tokenizer import load_tokenizer, tokenizer_dir
 from shardwise.distributed.runtime import Runtime, seed_everything
 from shardwise.engine.generate import build_generator
 from shardwise.engine.weight_sync import WeightSync, bucket_bytes
@@ -52,6 +57,8 @@ class RLWorker:
         self.roles = tuple(roles)
         seed_everything(self.cfg.run.seed)
         self.actor = self.rollout = self.ref = self.critic = self.reward_model = None
+        self.tools: ToolRunner | None = None
+        """rl.multi_turn: the runner of this rank's tool calls (its processes live until `close`)."""
         self._ckpt = self._critic_ckpt = None
         self.startup_s: dict[str, float] = {}
         """Seconds this rank spent building each part (`startup_seconds`)."""
@@ -78,6 +85,9 @@ class RLWorker:
             if hasattr(self.rollout, "seed_rank"):
                 self.rollout.seed_rank = runtime.rank // self.cfg.parallel.ulysses_size
             lap("engine")
+            if self.cfg.rl.multi_turn.enabled:
+                self._start_tools(run_dir)
+                lap("tools")
         if "ref" in roles:
             # LoRA: the actor with its adapters disabled is the initial policy, for free
             lora_ref = self.cfg.model.lora.enabled and self.actor is not None
@@ -90,6 +100,22 @@ class RLWorker:
         if "reward_model" in roles:
             self.reward_model = RewardModelWorker(self.cfg, runtime)
             lap("reward_model")
+
+    def _start_tools(self, run_dir: Path) -> None:
+        """The tools (checked by the job's prepare step, imported again here for their
+        schemas), the run's tokenizer with its template (the controller built it before the
+        workers started) and the `ToolRunner`, whose processes print to
+        run.dir/logs/tools-rank<i>.log."""
+        rl, m = self.cfg.rl, self.cfg.model
+        tools, env = load_tools(rl.tools), load_environment(rl.environment)
+        self.schemas = all_schemas(tools, env)
+        folder = tokenizer_dir(m.tokenizer, m.path, run_dir, build=False)
+        self.tokenizer = use_chat_template(load_tokenizer(folder), self.cfg.data.chat_template)
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.tools = ToolRunner(tools, env, timeout_s=rl.tool_timeout_s,
+                                max_chars=max(4096, 16 * rl.multi_turn.max_tool_response_tokens),
+                                output=str(logs / f"tools-rank{self.runtime.rank}.log"))
 
     def _need(self, role: str) -> Any:
         obj = getattr(self, role)
@@ -104,7 +130,11 @@ class RLWorker:
         # A no-op for the HF engine (it uses the actor's parameters) and when the actor has
         # not changed since the last push (the held-out evaluation after a step).
         synced = self.weight_sync.sync_if_changed()
-        out = rollout.generate_sequences(prompts)
+        if self.tools is not None:  # rl.multi_turn: trajectories with tool calls
+            prompts.meta.setdefault("max_new_tokens", self.cfg.rl.rollout.max_new_tokens)  # per assistant turn
+            out = run_multi_turn(rollout, prompts, self.tokenizer, self.tools, self.cfg.rl.multi_turn, self.schemas)
+        else:
+            out = rollout.generate_sequences(prompts)
         if synced:
             out.meta.setdefault("metrics", {}).update(self.weight_sync.last_metrics())
         return out
@@ -212,6 +242,9 @@ class RLWorker:
 
     def close(self) -> None:
         """Before the process group goes: the rollout engine's own teardown is collective."""
+        if self.tools is not None:
+            self.tools.close()
+            self.tools = None
         if self.rollout is not None:
             self.rollout.shutdown()
         for m in (self._ckpt, self._critic_ckpt):

@@ -1,0 +1,257 @@
+"""The multi-turn rollout (`shardwise.agents.loop`): token-in, token-out trajectories over a
+real generation engine, a real ToolRunner (tool processes) and the real chat template.
+
+A random tiny model never writes a tool call, so the layout tests use `ScriptedEngine`: a
+`GenerationEngine` whose turns are fixed texts, teacher-forced through a real model for
+their log-probs (what an engine that sampled those tokens would report). One test runs the
+HF engine itself (sampling) and checks the invariants that must hold whatever it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from dist.launcher import REPO_ROOT, run_cli
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from shardwise.agents.execute import ToolRunner
+from shardwise.agents.loop import agent_prompt_batch, run_multi_turn, tool_turn_ids, turn_seed
+from shardwise.agents.tools import all_schemas, load_tools
+from shardwise.config.schema import MultiTurnConfig, RolloutConfig
+from shardwise.data.batch import Batch
+from shardwise.data.tokenizer import BUILTIN_TOOLS_VOCAB_SIZE, build_char_tokenizer
+from shardwise.distributed.runtime import Runtime
+from shardwise.engine.generate import GenerationEngine, HFGenerator, assemble_sequences, sampling_call
+from shardwise.engine.infer import compute_log_probs
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+"""A call as the tools template renders it (tojson's separators)."""
+
+TOOLS = '''
+def add(a: int, b: int) -> str:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return str(a + b)
+
+
+def shout(text: str) -> str:
+    """A long answer.
+
+    Args:
+        text: what to repeat
+    """
+    return text * 50
+'''
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_char_tokenizer(tmp_path_factory.mktemp("tok"), tools=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    shape = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=BUILTIN_TOOLS_VOCAB_SIZE + 5,
+                        max_position_embeddings=512, tie_word_embeddings=False)
+    return Qwen3ForCausalLM(shape).eval()
+
+
+@pytest.fixture
+def tools(tmp_path, monkeypatch):
+    (tmp_path / "loop_tools.py").write_text(textwrap.dedent(TOOLS))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    specs = load_tools(["loop_tools:add", "loop_tools:shout"])
+    with ToolRunner(specs, None, timeout_s=20, workers=2) as runner:
+        yield runner, all_schemas(specs, None)
+
+
+class ScriptedEngine(GenerationEngine):
+    """Turn k of every row (k: the assistant markers in its ids, minus one) is `turns[k]`
+    and EOS, cut to ``max_new_tokens``; the log-probs are the model's for those tokens."""
+
+    shares_model_parameters = True
+
+    def __init__(self, model, tok, turns: list[str]):
+        self.model, self.tok, self.turns = model, tok, turns
+        self.marker = tok.convert_tokens_to_ids("<|assistant|>")
+        self.calls: list[int] = []
+
+    def sync_weights(self, named_tensors):
+        del named_tensors
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        call = sampling_call(prompts, RolloutConfig(temperature=0))
+        ids, mask, r = call.ids, call.mask, call.max_new_tokens
+        self.calls.append(len(ids))
+        responses = torch.zeros((len(ids), r), dtype=torch.long)
+        lps = torch.zeros((len(ids), r))
+        produced = torch.zeros((len(ids), r), dtype=torch.bool)
+        for i in range(len(ids)):
+            real = ids[i][mask[i].bool()].tolist()
+            k = real.count(self.marker) - 1
+            gen = (self.tok(self.turns[k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:r]
+            full = torch.tensor([real + gen])
+            lp = compute_log_probs(self.model, full, torch.ones_like(full))["log_probs"][0, len(real):]
+            responses[i, :len(gen)] = torch.tensor(gen)
+            lps[i, :len(gen)] = lp
+            produced[i, :len(gen)] = True
+        return assemble_sequences(prompts, ids, mask, responses, lps, produced, 0, self.tok.eos_token_id)
+
+
+def _prompts(tok, schemas, n=2, seed=0, **meta) -> Batch:
+    records = [{"prompt": f"{2 + i}+3=", "response": str(5 + i)} for i in range(n)]
+    batch = agent_prompt_batch(tok, records, 64, [f"u{i}" for i in range(n)], schemas)
+    batch.meta.update(seed=seed, **meta)
+    return batch
+
+
+def _recomputed(model, out: Batch) -> torch.Tensor:
+    t = out.tensors
+    return compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"])["log_probs"]
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tool_turn_ids_are_the_template_delta(tok):
+    """The ids after a generated turn are what the template adds for the tool turn and the
+    next generation prompt: prompt + generated + delta == the rendering of it all."""
+    conv = [{"role": "user", "content": "2+3="},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}]
+    tool = [{"role": "tool", "name": "add", "content": "5"}]
+    delta, prefix = tool_turn_ids(tok, conv, tool, None, tok.eos_token_id)
+    assert prefix
+    assert tok.decode(delta) == "<|user|>tool: 5\n<|assistant|>"
+    prompt = tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=False)
+    generated = _ids(tok, CALL) + [tok.eos_token_id]
+    whole = tok.apply_chat_template(conv + tool, add_generation_prompt=True, tokenize=False)
+    assert _ids(tok, prompt) + generated + delta == _ids(tok, whole)
+
+
+def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
+    runner, schemas = tools
+    engine = ScriptedEngine(model, tok, [CALL, "5"])
+    cfg = MultiTurnConfig(enabled=True, max_response_tokens=96)
+    out = run_multi_turn(engine, _prompts(tok, schemas, max_new_tokens=64), tok, runner, cfg, schemas)
+    assert engine.calls == [2, 2]  # every row in one call per turn
+    t, a = out.tensors, out.arrays
+    p = t["prompt_ids"].shape[1]
+    assert t["input_ids"].shape == (2, p + 96) and t["responses"].shape == (2, 96)
+    eos = tok.eos_token_id
+    for row in range(2):
+        turn1, turn2 = _ids(tok, CALL) + [eos], _ids(tok, "5") + [eos]
+        tool_ids = _ids(tok, "<|user|>tool: 5\n<|assistant|>")
+        expected = turn1 + tool_ids + turn2
+        n = len(expected)
+        assert t["responses"][row, :n].tolist() == expected
+        assert t["response_mask"][row, p:p + n].tolist() == [1] * len(turn1) + [0] * len(tool_ids) + [1] * len(turn2)
+        assert t["response_mask"][row, :p].sum() == 0 and t["response_mask"][row, p + n:].sum() == 0
+        assert t["attention_mask"][row, p:].tolist() == [1] * n + [0] * (96 - n)
+        assert a["final_answer"][row] == "5" and a["num_turns"][row] == 2 and a["tool_calls"][row] == 1
+        assert not a["truncated"][row] and not a["retokenize_mismatch"][row] and a["env_reward"][row] is None
+        assert [m["role"] for m in a["messages"][row]] == ["user", "assistant", "tool", "assistant"]
+        assert a["messages"][row][2]["content"] == "5"
+    # the log-probs are those of the trained ids, where the actor will recompute them
+    mask = t["response_mask"].bool()
+    torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out)[mask], atol=1e-5, rtol=0)
+    assert (t["rollout_log_probs"][~mask] == 0).all()
+    m = out.meta["metrics"]
+    assert m["multi_turn/turns_mean"] == 2 and m["tools/calls_per_trajectory"] == 1 and m["tools/errors"] == 0
+    assert m["multi_turn/truncated"] == 0 and m["multi_turn/retokenize_mismatch"] == 0 and m["time/tools"] > 0
+    Batch.from_bytes(out.to_bytes())  # everything it carries crosses processes
+
+
+def test_turns_budget_and_call_limits_truncate(tok, model, tools):
+    runner, schemas = tools
+    eos = tok.eos_token_id
+    # calls in the last allowed turn: they run, the trajectory is truncated
+    out = run_multi_turn(ScriptedEngine(model, tok, [CALL, "5"]), _prompts(tok, schemas, n=1, max_new_tokens=64),
+                         tok, runner, MultiTurnConfig(enabled=True, max_turns=1, max_response_tokens=96), schemas)
+    assert out.arrays["truncated"][0] and out.arrays["num_turns"][0] == 1 and out.arrays["tool_calls"][0] == 1
+    # a budget that cuts the first turn: no EOS, nothing past the budget
+    out = run_multi_turn(ScriptedEngine(model, tok, [CALL]), _prompts(tok, schemas, n=1, max_new_tokens=64),
+                         tok, runner, MultiTurnConfig(enabled=True, max_response_tokens=20,
+                                                      max_tool_response_tokens=8), schemas)
+    p = out.tensors["prompt_ids"].shape[1]
+    assert out.tensors["response_mask"][0, p:].tolist() == [1] * 20
+    assert out.arrays["truncated"][0] and out.arrays["tool_calls"][0] == 0  # an unclosed call is not run
+    # two calls in one turn, one allowed: the second is answered with an error, not run;
+    # a long result is cut to its first max_tool_response_tokens tokens
+    two = CALL + '<tool_call>{"name": "shout", "arguments": {"text": "ab"}}</tool_call>'
+    cfg = MultiTurnConfig(enabled=True, max_tool_calls=1, max_response_tokens=200, max_tool_response_tokens=8)
+    out = run_multi_turn(ScriptedEngine(model, tok, [two, "5"]), _prompts(tok, schemas, n=1, max_new_tokens=128),
+                         tok, runner, cfg, schemas)
+    msgs = out.arrays["messages"][0]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert msgs[2]["content"] == "5" and msgs[3]["content"] == "error: m"  # 8 tokens of the refusal
+    assert out.arrays["tool_errors"][0] == 1 and out.meta["metrics"]["tools/errors"] == 1
+    assert out.tensors["responses"][0].tolist().count(eos) == 2
+    assert not out.arrays["truncated"][0]
+
+
+def test_sampled_hf_trajectories_keep_the_invariants(tok, model, tools):
+    """The HF engine on a random model (it writes whatever it writes): masks, widths and
+    log-probs hold, and a fixed seed gives the same trajectories."""
+    runner, schemas = tools
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    engine = HFGenerator(model, RolloutConfig(temperature=1.0), runtime, pad_id=0, eos_id=tok.eos_token_id)
+    cfg = MultiTurnConfig(enabled=True, max_response_tokens=40, max_tool_response_tokens=8)
+    out = run_multi_turn(engine, _prompts(tok, schemas, n=4, seed=3, max_new_tokens=16), tok, runner, cfg, schemas)
+    again = run_multi_turn(engine, _prompts(tok, schemas, n=4, seed=3, max_new_tokens=16), tok, runner, cfg, schemas)
+    t = out.tensors
+    assert torch.equal(t["input_ids"], again.tensors["input_ids"])
+    mask = t["response_mask"].bool()
+    assert (t["attention_mask"].bool() | ~mask).all() and mask.any()
+    torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out)[mask], atol=1e-4, rtol=0)
+    for row in range(4):
+        used = int(t["attention_mask"][row, t["prompt_ids"].shape[1]:].sum())
+        assert used <= 40 and int(mask[row].sum()) >= 1
+        if tok.eos_token_id not in t["responses"][row].tolist():  # never finished a turn
+            assert out.arrays["truncated"][row]
+    assert turn_seed(3, 0) == 3 and turn_seed(3, 1) != turn_seed(3, 2)
+
+
+TINY = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+        "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, vocab_size: 72, "
+        "max_position_embeddings: 256, tie_word_embeddings: false}")
+
+
+def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
+    """`shardwise rl` with rl.multi_turn on builtin:calc (2 processes, 2 steps): exits 0 and
+    logs the multi-turn and tool metrics each step; a tool that cannot be imported is one
+    config line, exit 2, before anything starts."""
+    common = ["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "--nproc", "2", "model.path=null", TINY,
+              "data.source=builtin:calc", "data.max_length=32", "train.global_batch_size=2",
+              "train.micro_batch_size=4", "train.max_steps=2", "rl.rollout.n=2", "rl.rollout.max_new_tokens=12",
+              "rl.multi_turn.enabled=true", "rl.multi_turn.max_response_tokens=40",
+              "rl.multi_turn.max_tool_response_tokens=16", "rl.reward.function=builtin:calc",
+              "rl.heldout_eval=false", "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false",
+              "checkpoint.every_steps=0", "checkpoint.export_hf=false",
+              "checkpoint.async=false"]
+    bad = run_cli([*common, f"run.dir={tmp_path / 'bad'}", "rl.tools=[no_such_module:calculator]"], timeout=120,
+                  cwd=tmp_path)
+    assert bad.returncode == 2 and "rl.tools[0]" in bad.stderr and not (tmp_path / "bad").exists()
+    run = tmp_path / "run"
+    res = run_cli([*common, f"run.dir={run}", "rl.tools=[shardwise.agents.builtin:calculator]"], timeout=300)
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        for key in ("multi_turn/turns_mean", "tools/calls_per_trajectory", "tools/errors", "tools/timeouts",
+                    "multi_turn/truncated", "multi_turn/retokenize_mismatch", "time/tools"):
+            assert isinstance(m[key], (int, float)), key
+        assert 1 <= m["multi_turn/turns_mean"] <= 4
+    assert (run / "logs" / "tools-rank0.log").exists()
