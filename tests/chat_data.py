@@ -72,3 +72,84 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message.content or '' }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
+    "{%- endif %}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen2.5's chat template with tools, in its shape: the schemas in the system turn inside
+<tools></tools>, an assistant's calls as Hermes blocks (``<tool_call>\\n{"name": ...,
+"arguments": {...}}\\n</tool_call>``), consecutive ``tool`` turns in one user turn as
+<tool_response> blocks; plus ``{% generation %}`` around the assistant's text, calls and
+``<|im_end|>``."""
+
+TOOL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+TOOL_BPE_VOCAB = 400
+"""Size of the tool tokenizer's trained vocabulary: a test model's vocab_size."""
+
+
+def _tool_corpus(n: int = 400) -> list[str]:
+    rng = random.Random(1)
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
+        lines += [f"<|im_start|>user\n{a}*{b}=<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{call}\n</tool_call>"
+                  f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{a * b}\n</tool_response><|im_end|>\n",
+                  json.dumps({"type": "function", "function": {"name": rng.choice(["calculator", "guess"]),
+                              "description": "Evaluate an arithmetic expression.", "parameters": {
+                                  "type": "object", "properties": {"expression": {"type": "string"}},
+                                  "required": ["expression"]}}}),
+                  f"You are a helpful assistant. The answer is {a * b}.\n"]
+    return lines
+
+
+def build_bpe_tool_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on tool conversations and JSON schemas, with
+    `QWEN_TOOLS_TEMPLATE`, `TOOL_SPECIALS` as special tokens, eos ``<|im_end|>``, pad
+    ``<|endoftext|>``, no bos; saved to `folder` and returned."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOOL_BPE_VOCAB, special_tokens=list(TOOL_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(_tool_corpus(), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  extra_special_tokens=["<|im_start|>", "<tool_call>", "</tool_call>"],
+                                  chat_template=QWEN_TOOLS_TEMPLATE, clean_up_tokenization_spaces=False)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    return tok

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from chat_data import build_bpe_tool_tokenizer
 from dist.launcher import REPO_ROOT, run_cli
 
 
@@ -49,3 +50,17 @@ def tiny_sft_run(tmp_path_factory) -> dict[str, Path]:
     assert (checkpoint / "COMMITTED").is_file()
     return {"root": root, "model": root / "model", "other_model": root / "other_model", "run": run,
             "checkpoint": checkpoint, "argv": argv}
+
+
+@pytest.fixture(scope="session")
+def qwen_tool_tokenizer(tmp_path_factory):
+    """(tokenizer, folder): a byte-level BPE tokenizer (built with `tokenizers`, ~1 s) with a
+    Qwen2.5-style chat template that renders ``tools`` into the system turn, assistant
+    ``tool_calls`` as Hermes <tool_call> blocks and ``tool`` turns as <tool_response>
+    (tests/chat_data.py `QWEN_TOOLS_TEMPLATE`), eos <|im_end|>; saved to a folder and loaded
+    back with AutoTokenizer, as a job loads it."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("qwen_tool_tokenizer")
+    build_bpe_tool_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(str(folder)), folder

@@ -5,6 +5,7 @@ unsharded sequence-classification model read at each row's last real token."""
 
 from __future__ import annotations
 
+import copy
 import math
 import signal
 import sys
@@ -443,3 +444,97 @@ def test_a_users_function_that_defeats_the_timeout_or_kills_its_parent_is_named(
     finally:
         contained.close()
     assert f"{name}.{words}" in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------------- multi-turn rows
+
+MULTI_TURN_PY = """
+def plain(prompt, response, ground_truth, messages):
+    turns = len(messages)
+    messages.append({"role": "user", "content": "mutated"})  # its own copy: the row's stay as they are
+    return {"score": float(response == ground_truth), "messages": float(turns)}
+
+def verl(data_source, solution_str, ground_truth, extra_info=None):
+    w = extra_info.get("w", 0)
+    extra_info["mutated"] = True
+    return float(10 * extra_info["num_turns"] + extra_info["tool_calls"] + w / 100)
+"""
+
+
+def multi_turn_batch(tok):
+    """`text_batch` with the arrays of a multi-turn rollout. Row 2's mask has a hole (a
+    tool turn) and ends on the '9' after it; row 2 has an environment's reward, row 4 is
+    truncated (and has one too: truncated_reward comes first)."""
+    batch = text_batch(tok)
+    batch.tensors["response_mask"][2, PROMPT_W + 4] = 1
+    answers = ["46", "47", "10", "10", "7", ""]
+    msgs = []
+    for r, (prompt, _, _, _) in enumerate(ROWS):
+        conv = [{"role": "user", "content": prompt}]
+        conv += [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": prompt[:-1]}}}]},
+            {"role": "tool", "content": "x"}] * r
+        msgs.append(conv + [{"role": "assistant", "content": answers[r]}])
+    batch.arrays.update(
+        final_answer=np.array(answers, dtype=object), messages=np.array(msgs + [None], dtype=object)[:-1],
+        num_turns=np.array([r + 1 for r in range(len(ROWS))], dtype=object),
+        tool_calls=np.array(list(range(len(ROWS))), dtype=object),
+        truncated=np.array([False] * 4 + [True, False], dtype=object),
+        env_reward=np.array([None, None, 0.5, None, 7.0, None], dtype=object),
+        extra_info=np.array([{"w": r} for r in range(5)] + [None], dtype=object))
+    return batch
+
+
+def test_a_trajectory_is_scored_on_its_final_answer_with_its_messages(char_tokenizer, tmp_path, monkeypatch):
+    """Multi-turn rows: the function sees the final answer and (by signature) a copy of the
+    messages, verl's form an extra_info copy with num_turns / tool_calls; the environment's
+    reward and truncated_reward replace it; each score sits on the row's last mask token
+    (after a hole); in a contained child as in this process."""
+    from shardwise.data.rewards import contain
+
+    monkeypatch.chdir(tmp_path)
+    name = write_module(tmp_path, MULTI_TURN_PY)
+    batch = multi_turn_batch(char_tokenizer)
+    before = (copy.deepcopy(list(batch.arrays["messages"])), copy.deepcopy(list(batch.arrays["extra_info"])))
+    want = torch.zeros(batch.tensors["input_ids"].shape)
+    for row, (col, value) in {0: (PROMPT_W + 2, 1.0), 2: (PROMPT_W + 4, 0.5), 3: (PROMPT_W + 4, 1.0),
+                              4: (PROMPT_W + 5, -1.0)}.items():
+        want[row, col] = value
+    for contained in (False, True):
+        fn = resolve_reward_fn(f"{name}:plain")
+        fn = contain(fn, f"{name}:plain") if contained else fn
+        try:
+            out = score_sequences(batch, char_tokenizer, fn, truncated_reward=-1.0)
+        finally:
+            if contained:
+                fn.close()
+        assert torch.equal(out.tensors["token_level_scores"], want), (contained, out.tensors["token_level_scores"])
+        assert list(out.arrays["response_text"]) == list(batch.arrays["final_answer"])
+        # the function's metric over the rows it scored (0, 1, 3, 5): their conversations' lengths
+        assert out.meta["metrics"]["reward/messages"] == (2 + 4 + 8 + 12) / 4
+        assert out.meta["metrics"]["reward/score_min"] == -1.0
+    verl = resolve_reward_fn(f"{name}:verl")
+    contained = contain(verl, f"{name}:verl")
+    try:
+        for fn in (verl, contained):
+            scores = score_sequences(batch, char_tokenizer, fn).tensors["token_level_scores"].sum(-1)
+            assert scores.tolist() == pytest.approx([10.0, 21.01, 0.5, 43.03, 7.0, 0.0]), scores
+    finally:
+        contained.close()
+    assert (list(batch.arrays["messages"]), list(batch.arrays["extra_info"])) == before  # not mutated
+
+
+def test_an_environment_reward_needs_no_function_and_single_turn_messages_are_none(char_tokenizer):
+    batch = multi_turn_batch(char_tokenizer)
+    batch.arrays["env_reward"] = np.array([float(r) for r in range(len(ROWS))], dtype=object)
+    scores = score_sequences(batch, char_tokenizer, None).tensors["token_level_scores"].sum(-1)
+    assert scores.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 0.0]  # the last row has no token to hold its 5
+    batch.arrays["env_reward"][3] = None
+    with pytest.raises(RewardFunctionError, match=r"no reward for row 3 \(prompt '5\+5='\)"):
+        score_sequences(batch, char_tokenizer, None)
+
+    def sees(prompt, response, ground_truth, messages=()):
+        return float(messages is None)
+
+    out = score_sequences(text_batch(char_tokenizer), char_tokenizer, sees)  # a single-turn batch
+    assert out.meta["metrics"]["reward/score_min"] == 1.0

@@ -567,11 +567,11 @@ class KLInRewardConfig(Section):
 
 def _check_tool_parser(name: str) -> str:
     """`name` when `shardwise.agents.parsers.TOOL_PARSERS` has it (imported by name, the
-    first time: the schema sits below agents/); a ConfigError naming the nearest otherwise."""
+    first time: the schema sits below agents/); a ValueError naming the nearest otherwise
+    (the loader names the key it was given under: rl.multi_turn or infer.multi_turn)."""
     parsers = importlib.import_module("shardwise.agents.parsers").TOOL_PARSERS
     if name not in parsers:
-        raise ConfigError("rl.multi_turn.tool_parser", f"{name!r} is not a tool-call parser",
-                          did_you_mean(str(name), list(parsers)))
+        raise ValueError(f"{name!r} is not a tool-call parser ({did_you_mean(str(name), list(parsers))})")
     return name
 
 
@@ -607,6 +607,20 @@ class MultiTurnConfig(Section):
     """A dotted key of the data record holding per-row tool arguments,
     ``{tool name: {argument: value}}``, passed to the tool on every call (verl's datasets
     carry them as extra_info.tools_kwargs); absent in a record: none."""
+
+
+def check_tool_keys(mt: MultiTurnConfig, tools: list[str], environment: str | None, section: str) -> None:
+    """`section`'s (``rl`` or ``infer``) multi_turn, tools and environment agree: ConfigError
+    for a multi-turn loop with nothing to call, or a tool result wider than the response."""
+    if mt.enabled and not tools and environment is None:
+        raise ConfigError(f"{section}.multi_turn.enabled", f"multi-turn rollouts need tools to call, but "
+                          f"{section}.tools is empty and {section}.environment is null",
+                          f"set {section}.tools=[my_tools:calculator] or {section}.environment=my_env:Game")
+    if mt.max_tool_response_tokens > mt.max_response_tokens:
+        raise ConfigError(f"{section}.multi_turn.max_tool_response_tokens",
+                          f"{mt.max_tool_response_tokens} tokens of one tool result do not fit in "
+                          f"{section}.multi_turn.max_response_tokens={mt.max_response_tokens}",
+                          f"set it to at most {mt.max_response_tokens}")
 
 
 class RLConfig(Section):
@@ -744,6 +758,22 @@ class InferConfig(SamplingConfig):
     """The JSONL file of generations; default run.dir/generations.jsonl. A path with ``..``
     is resolved first; an existing file is replaced only when it holds generations of
     `shardwise infer` (or nothing)."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """Evaluation with tools: rl.multi_turn's loop (the same keys), with infer.tools /
+    infer.environment; each line of the output is then a whole trajectory (its messages,
+    num_turns, tool_calls, truncated, the final answer as its response)."""
+    tools: list[str] = []
+    """The tools of infer.multi_turn, as rl.tools (module:function)."""
+    environment: str | None = None
+    """The environment of infer.multi_turn, as rl.environment (module:Class); its reward()
+    scores a trajectory when it gives one (infer.reward otherwise)."""
+    tool_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """The longest one tool call may take, as rl.tool_timeout_s."""
+
+    @model_validator(mode="after")
+    def _tools_agree(self) -> InferConfig:
+        check_tool_keys(self.multi_turn, self.tools, self.environment, "infer")
+        return self
 
 
 class Config(Section):

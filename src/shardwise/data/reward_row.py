@@ -39,13 +39,17 @@ def where(row: int, prompt: str) -> str:
 
 
 def invoke(fn: Callable, prompt: str, response: str, truth: str, data_source=None, extra_info=None,
-           verl: bool = False, takes_extra_info: bool = True) -> Any:
+           verl: bool = False, takes_extra_info: bool = True, messages=None, takes_messages: bool = False) -> Any:
     """`fn` called on one row in its form: ``(prompt, response, ground_truth)``, or verl's
-    keywords (``data_source=, solution_str=, ground_truth=[, extra_info=]``)."""
+    keywords (``data_source=, solution_str=, ground_truth=[, extra_info=]``); either form
+    with ``messages=`` (the trajectory's conversation, None for a single-turn row) when
+    `takes_messages`."""
+    more = {"messages": messages} if takes_messages else {}
     if verl:
-        kwargs = {"extra_info": extra_info} if takes_extra_info else {}
-        return fn(data_source=data_source, solution_str=response, ground_truth=truth, **kwargs)
-    return fn(prompt, response, truth)
+        if takes_extra_info:
+            more["extra_info"] = extra_info
+        return fn(data_source=data_source, solution_str=response, ground_truth=truth, **more)
+    return fn(prompt, response, truth, **more)
 
 
 def raised(name: str, e: BaseException, at: str, response: str) -> RewardFunctionError:
@@ -81,12 +85,13 @@ def checked(name: str, value: Any, at: str) -> tuple[float, dict[str, float]]:
 def score_row(fn: Callable, row: dict[str, Any]) -> dict[str, Any]:
     """The contained child's adapter (`shardwise.contained.Contained`): one row (keys
     ``name``, ``row``, ``prompt``, ``response``, ``truth``, ``data_source``, ``extra_info``,
-    ``verl``, ``takes_extra_info``) scored by the user's `fn`: ``{"score": float, "extra":
+    ``verl``, ``takes_extra_info``, optionally ``messages`` and ``takes_messages``) scored by the user's `fn`: ``{"score": float, "extra":
     {...}}``, or ``{"error": the one-line message}``; plain JSON either way."""
     at = where(row["row"], row["prompt"])
     try:
         value = invoke(fn, row["prompt"], row["response"], row["truth"], row.get("data_source"),
-                       row.get("extra_info"), row.get("verl", False), row.get("takes_extra_info", True))
+                       row.get("extra_info"), row.get("verl", False), row.get("takes_extra_info", True),
+                       row.get("messages"), row.get("takes_messages", False))
     except Exception as e:
         return {"error": str(raised(row["name"], e, at, row["response"]))}
     try:

