@@ -2,11 +2,12 @@
 
 The tool task, builtin:calc (products of 3-digit numbers, which a tiny model cannot
 compute; its tool ``shardwise.agents.builtin:calculator``), as the same GRPO job on each
-side, from the same SFT model (examples/sft_tools.yaml's), each with `--nproc` CPU
+side, from the same SFT model (examples/sft_tools.yaml's; the RL config is
+benchmarks/agentic.yaml, `--config`), each with `--nproc` CPU
 processes, `--seeds` times per side (seeds run.seed, run.seed + 1, ...; each figure the
 mean and the range over seeds):
 
-- shardwise: ``python -m shardwise.cli rl examples/grpo_tools.yaml --nproc N`` with
+- shardwise: ``python -m shardwise.cli rl benchmarks/agentic.yaml --nproc N`` with
   rl.multi_turn on, once per rollout engine (``--engines hf,vllm``), read from its
   metrics.jsonl and recorded batches (`rl_vs_trl.run_shardwise`);
 - TRL 1.16: `_trl_agentic_worker.py` (`rl_vs_trl`'s `_trl_grpo_worker` with TRL's tool
@@ -114,7 +115,8 @@ from shardwise.config import Config, load_config
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_trl_agentic_worker.py"
-CONFIG = REPO / "examples" / "grpo_tools.yaml"
+CONFIG = HERE / "agentic.yaml"
+"""The GRPO stage of the tool demo (builtin:calc from examples/sft_tools.yaml's model)."""
 SLEEP_TOOL = "benchmarks._agentic_tools:calculator"
 """--sleep-tool: the built-in calculator after a 50 ms sleep (same name, schema and answers)."""
 TARGET_TIME_RATIO = 0.5
@@ -174,6 +176,9 @@ def all_settings(cfg: Config, nproc: int, steps: int) -> tuple[list[Setting], di
         elif s.what == "reward":
             out.append(dataclasses.replace(s, note="on the final answer: the last assistant turn's content, "
                                                    "calls removed (TRL: its parser's; shardwise: its loop's)"))
+        elif s.what == "generation":
+            out.append(dataclasses.replace(s, value="hf, vllm (--engines)", note="TRL: HF generate (its vLLM mode "
+                                                                                  "does not run on CPU: rl_vs_trl.py)"))
         elif s.what == "prompt tokens":
             out.append(dataclasses.replace(s, field="(shardwise's encode_prompt, tools passed)",
                                            note="the chat template with the tools' schemas and its generation prompt"))
