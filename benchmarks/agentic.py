@@ -288,6 +288,8 @@ def table(agg: dict[str, dict[str, Any]], versions: dict[str, dict[str, str]]) -
             cells.append(cell)
         lines.append(f"| {name} | {a['seeds']}{' (' + str(len(a['errors'])) + ' failed)' if a['errors'] else ''} | "
                      + " | ".join(cells) + " |")
+    for name, a in agg.items():
+        lines += [f"\n{name}: a run failed: {e}" for e in a["errors"]]
     lines += ["", "Versions: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in vs.items())
                                          for n, vs in versions.items()) + "."]
     return "\n".join(lines)
