@@ -114,94 +114,111 @@ def task_reward(fn, tokenizer):
     return reward
 
 
-def main() -> int:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    max_length = int(spec["max_length"])
-    factors = [float(x) for x in spec["lr_factors"]]
+class TimedTrainer(GRPOTrainer):
+    """TRL's `GRPOTrainer` with shardwise's prompt tokens and learning-rate factors, and
+    rank 0's phases counted into `PHASES` (`_trl_agentic_worker.py` subclasses it).
 
-    class Trainer(GRPOTrainer):
-        # shardwise's prompt tokens ([bos] + prompt, last max_length) instead of TRL's
-        # tokenizer(text) (which adds no bos with this tokenizer)
-        def _tokenize_prompts(self, prompts: list):
-            return [tokenize_prompt(self.processing_class, p, max_length) for p in prompts], None, {}
+    ``max_length``: ``data.max_length``; ``lr_factors``: shardwise's multiplier of every
+    optimizer step."""
 
-        # Rank 0's phases (`Phases`): generation, reward, the no-grad log-prob forwards and
-        # the update (training_step less the generation it triggers; the optimizer step is
-        # timed by StepLog), and the update forwards' real and padded tokens.
-        def _generate(self, prompts):
-            t0 = time.perf_counter()
-            try:
-                return super()._generate(prompts)
-            finally:
-                PHASES.add("time/generate", time.perf_counter() - t0)
+    def __init__(self, *args, max_length: int, lr_factors: list[float], **kwargs):
+        self.prompt_max_length = max_length
+        self.lr_factors = lr_factors
+        super().__init__(*args, **kwargs)
 
-        def _calculate_rewards(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return super()._calculate_rewards(*args, **kwargs)
-            finally:
-                PHASES.add("time/reward", time.perf_counter() - t0)
+    # shardwise's prompt tokens ([bos] + prompt, last max_length) instead of TRL's
+    # tokenizer(text) (which adds no bos with this tokenizer)
+    def _tokenize_prompts(self, prompts: list):
+        return [tokenize_prompt(self.processing_class, p, self.prompt_max_length) for p in prompts], None, {}
 
-        def _prepare_inputs(self, generation_batch):
-            t0 = time.perf_counter()
-            try:
-                return super()._prepare_inputs(generation_batch)
-            finally:
-                self._prepare_s += time.perf_counter() - t0
+    # Rank 0's phases (`Phases`): generation, reward, the no-grad log-prob forwards and
+    # the update (training_step less the generation it triggers; the optimizer step is
+    # timed by StepLog), and the update forwards' real and padded tokens.
+    def _generate(self, prompts):
+        t0 = time.perf_counter()
+        try:
+            return super()._generate(prompts)
+        finally:
+            PHASES.add("time/generate", time.perf_counter() - t0)
 
-        def training_step(self, model, inputs, num_items_in_batch):
-            self._prepare_s = 0.0
-            t0 = time.perf_counter()
-            try:
-                return super().training_step(model, inputs, num_items_in_batch)
-            finally:
-                PHASES.add("time/update", time.perf_counter() - t0 - self._prepare_s)
+    def _calculate_rewards(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super()._calculate_rewards(*args, **kwargs)
+        finally:
+            PHASES.add("time/reward", time.perf_counter() - t0)
 
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
-            t0 = time.perf_counter()
-            grad = torch.is_grad_enabled()
-            try:
-                return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
-            finally:
-                if grad:
-                    PHASES.add("update/tokens", float(attention_mask.sum()))
-                    PHASES.add("update/padded_tokens", float(attention_mask.numel()))
-                else:
-                    PHASES.add("time/log_probs", time.perf_counter() - t0)
+    def _prepare_inputs(self, generation_batch):
+        t0 = time.perf_counter()
+        try:
+            return super()._prepare_inputs(generation_batch)
+        finally:
+            self._prepare_s += time.perf_counter() - t0
 
-        # shardwise's schedule, step for step (HF's warmup starts at 0, shardwise's at 1/warmup)
-        def create_scheduler(self, num_training_steps: int, optimizer=None):
-            if self.lr_scheduler is None:
-                opt = optimizer if optimizer is not None else self.optimizer
-                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                    opt, lambda s: factors[min(s, len(factors) - 1)])
-                self._created_lr_scheduler = True
-            return self.lr_scheduler
+    def training_step(self, model, inputs, num_items_in_batch):
+        self._prepare_s = 0.0
+        t0 = time.perf_counter()
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            PHASES.add("time/update", time.perf_counter() - t0 - self._prepare_s)
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    records = [json.loads(x) for x in Path(spec["records_path"]).read_text().splitlines()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in records])
-    args = GRPOConfig(**spec["grpo_config"])
-    log = StepLog(Path(spec["steps_path"]))
-    trainer = Trainer(
-        model=spec["model"],
-        reward_funcs=task_reward(resolve_reward_fn(spec["reward"]), tokenizer),
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[log],
-    )
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+        t0 = time.perf_counter()
+        grad = torch.is_grad_enabled()
+        try:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+        finally:
+            if grad:
+                PHASES.add("update/tokens", float(attention_mask.sum()))
+                PHASES.add("update/padded_tokens", float(attention_mask.numel()))
+            else:
+                PHASES.add("time/log_probs", time.perf_counter() - t0)
+
+    # shardwise's schedule, step for step (HF's warmup starts at 0, shardwise's at 1/warmup)
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            factors = self.lr_factors
+            opt = optimizer if optimizer is not None else self.optimizer
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: factors[min(s, len(factors) - 1)])
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+
+def records(spec: dict) -> list[dict]:
+    """The prompt records of every step, in shardwise's order (SPEC["records_path"])."""
+    return [json.loads(x) for x in Path(spec["records_path"]).read_text().splitlines()]
+
+
+def train(spec: dict, trainer_cls: type[TimedTrainer], **kwargs) -> int:
+    """`trainer_cls` built from SPEC (model, GRPOConfig fields, prompt length, lr factors,
+    the step log) and `kwargs` (the dataset, reward functions, tokenizer, ...), trained."""
+    trainer = trainer_cls(model=spec["model"], args=GRPOConfig(**spec["grpo_config"]),
+                          callbacks=[StepLog(Path(spec["steps_path"]))], max_length=int(spec["max_length"]),
+                          lr_factors=[float(x) for x in spec["lr_factors"]], **kwargs)
     trainer.train()
     return 0
 
 
-if __name__ == "__main__":
-    status = main()
-    # Leave without the interpreter's shutdown: a gloo thread torn down at exit aborts a
-    # rank now and then ("terminate called without an active exception") after its work is
-    # done, and torchrun would report the run as failed (shardwise's ranks do the same).
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in records(spec)])
+    return train(spec, TimedTrainer, reward_funcs=task_reward(resolve_reward_fn(spec["reward"]), tokenizer),
+                 train_dataset=dataset, processing_class=tokenizer)
+
+
+def leave(status: int) -> None:
+    """Leave without the interpreter's shutdown: a gloo thread torn down at exit aborts a
+    rank now and then ("terminate called without an active exception") after its work is
+    done, and torchrun would report the run as failed (shardwise's ranks do the same)."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+if __name__ == "__main__":
+    leave(main())

@@ -271,9 +271,10 @@ def venv_versions(py: Path) -> dict[str, str]:
 # ---------------------------------------------------------------------- the two runs
 
 
-def trl_inputs(cfg: Config, args: argparse.Namespace) -> Path:
-    """TRL's inputs in ``--out/trl``: the prompt records of every step and the worker's spec;
-    returns the spec's path."""
+def trl_inputs(cfg: Config, args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Path:
+    """TRL's inputs in ``--out/trl``: the prompt records of every step and the worker's spec
+    (`extra` added to it, and to its GRPOConfig fields under ``"grpo_config"``); returns the
+    spec's path."""
     work = args.out / "trl"
     if work.exists():
         subprocess.run(["rm", "-rf", str(work)], check=True)
@@ -284,18 +285,23 @@ def trl_inputs(cfg: Config, args: argparse.Namespace) -> Path:
             "reward": cfg.rl.reward.function, "max_length": cfg.data.max_length,
             "lr_factors": [lr_factor(i, s, args.steps) for i in range(args.steps)],
             "grpo_config": grpo_config(cfg, args.nproc, args.steps, work)}
+    extra = dict(extra or {})
+    spec["grpo_config"].update(extra.pop("grpo_config", {}))
+    spec.update(extra)
     (work / "spec.json").write_text(json.dumps(spec, indent=2))
     return work / "spec.json"
 
 
-def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
-    """TRL's run; its steps as ``{"step", "reward", "t"}`` (seconds since its first step
-    began), the startup seconds (the command's launch to its first step's start, wall
-    clock) and the wall seconds (launch to exit), as `run_shardwise` counts them."""
-    spec = trl_inputs(cfg, args)
+def run_trl(py: Path, cfg: Config, args: argparse.Namespace, worker: Path = WORKER,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """TRL's run (`worker`, its spec `trl_inputs`' with `extra`); its steps as ``{"step",
+    "reward", "t"}`` (seconds since its first step began; ``metrics``: the whole step line),
+    the startup seconds (the command's launch to its first step's start, wall clock) and the
+    wall seconds (launch to exit), as `run_shardwise` counts them."""
+    spec = trl_inputs(cfg, args, extra)
     work = spec.parent
     cmd = [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           str(WORKER), str(spec)]
+           str(worker), str(spec)]
     # the thread count shardwise's run gets (_rl_job.run_rl); nothing of shardwise's venv
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ACCELERATE_USE_CPU": "true",
@@ -316,12 +322,12 @@ def run_trl(py: Path, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
             "steps": [{"step": m["step"], "reward": m["reward"], "t": m["time"] - start,
                        "phases": {k: v for k, v in m.items() if k.startswith("time/")},
                        "update_s": m.get("time/update"), "update_tokens": m.get("update/tokens"),
-                       "update_padded_tokens": m.get("update/padded_tokens")} for m in lines]}
+                       "update_padded_tokens": m.get("update/padded_tokens"), "metrics": m} for m in lines]}
 
 
 def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """`shardwise rl`'s run (`_rl_job.run_rl`, rollout engine ``--engine``); its steps, startup
-    and wall time as `run_trl`'s. Its clock starts at the first step's start (``time`` of
+    and wall time as `run_trl`'s (``metrics``: the step's metrics line). Its clock starts at the first step's start (``time`` of
     step 1's metrics line minus its ``time/step``), after Ray, the workers and, with
     ``--heldout-eval``, the held-out evaluation. ``startup_parts``: where that start-up went,
     by the run's own count (the ``time/startup/*`` of its first metrics line)."""
@@ -348,7 +354,7 @@ def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace
                       "phases": {k: v for k, v in m.items() if k.startswith("time/") and
                                  not k.startswith("time/startup/")},
                       "update_s": m["time/update_actor"], "update_tokens": per_rank(real),
-                      "update_padded_tokens": per_rank(padded)})
+                      "update_padded_tokens": per_rank(padded), "metrics": m})
     return {"name": "shardwise", "wall_s": job["wall_s"], "startup_s": start - launched, "startup_parts": parts,
             "accuracy_line": " / ".join(accuracy), "steps": steps}
 

@@ -10,9 +10,10 @@ exit code alone would pass a benchmark whose every run fails. Speed is not check
 plan_vs_published.py is smoked in test_projection.py. rl_vs_trl.py's TRL side runs in a
 venv of its own that the benchmark installs on its first run, which make test cannot do:
 its smoke runs shardwise's side (``--skip-trl``) and writes TRL's inputs, and
-`test_trl_worker_needs_nothing_of_shardwise_that_trl_lacks` checks that the TRL worker's
-imports of shardwise load without shardwise's own dependencies (pillow was one: the TRL
-venv failed with `No module named 'PIL'`).
+`test_trl_worker_needs_nothing_of_shardwise_that_trl_lacks` checks that the TRL workers'
+imports of shardwise (rl_vs_trl's and agentic.py's, whose TRL side runs in the same venv and
+is not in `make bench`: it runs for minutes) load without shardwise's own dependencies
+(pillow was one: the TRL venv failed with `No module named 'PIL'`).
 """
 
 from __future__ import annotations
@@ -173,16 +174,24 @@ for module in sys.argv[2:]:
 """
 
 
+def _shardwise_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return ({n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+             and n.module and n.module.partition(".")[0] == "shardwise"}
+            | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+               if a.name.partition(".")[0] == "shardwise"})
+
+
 def test_trl_worker_needs_nothing_of_shardwise_that_trl_lacks() -> None:
-    """The shardwise modules benchmarks/_trl_grpo_worker.py imports load with shardwise's
-    dependencies that TRL's venv lacks hidden; and hiding them is what fails when a module
-    does need one (shardwise.data.visual's drawing needs pillow)."""
-    tree = ast.parse((BENCH / "_trl_grpo_worker.py").read_text())
-    modules = sorted({n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                      and n.module and n.module.partition(".")[0] == "shardwise"}
-                     | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-                        if a.name.partition(".")[0] == "shardwise"})
-    assert modules, "the worker imports no shardwise module: update this test"
+    """The shardwise modules benchmarks/_trl_grpo_worker.py and _trl_agentic_worker.py
+    import (and the tools the agentic one imports: the built-in calculator and
+    benchmarks/_agentic_tools.py's) load with shardwise's dependencies that TRL's venv lacks
+    hidden; and hiding them is what fails when a module does need one
+    (shardwise.data.visual's drawing needs pillow)."""
+    per_worker = {w: _shardwise_imports(BENCH / w) for w in ("_trl_grpo_worker.py", "_trl_agentic_worker.py")}
+    assert all(per_worker.values()), f"a worker imports no shardwise module: update this test ({per_worker})"
+    modules = sorted(set().union(*per_worker.values(), _shardwise_imports(BENCH / "_agentic_tools.py"),
+                                 {"shardwise.agents.builtin"}))
     env_args = [sys.executable, "-c", _BLOCKER, ",".join(NOT_IN_TRL_VENV)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
     res = subprocess.run([*env_args, *modules], capture_output=True, text=True, timeout=120, env=env)

@@ -617,6 +617,12 @@ class VLLMGenerator(GenerationEngine):
             kwargs.update(enable_lora=True, max_lora_rank=rank_cap, max_loras=1)
         if not self.on_cuda and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = _DEFAULT_CPU_KV_CACHE_BYTES
+        if not self.on_cuda:
+            # A prompt prefilled in chunks has its sampled token discarded, and vLLM then
+            # rewinds the request's generator (set_offset), which a CPU generator cannot do:
+            # "CPU Generator does not use offset" once a step's prompts (every request is
+            # seeded, _request_seed) exceed the token budget, as multi-turn continuations do.
+            kwargs["enable_chunked_prefill"] = False
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM logs every start-up stage, weight reload and cache reset at INFO, and a
         # harmless traceback (no tokenizer for its chat-template warm-up) at WARNING: on the
