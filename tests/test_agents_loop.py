@@ -338,7 +338,8 @@ def test_controller_scores_trajectories_at_their_last_model_token(tmp_path, tok)
          "response_mask": torch.cat([torch.zeros((3, p), dtype=torch.long), model_tokens], 1),
          "attention_mask": torch.cat([torch.ones((3, p), dtype=torch.long), real], 1)},
         {"env_reward": [1.0, None, 0.5], "truncated": [False, False, True], "prompt": ["", "", ""],
-         "ground_truth": ["", "", ""]})
+         "ground_truth": ["", "", ""], "final_answer": ["", "", ""], "messages": [[], [], []],
+         "num_turns": [1, 1, 1], "tool_calls": [0, 0, 0]})
     scored, metrics = ctl.score(batch)
     s = scored.tensors["token_level_scores"]
     assert s[0, p + 4] == 1.0 and s[1].abs().sum() == 0 and s[2, p] == -1.0

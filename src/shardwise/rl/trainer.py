@@ -255,9 +255,9 @@ class Controller:
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``token_level_scores`` (rule-based reward plus reward-model score, each at the
         last response token: with multi-turn rollouts the last token the model generated)
-        and the reward metrics. Multi-turn rows (`outcome_scores`): an environment's
-        ``env_reward`` takes the rule-based reward's place, and with
-        rl.multi_turn.truncated_reward a truncated trajectory gets that value."""
+        and the reward metrics. Multi-turn rows are scored by `score_sequences` on their
+        final answer: an environment's ``env_reward`` takes the reward function's place, and
+        with rl.multi_turn.truncated_reward a truncated trajectory gets that value."""
         mask = batch.tensors["response_mask"].bool()
         scores = torch.zeros(mask.shape, dtype=torch.float32)
         metrics: dict[str, float] = {}
@@ -265,13 +265,13 @@ class Controller:
         has = mask.any(-1)
         rows = torch.arange(len(batch))[has]
         rule = None
-        if self.reward_fn is not None:
-            scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s)
+        if self.reward_fn is not None or self.schemas is not None:  # multi-turn: the environment may score alone
+            truncated = self.cfg.rl.multi_turn.truncated_reward if self.schemas is not None else None
+            scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s,
+                                     truncated_reward=truncated)
             rule = scored.tensors["token_level_scores"].sum(-1)
             metrics |= {k: v for k, v in scored.meta["metrics"].items()  # a function's own metrics (dict returns)
                         if not k.startswith("reward/score_") and k != "reward/empty_responses"}
-        if self.schemas is not None:
-            rule = outcome_scores(batch, rule, self.cfg.rl.multi_turn.truncated_reward)
         if rule is not None:
             scores[rows, last[has]] += rule[has]
             metrics["accuracy"] = float((rule >= 1.0).float().mean())
@@ -495,20 +495,6 @@ class Controller:
 _ROW_METRICS = ("multi_turn/", "tools/")
 """Metrics of a multi-turn rollout's rows, computed over the whole step (`trajectory_metrics`)
 rather than taken from one rank's figures."""
-
-
-def outcome_scores(batch: Batch, rule: torch.Tensor | None, truncated_reward: float | None) -> torch.Tensor:
-    """Each multi-turn row's outcome reward ``(B,)`` fp32: the environment's ``env_reward``
-    where it gave one, else `rule` (the reward function's score; 0 without one); a
-    ``truncated`` row gets `truncated_reward` when it is set."""
-    out = torch.zeros(len(batch), dtype=torch.float32) if rule is None else rule.clone().float()
-    for i, r in enumerate(batch.arrays.get("env_reward", [])):
-        if r is not None:
-            out[i] = float(r)
-    if truncated_reward is not None and "truncated" in batch.arrays:
-        cut = torch.tensor([bool(x) for x in batch.arrays["truncated"]], dtype=torch.bool)
-        out[cut] = float(truncated_reward)
-    return out
 
 
 def _slowest_rank(per_rank: list[dict[str, float]]) -> dict[str, float]:
