@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from transformers.utils import get_json_schema
 
-from shardwise.data.rewards import _dotted_name, _import
-from shardwise.errors import ConfigError, did_you_mean, short_repr
+from shardwise.data.rewards import dotted_name, import_attribute
+from shardwise.errors import ConfigError, short_repr
 
 __all__ = ["RESERVED_METHODS", "EnvironmentSpec", "ToolSpec", "all_schemas", "load_environment", "load_tools"]
 
@@ -63,18 +63,10 @@ def _resolve(spec: object, key: str, form: str, example: str) -> tuple[str, obje
         raise ConfigError(key, f"{short_repr(spec)} names no {form}", f"write module:{form}, e.g. {example}")
     spec = spec.strip()
     module_name, _, attr_path = spec.partition(":")
-    if not (_dotted_name(module_name) and _dotted_name(attr_path)):
+    if not (dotted_name(module_name) and dotted_name(attr_path)):
         raise ConfigError(key, f"{short_repr(spec)} is not of the form module:{form}",
                           f"write a dotted module path, a colon and a {form} name, e.g. {example}")
-    obj: object = _import(module_name, key)
-    for i, part in enumerate(attr_path.split(".")):
-        if not hasattr(obj, part):
-            owner = module_name + "".join(f".{p}" for p in attr_path.split(".")[:i])
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            raise ConfigError(key, f"{owner} has no attribute {part!r}",
-                              did_you_mean(part, names) or f"define {part} in {owner}")
-        obj = getattr(obj, part)
-    return spec, obj
+    return spec, import_attribute(module_name, attr_path, key)
 
 
 def _schema(fn: object, name: str, spec: str, key: str) -> dict:

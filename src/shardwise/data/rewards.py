@@ -190,18 +190,10 @@ def resolve_reward_fn(spec: str, key: str = _KEY) -> RewardFn:
                               did_you_mean(name, names, prefix=BUILTIN_PREFIX))
         return get_builtin_task(name).score
     module_name, _, attr_path = spec.partition(":")
-    if not (_dotted_name(module_name) and _dotted_name(attr_path)):
+    if not (dotted_name(module_name) and dotted_name(attr_path)):
         raise ConfigError(key, f"{spec!r} is not of the form {_FORMS}", "write module:function, with a dotted "
                           "module path and a function name, or builtin:NAME")
-    module = _import(module_name, key)
-    obj: object = module
-    for i, part in enumerate(attr_path.split(".")):
-        if not hasattr(obj, part):
-            owner = module_name + "".join(f".{p}" for p in attr_path.split(".")[:i])
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            raise ConfigError(key, f"{owner} has no attribute {part!r}",
-                              did_you_mean(part, names) or f"define {part}(prompt, response, ground_truth)")
-        obj = getattr(obj, part)
+    obj = import_attribute(module_name, attr_path, key, "(prompt, response, ground_truth)")
     if not callable(obj):
         raise ConfigError(key, f"{spec} is a {type(obj).__name__}, not a function",
                           "point it at a function (prompt, response, ground_truth) -> float")
@@ -210,7 +202,23 @@ def resolve_reward_fn(spec: str, key: str = _KEY) -> RewardFn:
     return obj  # type: ignore[return-value]
 
 
-def _dotted_name(text: str) -> bool:
+def import_attribute(module_name: str, attr_path: str, key: str, signature: str = "") -> object:
+    """`module_name` imported for the setting `key` (the working directory and PYTHONPATH on
+    sys.path; `_import`'s one-line errors) and its dotted `attr_path` walked; a missing
+    attribute is a ConfigError naming its owner and the nearest public name there (else
+    "define NAME" followed by `signature`)."""
+    obj: object = _import(module_name, key)
+    for i, part in enumerate(attr_path.split(".")):
+        if not hasattr(obj, part):
+            owner = module_name + "".join(f".{p}" for p in attr_path.split(".")[:i])
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            raise ConfigError(key, f"{owner} has no attribute {part!r}",
+                              did_you_mean(part, names) or f"define {part}{signature} in {owner}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def dotted_name(text: str) -> bool:
     """``a`` or ``a.b.c`` of Python identifiers (so no code, no second colon)."""
     return bool(text) and all(part.isidentifier() for part in text.split("."))
 
