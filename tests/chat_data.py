@@ -41,14 +41,20 @@ def build_bpe_chat_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (merges across spaces and digits, like Qwen's) with
     `QWEN_STYLE_TEMPLATE`, eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos; saved to
     `folder` and returned."""
+    return _bpe(folder, BPE_VOCAB, BPE_SPECIALS, _corpus(), QWEN_STYLE_TEMPLATE)
+
+
+def _bpe(folder: str | Path, vocab: int, specials, corpus, template: str, **extra) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `corpus` with eos ``<|im_end|>``, pad ``<|endoftext|>``,
+    no bos and `template`, saved to `folder`."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=list(BPE_SPECIALS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(_corpus(), trainer)
+    backend.train_from_iterator(corpus, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  chat_template=QWEN_STYLE_TEMPLATE, clean_up_tokenization_spaces=False)
+                                  chat_template=template, clean_up_tokenization_spaces=False, **extra)
     Path(folder).mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(folder)
     return tok
@@ -141,15 +147,5 @@ def build_bpe_tool_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on tool conversations and JSON schemas, with
     `QWEN_TOOLS_TEMPLATE`, `TOOL_SPECIALS` as special tokens, eos ``<|im_end|>``, pad
     ``<|endoftext|>``, no bos; saved to `folder` and returned."""
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOOL_BPE_VOCAB, special_tokens=list(TOOL_SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(_tool_corpus(), trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  extra_special_tokens=["<|im_start|>", "<tool_call>", "</tool_call>"],
-                                  chat_template=QWEN_TOOLS_TEMPLATE, clean_up_tokenization_spaces=False)
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(folder)
-    return tok
+    return _bpe(folder, TOOL_BPE_VOCAB, TOOL_SPECIALS, _tool_corpus(), QWEN_TOOLS_TEMPLATE,
+                extra_special_tokens=["<|im_start|>", "<tool_call>", "</tool_call>"])
