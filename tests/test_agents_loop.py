@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from dist.launcher import REPO_ROOT, run_cli
+from dist.launcher import REPO_ROOT, run_cli, run_ranks
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from shardwise.agents.execute import ToolRunner
@@ -76,14 +76,13 @@ def tools(tmp_path, monkeypatch):
 
 
 class ScriptedEngine(GenerationEngine):
-    """Turn k of every row (k: the assistant markers in its ids, minus one) is `turns[k]`
+    """Turn k of every row (k: the assistant markers in its text, minus one) is `turns[k]`
     and EOS, cut to ``max_new_tokens``; the log-probs are the model's for those tokens."""
 
     shares_model_parameters = True
 
-    def __init__(self, model, tok, turns: list[str]):
-        self.model, self.tok, self.turns = model, tok, turns
-        self.marker = tok.convert_tokens_to_ids("<|assistant|>")
+    def __init__(self, model, tok, turns: list[str], marker: str = "<|assistant|>"):
+        self.model, self.tok, self.turns, self.marker = model, tok, turns, marker
         self.calls: list[int] = []
 
     def sync_weights(self, named_tensors):
@@ -99,26 +98,27 @@ class ScriptedEngine(GenerationEngine):
         produced = torch.zeros((len(ids), r), dtype=torch.bool)
         for i in range(len(ids)):
             real = ids[i][mask[i].bool()].tolist()
-            k = real.count(self.marker) - 1
+            k = self.tok.decode(real).count(self.marker) - 1
             gen = (self.tok(self.turns[k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:r]
             full = torch.tensor([real + gen])
             lp = compute_log_probs(self.model, full, torch.ones_like(full))["log_probs"][0, len(real):]
             responses[i, :len(gen)] = torch.tensor(gen)
             lps[i, :len(gen)] = lp
             produced[i, :len(gen)] = True
-        return assemble_sequences(prompts, ids, mask, responses, lps, produced, 0, self.tok.eos_token_id)
+        return assemble_sequences(prompts, ids, mask, responses, lps, produced, self.tok.pad_token_id,
+                                  self.tok.eos_token_id)
 
 
-def _prompts(tok, schemas, n=2, seed=0, **meta) -> Batch:
+def _prompts(tok, schemas, n=2, seed=0, max_length=64, **meta) -> Batch:
     records = [{"prompt": f"{2 + i}+3=", "response": str(5 + i)} for i in range(n)]
-    batch = agent_prompt_batch(tok, records, 64, [f"u{i}" for i in range(n)], schemas)
+    batch = agent_prompt_batch(tok, records, max_length, [f"u{i}" for i in range(n)], schemas)
     batch.meta.update(seed=seed, **meta)
     return batch
 
 
-def _recomputed(model, out: Batch) -> torch.Tensor:
+def _recomputed(model, out: Batch, layout: str = "padded") -> torch.Tensor:
     t = out.tensors
-    return compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"])["log_probs"]
+    return compute_log_probs(model, t["input_ids"], t["attention_mask"], t["position_ids"], layout=layout)["log_probs"]
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -149,8 +149,9 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
     assert engine.calls == [2, 2]  # every row in one call per turn
     t, a = out.tensors, out.arrays
     p = t["prompt_ids"].shape[1]
-    assert t["input_ids"].shape == (2, p + 96) and t["responses"].shape == (2, 96)
     eos = tok.eos_token_id
+    longest = len(_ids(tok, CALL)) + 1 + len(_ids(tok, "<|user|>tool: 5\n<|assistant|>")) + 2
+    assert t["input_ids"].shape == (2, p + longest) and t["responses"].shape == (2, longest)  # the longest row
     for row in range(2):
         turn1, turn2 = _ids(tok, CALL) + [eos], _ids(tok, "5") + [eos]
         tool_ids = _ids(tok, "<|user|>tool: 5\n<|assistant|>")
@@ -159,7 +160,7 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
         assert t["responses"][row, :n].tolist() == expected
         assert t["response_mask"][row, p:p + n].tolist() == [1] * len(turn1) + [0] * len(tool_ids) + [1] * len(turn2)
         assert t["response_mask"][row, :p].sum() == 0 and t["response_mask"][row, p + n:].sum() == 0
-        assert t["attention_mask"][row, p:].tolist() == [1] * n + [0] * (96 - n)
+        assert t["attention_mask"][row, p:].tolist() == [1] * n
         assert a["final_answer"][row] == "5" and a["num_turns"][row] == 2 and a["tool_calls"][row] == 1
         assert not a["truncated"][row] and not a["retokenize_mismatch"][row] and a["env_reward"][row] is None
         assert [m["role"] for m in a["messages"][row]] == ["user", "assistant", "tool", "assistant"]
@@ -167,6 +168,9 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
     # the log-probs are those of the trained ids, where the actor will recompute them
     mask = t["response_mask"].bool()
     torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out)[mask], atol=1e-5, rtol=0)
+    # rl.packing's layout takes the same rows as they are (tool turns are real tokens, mask 0)
+    torch.testing.assert_close(t["rollout_log_probs"][mask], _recomputed(model, out, "packed")[mask], atol=1e-5,
+                               rtol=0)
     assert (t["rollout_log_probs"][~mask] == 0).all()
     m = out.meta["metrics"]
     assert m["multi_turn/turns_mean"] == 2 and m["tools/calls_per_trajectory"] == 1 and m["tools/errors"] == 0
@@ -229,6 +233,25 @@ TINY = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64
         "max_position_embeddings: 256, tie_word_embeddings: false}")
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rl.multi_turn.enabled=true"], "rl.multi_turn.enabled': multi-turn rollouts need tools"),
+    (["rl.tools=[m:f]", "rl.multi_turn.max_tool_response_tokens=600"], "max_tool_response_tokens': 600 tokens"),
+    (["rl.tools=[m:f]", "rl.multi_turn.tool_parser=hermez"], "did you mean hermes"),
+    (["rl.tools=[m:f]", "rl.multi_turn.enabled=true", "rl.reward.function=null"], None),
+])
+def test_multi_turn_config_checks(overrides, message):
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+
+    if message is None:  # an environment's reward may stand in: checked by the job with the environment
+        with pytest.raises(ConfigError, match="no reward"):
+            load_config(None, overrides)
+        assert load_config(None, [*overrides, "rl.environment=m:Env"]).rl.environment == "m:Env"
+        return
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
 def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
     """`shardwise rl` with rl.multi_turn on builtin:calc (2 processes, 2 steps): exits 0 and
     logs the multi-turn and tool metrics each step; a tool that cannot be imported is one
@@ -237,15 +260,18 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
               "data.source=builtin:calc", "data.max_length=32", "train.global_batch_size=2",
               "train.micro_batch_size=4", "train.max_steps=2", "rl.rollout.n=2", "rl.rollout.max_new_tokens=12",
               "rl.multi_turn.enabled=true", "rl.multi_turn.max_response_tokens=40",
-              "rl.multi_turn.max_tool_response_tokens=16", "rl.reward.function=builtin:calc",
+              "rl.multi_turn.max_tool_response_tokens=16", "rl.multi_turn.tool_workers=2",
+              "rl.reward.function=builtin:calc",
               "rl.heldout_eval=false", "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false",
               "checkpoint.every_steps=0", "checkpoint.export_hf=false",
               "checkpoint.async=false"]
     bad = run_cli([*common, f"run.dir={tmp_path / 'bad'}", "rl.tools=[no_such_module:calculator]"], timeout=120,
                   cwd=tmp_path)
     assert bad.returncode == 2 and "rl.tools[0]" in bad.stderr and not (tmp_path / "bad").exists()
+    # the tool a module of the working directory: the Ray workers import it too
+    (tmp_path / "my_calc.py").write_text("from shardwise.agents.builtin import calculator  # noqa: F401\n")
     run = tmp_path / "run"
-    res = run_cli([*common, f"run.dir={run}", "rl.tools=[shardwise.agents.builtin:calculator]"], timeout=300)
+    res = run_cli([*common, f"run.dir={run}", "rl.tools=[my_calc:calculator]"], timeout=300, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
@@ -254,4 +280,164 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
                     "multi_turn/truncated", "multi_turn/retokenize_mismatch", "time/tools"):
             assert isinstance(m[key], (int, float)), key
         assert 1 <= m["multi_turn/turns_mean"] <= 4
+        # the actor's packed forward scores the trained (non-contiguous) tokens as the rollout did
+        assert m["rollout/log_prob_diff_abs_max"] < 1e-4
     assert (run / "logs" / "tools-rank0.log").exists()
+
+
+def test_qwen_template_glue_and_the_retokenize_check(qwen_tool_tokenizer, tools):
+    """A Qwen2.5-style template writes "\n" after the assistant's <|im_end|>: the tool turn's
+    ids start with it, and the trajectory equals the template's rendering of the whole
+    conversation (schemas in the system turn) token for token; a call written in other
+    whitespace than the template's is counted as a mismatch, its ids kept as generated."""
+    tok, _ = qwen_tool_tokenizer
+    runner, schemas = tools
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         vocab_size=len(tok), max_position_embeddings=2048)).eval()
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    cfg = MultiTurnConfig(enabled=True, max_response_tokens=96)
+    out = run_multi_turn(ScriptedEngine(model, tok, [call, "5"], "<|im_start|>assistant"),
+                         _prompts(tok, schemas, n=1, max_length=1024, max_new_tokens=64), tok, runner, cfg, schemas)
+    t, a = out.tensors, out.arrays
+    mask = t["response_mask"][0].bool()
+    tool_part = t["input_ids"][0][~mask & t["attention_mask"][0].bool()][t["prompt_mask"][0].sum():]
+    assert tok.decode(tool_part) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    real = t["input_ids"][0][t["attention_mask"][0].bool()].tolist()
+    whole = tok.apply_chat_template(a["messages"][0], tools=schemas, tokenize=False)
+    assert real == _ids(tok, whole)[:len(real)] and _ids(tok, whole)[len(real):] == _ids(tok, "\n")
+    assert not a["retokenize_mismatch"][0] and a["final_answer"][0] == "5"
+    torch.testing.assert_close(t["rollout_log_probs"][0][mask], _recomputed(model, out)[0][mask], atol=1e-5, rtol=0)
+    # the same call with a space after the JSON: run and answered, but not the template's text
+    odd = call.replace("}}\n", "}} \n")
+    out = run_multi_turn(ScriptedEngine(model, tok, [odd, "5"], "<|im_start|>assistant"),
+                         _prompts(tok, schemas, n=1, max_length=1024, max_new_tokens=64), tok, runner, cfg, schemas)
+    assert out.arrays["tool_calls"][0] == 1 and out.arrays["retokenize_mismatch"][0]
+    assert out.meta["metrics"]["multi_turn/retokenize_mismatch"] == 1.0
+    assert _ids(tok, odd) == out.tensors["responses"][0][:len(_ids(tok, odd))].tolist()
+
+
+def test_controller_scores_trajectories_at_their_last_model_token(tmp_path, tok):
+    """The outcome reward sits on a trajectory's LAST GENERATED token (tool turns after it
+    are outside the mask); an environment's reward stands in for the function's, and
+    rl.multi_turn.truncated_reward scores truncated rows."""
+    from shardwise.config import load_config
+    from shardwise.rl.trainer import Controller
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "rl.tools=[m:f]", "rl.multi_turn.enabled=true",
+                             "rl.environment=m:Env", "rl.reward.function=null", "rl.multi_turn.truncated_reward=-1",
+                             "train.global_batch_size=1"])
+    ctl = Controller(cfg, 1, [{"prompt": "1+1=", "response": "2"}], tok, str(tmp_path), None, schemas=[])
+    p, r = 2, 6
+    model_tokens = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    real = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    batch = Batch.from_dict(
+        {"input_ids": torch.ones((3, p + r), dtype=torch.long),
+         "response_mask": torch.cat([torch.zeros((3, p), dtype=torch.long), model_tokens], 1),
+         "attention_mask": torch.cat([torch.ones((3, p), dtype=torch.long), real], 1)},
+        {"env_reward": [1.0, None, 0.5], "truncated": [False, False, True], "prompt": ["", "", ""],
+         "ground_truth": ["", "", ""], "final_answer": ["", "", ""], "messages": [[], [], []],
+         "num_turns": [1, 1, 1], "tool_calls": [0, 0, 0]})
+    scored, metrics = ctl.score(batch)
+    s = scored.tensors["token_level_scores"]
+    assert s[0, p + 4] == 1.0 and s[1].abs().sum() == 0 and s[2, p] == -1.0
+    assert (s != 0).sum() == 2 and metrics["reward/mean"] == 0.0 and metrics["accuracy"] == pytest.approx(1 / 3)
+
+
+def test_an_environment_observes_plays_and_rewards(tok, model):
+    """GuessNumber: its first observation is a user turn after the prompt (the prompt
+    rendered again with it), its method is a tool with state, its reward() is env_reward."""
+    from shardwise.agents.tools import load_environment
+
+    env = load_environment("shardwise.agents.builtin:GuessNumber")
+    schemas = all_schemas([], env)
+    records = [{"prompt": "guess my number.", "response": "8"}, {"prompt": "guess my number.", "response": "3"}]
+    prompts = agent_prompt_batch(tok, records, 64, ["a", "b"], schemas)
+    prompts.meta.update(seed=0, max_new_tokens=64)
+    play = '<tool_call>{"name": "guess", "arguments": {"number": 8}}</tool_call>'
+    with ToolRunner([], env, timeout_s=20, workers=1) as runner:
+        out = run_multi_turn(ScriptedEngine(model, tok, [play, "8"]), prompts, tok, runner,
+                             MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    a, t = out.arrays, out.tensors
+    assert list(a["env_reward"]) == [1.0, 0.0]
+    first = a["messages"][0][:2]
+    assert first[0] == {"role": "user", "content": "guess my number."} and first[1]["role"] == "user"
+    assert "you have" in first[1]["content"]
+    prompt = t["prompt_ids"][0][t["prompt_mask"][0].bool()].tolist()
+    assert prompt == _ids(tok, tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False))
+    assert [m["content"] for m in a["messages"][1] if m["role"] == "tool"] == ["lower"]
+    assert not a["retokenize_mismatch"].any() and not a["truncated"].any()
+
+
+class OverScripted(ScriptedEngine):
+    """A scripted engine over a collective one: every call goes through the HF engine on the
+    sharded model (its all-gather must be matched by every rank), then the rows' turns are
+    the script's (log-prob 0)."""
+
+    def __init__(self, inner, tok, turns):
+        super().__init__(None, tok, turns)
+        self.inner = inner
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        self.inner.generate_sequences(prompts)
+        call = sampling_call(prompts, RolloutConfig(temperature=0))
+        ids, mask, r = call.ids, call.mask, call.max_new_tokens
+        self.calls.append(len(ids))
+        responses = torch.zeros((len(ids), r), dtype=torch.long)
+        produced = torch.zeros((len(ids), r), dtype=torch.bool)
+        for i in range(len(ids)):
+            k = self.tok.decode(ids[i][mask[i].bool()].tolist()).count(self.marker) - 1
+            gen = (_ids(self.tok, self.turns[k]) + [self.tok.eos_token_id])[:r]
+            responses[i, :len(gen)], produced[i, :len(gen)] = torch.tensor(gen), True
+        return assemble_sequences(prompts, ids, mask, responses, torch.zeros((len(ids), r)), produced, 0,
+                                  self.tok.eos_token_id)
+
+
+def _uneven_turns_body(rank: int, world: int, folder: str) -> dict:
+    import os
+    import sys
+
+    from shardwise.config import load_config
+    from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.train import TrainEngine
+
+    os.chdir(folder)
+    sys.path.insert(0, folder)
+    runtime = init_distributed(timeout_s=30)  # a rank left waiting in a collective fails in seconds
+    cfg = load_config(None, [TINY, "fsdp.mixed_precision.param_dtype=fp32"])
+    tok = load_tokenizer(f"{folder}/tok")
+    inner = HFGenerator(TrainEngine(cfg, runtime).model, RolloutConfig(temperature=0), runtime, 0, tok.eos_token_id)
+    engine = OverScripted(inner, tok, ["5"] if rank == 0 else [CALL, "5"])  # rank 0 is done after one turn
+    specs = load_tools(["loop_tools:add"])
+    schemas = all_schemas(specs, None)
+    with ToolRunner(specs, None, timeout_s=20, workers=1) as runner:
+        out = run_multi_turn(engine, _prompts(tok, schemas, n=1, max_new_tokens=64), tok, runner,
+                             MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    teardown()
+    return {"calls": engine.calls, "turns": [int(x) for x in out.arrays["num_turns"]],
+            "width": list(out.tensors["input_ids"].shape[1:])}
+
+
+def test_ranks_with_uneven_turns_make_the_same_generate_calls(tmp_path):
+    """The HF engine's call is collective (one all-gather of the sharded model): a rank
+    whose trajectories are done keeps calling with 0 rows while another rank's go on."""
+    (tmp_path / "loop_tools.py").write_text(textwrap.dedent(TOOLS))
+    build_char_tokenizer(tmp_path / "tok", tools=True)
+    r0, r1 = run_ranks(_uneven_turns_body, 2, str(tmp_path), timeout=120)
+    assert r0["calls"] == [1, 0] and r1["calls"] == [1, 1]
+    assert r0["turns"] == [1] and r1["turns"] == [2] and r0["width"] == r1["width"]  # the batches concatenate
+
+
+def test_per_row_tool_arguments_come_from_the_data(tok, model, tools):
+    """rl.multi_turn.tools_kwargs_key: a row's {tool: {argument: value}} is given to its calls."""
+    runner, schemas = tools
+    records = [{"prompt": "2+3=", "response": "5", "extra_info": {"tools_kwargs": {"add": {"b": 10}}}},
+               {"prompt": "2+3=", "response": "5"}]
+    prompts = agent_prompt_batch(tok, records, 64, ["a", "b"], schemas)
+    prompts.meta.update(seed=0, max_new_tokens=64)
+    out = run_multi_turn(ScriptedEngine(model, tok, [CALL, "5"]), prompts, tok, runner,
+                         MultiTurnConfig(enabled=True, max_response_tokens=96), schemas)
+    assert [m[2]["content"] for m in out.arrays["messages"]] == ["12", "5"]

@@ -164,7 +164,9 @@ def test_calc_task_records():
     assert [r["messages"] for r in sft] == [r["messages"] for r in rows[:8]]
     games = guess_demonstrations(50, 0)
     assert all(sum(m["role"] == "tool" for m in g["messages"]) <= 4 for g in games)
-    assert all(g["messages"][-2]["content"] == "correct" for g in games)
+    assert all(g["messages"][-2]["content"] == "correct" and g["messages"][1]["role"] == "user" for g in games)
+    env = GuessNumber()
+    assert env.reset(**games[0]) == games[0]["messages"][1]["content"]  # the observation the demonstrations show
 
 
 def test_shardwise_data_shows_a_tool_conversation(capsys, tmp_path, monkeypatch, qwen_tool_tokenizer):

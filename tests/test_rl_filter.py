@@ -116,6 +116,24 @@ def test_rounds_of_different_prompt_widths_join_row_for_row():
     assert merged["accuracy"] == pytest.approx(0.5)
 
 
+def test_rounds_of_different_response_widths_join_row_for_row():
+    """Multi-turn rounds are as wide as their longest trajectory: the response columns are
+    right-padded to the widest round's, every real token where it was."""
+    a = scored_round(3, [3, 2], 2, 4, [1, 0, 1, 1], "0", seed=1)
+    b = scored_round(5, [5, 4], 2, 7, [0, 0, 0, 1], "0.1", seed=2)
+    joined = concat_rounds([a, b], pad_id=0)
+    assert joined.tensors["input_ids"].shape == (8, 12) and joined.tensors["responses"].shape == (8, 7)
+    for row, orig in enumerate([a[i] for i in range(4)] + [b[i] for i in range(4)]):
+        got, o = joined[row].tensors, orig.tensors
+        real = got["attention_mask"][0].bool()
+        for k in ("input_ids", "position_ids", "response_mask", "rollout_log_probs", "token_level_scores"):
+            torch.testing.assert_close(got[k][0][real], o[k][0][o["attention_mask"][0].bool()])
+        width = o["responses"].shape[1]
+        torch.testing.assert_close(got["responses"][0, :width], o["responses"][0])
+        assert got["responses"][0, width:].eq(0).all()
+        torch.testing.assert_close(got["position_ids"], default_position_ids(got["attention_mask"]))
+
+
 # ------------------------------------------------------------------ the update's normalisation
 
 G, N, PROMPT, RESP = 4, 4, 5, 6

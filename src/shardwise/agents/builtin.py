@@ -18,6 +18,8 @@ import ast
 from fractions import Fraction
 from typing import Any
 
+from shardwise.data.tasks import GUESS_HIGH, GUESS_MAX_GUESSES, guess_observation
+
 __all__ = ["MAX_DIGITS", "MAX_EXPRESSION_CHARS", "GuessNumber", "calculator"]
 
 MAX_EXPRESSION_CHARS = 200
@@ -93,10 +95,8 @@ def calculator(expression: str) -> str:
 
 
 GUESS_LOW = 1
-GUESS_HIGH = 15
-"""The built-in game's secret numbers lie in [GUESS_LOW, GUESS_HIGH] (unless a row says otherwise)."""
-GUESS_MAX_GUESSES = 4
-"""Guesses allowed (binary search needs 4 for 15 numbers)."""
+"""The built-in game's secret numbers lie in [GUESS_LOW, GUESS_HIGH] (unless a row says
+otherwise); GUESS_MAX_GUESSES guesses are allowed (``builtin:guess``'s, `shardwise.data.tasks`)."""
 
 
 class GuessNumber:
@@ -129,7 +129,7 @@ class GuessNumber:
         self.high = int(fields.get("high", GUESS_HIGH))
         self.max_guesses = int(fields.get("max_guesses", GUESS_MAX_GUESSES))
         self.guesses, self.solved = 0, False
-        return f"i chose a number from {self.low} to {self.high}. you have {self.max_guesses} guesses."
+        return guess_observation(self.low, self.high, self.max_guesses)
 
     def guess(self, number: int) -> str:
         """Guess the secret number.

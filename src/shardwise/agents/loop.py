@@ -34,8 +34,7 @@ turns of each trajectory:
   error message without running.
 - **Environments.** ``ToolRunner.reset`` gives each trajectory its first observation (or
   None); an observation is asked as a user turn after the prompt: those rows' prompts are
-  rendered again with it (not cut by ``data.max_length``), the prompt part of the output
-  left-padded to the widest row of all ranks. At the end ``ToolRunner.reward`` gives
+  rendered again with it (not cut by ``data.max_length``). At the end ``ToolRunner.reward`` gives
   ``env_reward`` and ``ToolRunner.end`` forgets the environments.
 - **Seeds.** Turn t samples with `turn_seed` (the batch's ``meta["seed"]`` for turn 0, a
   mix of it and t after): a trajectory's samples depend on its row and rank as in a
@@ -43,7 +42,9 @@ turns of each trajectory:
 - **Collective.** The engines' ``generate_sequences`` is collective (the HF engine gathers
   the sharded model once per call), so every rank makes the same number of calls: a rank
   whose trajectories are all done calls with 0 rows until no rank has one going (one
-  all-reduce of a flag per turn over the default process group).
+  all-reduce of a flag per turn over the default process group). The output of every
+  rank has the same width (prompts left-padded to the widest of all ranks, responses
+  right-padded to the longest of all ranks), so the ranks' batches concatenate.
 
 Per-row arrays added: ``final_answer`` (str), ``messages`` (the conversation, OpenAI
 format), ``num_turns``, ``tool_calls``, ``tool_errors``, ``tool_timeouts`` (int),
@@ -247,8 +248,9 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
     conversation; `agent_prompt_batch`) and optionally ``row`` (the record), meta ``seed``,
     ``greedy`` and ``max_new_tokens`` (most tokens per assistant turn; default
     ``cfg.max_response_tokens``). `schemas`: the tools' schemas, passed to the template.
-    Returns the sequence layout with ``R = cfg.max_response_tokens`` response columns.
-    Collective like ``engine.generate_sequences``.
+    Returns the sequence layout with R response columns, R the longest trajectory's
+    response on any rank (at most ``cfg.max_response_tokens``; every rank's batch is as
+    wide, so the workers' batches concatenate). Collective like ``engine.generate_sequences``.
     """
     tools = schemas or None
     parse = TOOL_PARSERS[cfg.tool_parser]
@@ -296,7 +298,10 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
             parsed = parse(text)
             t.messages.append(tool_call_message(parsed))
             t.num_turns += 1
-            t.final_answer = parsed.content
+            # what the reward reads: the turn's text without special tokens (the template's
+            # markers, a stray pad) where it made no call, else its content
+            t.final_answer = parsed.content if parsed.calls else \
+                tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=True).strip()
             if not ended:  # cut by the budget or the per-turn limit
                 t.finish(truncated=True)
             elif not parsed.calls:
@@ -317,7 +322,9 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
             t.env_reward = None if r is None else float(r)
         runner.end(ids)
     tool_seconds += time.perf_counter() - clock
-    return _assemble(prompts, trajs, tokenizer, tools, pad, budget, prompt_width, tool_seconds)
+    # every rank's rows as wide (the workers' batches are concatenated): the longest row of all
+    width = _max_over_ranks(max([len(t.ids) for t in trajs] + [1]))
+    return _assemble(prompts, trajs, tokenizer, tools, pad, width, prompt_width, tool_seconds)
 
 
 def _start(prompts: Batch, tokenizer, tools: list[dict] | None) -> list[Trajectory]:
@@ -411,17 +418,17 @@ def _max_over_ranks(value: int) -> int:
 # ---------------------------------------------------------------- the output
 
 
-def _assemble(prompts: Batch, trajs: list[Trajectory], tokenizer, tools: list[dict] | None, pad: int, budget: int,
+def _assemble(prompts: Batch, trajs: list[Trajectory], tokenizer, tools: list[dict] | None, pad: int, width: int,
               prompt_width: int, tool_seconds: float) -> Batch:
     rows = len(trajs)
     p_ids, p_mask = _left_pad([t.prompt for t in trajs], pad, prompt_width)
-    responses = torch.full((rows, budget), pad, dtype=torch.long)
-    r_mask = torch.zeros((rows, budget), dtype=torch.long)
-    real = torch.zeros((rows, budget), dtype=torch.long)
-    lp = torch.zeros((rows, budget), dtype=torch.float32)
+    responses = torch.full((rows, width), pad, dtype=torch.long)
+    r_mask = torch.zeros((rows, width), dtype=torch.long)
+    real = torch.zeros((rows, width), dtype=torch.long)
+    lp = torch.zeros((rows, width), dtype=torch.float32)
     for i, t in enumerate(trajs):
         n = len(t.ids)
-        assert n <= budget and len(t.mask) == n == len(t.log_probs)
+        assert n <= width and len(t.mask) == n == len(t.log_probs)
         responses[i, :n] = torch.tensor(t.ids, dtype=torch.long)
         r_mask[i, :n] = torch.tensor(t.mask, dtype=torch.long)
         real[i, :n] = 1

@@ -565,16 +565,6 @@ class KLInRewardConfig(Section):
     """adaptive: samples over which a full error of the KL is corrected."""
 
 
-def _check_tool_parser(name: str) -> str:
-    """`name` when `shardwise.agents.parsers.TOOL_PARSERS` has it (imported by name, the
-    first time: the schema sits below agents/); a ValueError naming the nearest otherwise
-    (the loader names the key it was given under: rl.multi_turn or infer.multi_turn)."""
-    parsers = importlib.import_module("shardwise.agents.parsers").TOOL_PARSERS
-    if name not in parsers:
-        raise ValueError(f"{name!r} is not a tool-call parser ({did_you_mean(str(name), list(parsers))})")
-    return name
-
-
 class MultiTurnConfig(Section):
     """Agentic rollouts (`shardwise.agents.loop`): the model answers over several turns,
     calling the tools of ``rl.tools`` (or the environment of ``rl.environment``) in
@@ -590,28 +580,38 @@ class MultiTurnConfig(Section):
     """Most tool calls run per trajectory; calls beyond are answered with an error message
     (not run)."""
     max_response_tokens: Pos = 512
-    """Every token after the prompt, the model's and the tools' together (the response
-    width of the batch). Each assistant turn generates at most
-    min(rl.rollout.max_new_tokens, what is left of this); a trajectory that runs out is
-    truncated."""
+    """Most tokens after the prompt, the model's and the tools' together (the batch's
+    response part is as wide as its longest trajectory). Each assistant turn generates at
+    most min(rl.rollout.max_new_tokens (infer.max_new_tokens), what is left of this); a
+    trajectory that runs out is truncated."""
     max_tool_response_tokens: Pos = 128
     """Most tokens of one tool result (the text the tool returned; its head is kept and
     the tail cut), before the template wraps it in a tool turn."""
-    tool_parser: Annotated[str, AfterValidator(_check_tool_parser)] = "hermes"
+    tool_parser: str = "hermes"
     """How calls are read from an assistant turn: hermes (``<tool_call>{"name": ...,
     "arguments": {...}}</tool_call>``, Qwen2.5 / Qwen3 / Hermes templates)."""
     truncated_reward: float | None = None
     """The reward of a truncated trajectory (turns or tokens exhausted before a final
     answer), e.g. 0; null: scored like any other."""
+    tool_workers: Pos = 8
+    """Processes per rank that run the tool calls: a turn's calls (of every trajectory)
+    are spread over them and run concurrently; a call that hangs holds its process until
+    the tool timeout. Each is a small Python process that imports the tools' modules."""
     tools_kwargs_key: str = "extra_info.tools_kwargs"
     """A dotted key of the data record holding per-row tool arguments,
     ``{tool name: {argument: value}}``, passed to the tool on every call (verl's datasets
     carry them as extra_info.tools_kwargs); absent in a record: none."""
 
 
-def check_tool_keys(mt: MultiTurnConfig, tools: list[str], environment: str | None, section: str) -> None:
-    """`section`'s (``rl`` or ``infer``) multi_turn, tools and environment agree: ConfigError
-    for a multi-turn loop with nothing to call, or a tool result wider than the response."""
+def check_multi_turn(section: str, mt: MultiTurnConfig, tools: list[str], environment: str | None) -> None:
+    """The checks of a multi-turn section (``rl`` or ``infer``) that need only the config:
+    tools or an environment to call, a tool result that fits the response budget, a parser
+    `shardwise.agents.parsers.TOOL_PARSERS` has (imported by name: the schema sits below
+    agents/). ConfigError naming the key otherwise."""
+    parsers = importlib.import_module("shardwise.agents.parsers").TOOL_PARSERS
+    if mt.tool_parser not in parsers:
+        raise ConfigError(f"{section}.multi_turn.tool_parser", f"{mt.tool_parser!r} is not a tool-call parser",
+                          did_you_mean(str(mt.tool_parser), list(parsers)))
     if mt.enabled and not tools and environment is None:
         raise ConfigError(f"{section}.multi_turn.enabled", f"multi-turn rollouts need tools to call, but "
                           f"{section}.tools is empty and {section}.environment is null",
@@ -720,15 +720,7 @@ class RLConfig(Section):
             raise ConfigError("rl.reference.enabled", f"{which} needs the reference policy",
                               "set rl.reference.enabled=true")
         mt = self.multi_turn
-        if mt.enabled and not self.tools and self.environment is None:
-            raise ConfigError("rl.multi_turn.enabled", "multi-turn rollouts need tools to call, but rl.tools is "
-                              "empty and rl.environment is null",
-                              "set rl.tools=[my_tools:calculator] or rl.environment=my_env:Game")
-        if mt.max_tool_response_tokens > mt.max_response_tokens:
-            raise ConfigError("rl.multi_turn.max_tool_response_tokens",
-                              f"{mt.max_tool_response_tokens} tokens of one tool result do not fit in "
-                              f"rl.multi_turn.max_response_tokens={mt.max_response_tokens}",
-                              f"set it to at most {mt.max_response_tokens}")
+        check_multi_turn("rl", mt, self.tools, self.environment)
         # an environment's reward() may be the reward: `shardwise.jobs.rl.check_agents` knows
         if self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment):
             raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
@@ -759,20 +751,20 @@ class InferConfig(SamplingConfig):
     is resolved first; an existing file is replaced only when it holds generations of
     `shardwise infer` (or nothing)."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
-    """Evaluation with tools: rl.multi_turn's loop (the same keys), with infer.tools /
-    infer.environment; each line of the output is then a whole trajectory (its messages,
-    num_turns, tool_calls, truncated, the final answer as its response)."""
+    """Evaluation with tools: the multi-turn loop of rl.multi_turn (max_new_tokens is then
+    the most tokens per assistant turn); each output line holds the whole trajectory (its
+    messages, num_turns, tool_calls, truncated, the final answer as its response)."""
     tools: list[str] = []
-    """The tools of infer.multi_turn, as rl.tools (module:function)."""
+    """The tools of infer.multi_turn, as rl.tools."""
     environment: str | None = None
-    """The environment of infer.multi_turn, as rl.environment (module:Class); its reward()
-    scores a trajectory when it gives one (infer.reward otherwise)."""
+    """The environment of infer.multi_turn, as rl.environment; its reward() scores a
+    trajectory (in place of infer.reward) where it gives one."""
     tool_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """The longest one tool call may take, as rl.tool_timeout_s."""
 
     @model_validator(mode="after")
-    def _tools_agree(self) -> InferConfig:
-        check_tool_keys(self.multi_turn, self.tools, self.environment, "infer")
+    def _multi_turn(self) -> InferConfig:
+        check_multi_turn("infer", self.multi_turn, self.tools, self.environment)
         return self
 
 

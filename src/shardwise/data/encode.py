@@ -100,9 +100,10 @@ class Encoded:
 
 def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int, train_on: str = "assistant",
                   image_tokens: Sequence[int] = ()) -> Encoded:
-    """One training record (a plain pair or a conversation) as ids, loss mask and what
-    truncation cut; the first `max_length` tokens are kept. `train_on` (``data.train_on``)
-    applies to conversations; `image_tokens` (a VL example's image, see
+    """One training record (a plain pair or a conversation, with its ``"tools"`` schemas
+    when it has them) as ids, loss mask and what truncation cut; the first `max_length`
+    tokens are kept. `train_on` (``data.train_on``) applies to conversations (a tool
+    conversation's ``tool`` turns are never assistant turns); `image_tokens` (a VL example's image, see
     `shardwise.models.vision`) follow bos, part of the prompt, and must fit."""
     where = record.get("where", "a record")
     if max_length < 1:

@@ -456,8 +456,9 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: flo
     ``tool_calls`` added (a copy); a row whose ``env_reward`` is not None is scored by it
     (the environment's ``reward()``, `fn` not called), and a ``truncated`` row by
     `truncated_reward` when that is not None (``rl.multi_turn.truncated_reward``; before
-    the environment's). `fn` may be None when no row needs it (RewardFunctionError naming
-    the first that does).
+    the environment's). `fn` may be None: rows the environment gave no reward (its
+    ``reward()`` raised or returned None, or its process was lost) then score 0, counted in
+    "reward/env_missing".
 
     Returns a batch with tensor ``token_level_scores`` ``(B, T)`` fp32 (the row's score
     at its last ``response_mask`` token, 0 elsewhere), array ``response_text`` and
@@ -490,12 +491,11 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: flo
         cut = arrays.get("truncated", [False] * n)
         fixed = [float(truncated_reward) if truncated_reward is not None and bool(cut[row])
                  else None if env[row] is None else float(env[row]) for row in range(n)]
+    missing = 0  # environment rows without a reward and no function: scored 0 (a lost environment never stops the job)
+    if fn is None:
+        missing = sum(f is None for f in fixed)
+        fixed = [0.0 if f is None else f for f in fixed]
     todo = [row for row in range(n) if fixed[row] is None]
-    if todo and fn is None:
-        at = where(todo[0], str(prompts[todo[0]]))
-        raise RewardFunctionError(f"no reward for {at}: there is no reward function and the environment gave none "
-                                  "(its reward() returned None, or it has none); return a number from reward() or "
-                                  "set a reward function")
     with_messages = fn is not None and not isinstance(fn, ContainedReward) and takes_messages(fn)
     results: dict[int, tuple[float, dict[str, float]]] = {}
     if isinstance(fn, ContainedReward) and todo:  # one round trip to its process for the whole batch
@@ -516,6 +516,8 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: flo
         if last[row] is not None:
             scores[row, last[row]] = s
     metrics: dict[str, float] = {"reward/empty_responses": float(sum(p is None for p in last))}
+    if multi and fn is None:
+        metrics["reward/env_missing"] = float(missing)
     if row_scores:
         metrics |= {"reward/score_mean": sum(row_scores) / len(row_scores),
                     "reward/score_min": min(row_scores), "reward/score_max": max(row_scores)}

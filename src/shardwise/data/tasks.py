@@ -213,7 +213,15 @@ GUESS_ENVIRONMENT = "shardwise.agents.builtin:GuessNumber"
 """The environment of ``builtin:guess``."""
 GUESS_HIGH = 15
 """``guess``'s secrets lie in [1, GUESS_HIGH] (`shardwise.agents.builtin.GuessNumber`'s default range)."""
+GUESS_MAX_GUESSES = 4
+"""Guesses a ``guess`` game allows (halving needs 4 for 15 numbers)."""
 GUESS_PROMPT = "guess my number."
+
+
+def guess_observation(low: int = 1, high: int = GUESS_HIGH, max_guesses: int = GUESS_MAX_GUESSES) -> str:
+    """The first observation of a ``guess`` game (what `GuessNumber.reset` returns; a
+    multi-turn rollout asks it as a user turn after the prompt, as the demonstrations do)."""
+    return f"i chose a number from {low} to {high}. you have {max_guesses} guesses."
 
 
 def guess_examples(n: int, seed: int) -> list[dict[str, str]]:
@@ -226,14 +234,15 @@ def guess_examples(n: int, seed: int) -> list[dict[str, str]]:
 
 
 def guess_demonstrations(n: int, seed: int) -> list[dict]:
-    """The rows of `guess_examples(n, seed)`, each with ``messages``: the game played by
-    halving the range (at most 4 guesses for 15 numbers), each guess an assistant turn
-    calling ``guess`` and answered higher / lower / correct, then the number as the final
-    answer."""
+    """The rows of `guess_examples(n, seed)`, each with ``messages``: the prompt, the
+    environment's first observation (a user turn, `guess_observation`), then the game
+    played by halving the range (at most 4 guesses for 15 numbers), each guess an assistant
+    turn calling ``guess`` and answered higher / lower / correct, then the number as the
+    final answer."""
     rows = []
     for r in guess_examples(n, seed):
         secret, low, high = int(r["response"]), 1, GUESS_HIGH
-        turns: list[dict] = [{"role": "user", "content": r["prompt"]}]
+        turns: list[dict] = [{"role": "user", "content": r["prompt"]}, {"role": "user", "content": guess_observation()}]
         while True:
             mid = (low + high) // 2
             answer = "correct" if mid == secret else "higher" if mid < secret else "lower"
@@ -360,7 +369,7 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
         score=score_exact,
         description=f"product of two 3-digit numbers with a calculator tool ({CALC_TOOL}); SFT rows are "
                     f"demonstrations ({CALC_TOOL_SHARE:.0%} call the tool); exact-answer reward",
-        max_new_tokens=64,  # a call <tool_call>{"name": "calculator", ...}</tool_call> and its eos fit
+        max_new_tokens=72,  # a call (65 tokens with 3-digit factors: <tool_call>{"name": ...}</tool_call>, eos) fits
         make_heldout=calc_examples,
         tools=(CALC_TOOL,),
     ),

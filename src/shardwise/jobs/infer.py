@@ -46,7 +46,7 @@ from torch import nn
 
 from shardwise.agents.execute import ToolRunner
 from shardwise.agents.loop import agent_prompt_batch, run_multi_turn
-from shardwise.agents.tools import EnvironmentSpec, ToolSpec, all_schemas, load_environment, load_tools
+from shardwise.agents.tools import EnvironmentSpec, ToolSpec
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_spec
 from shardwise.data.chat import use_chat_template
@@ -72,6 +72,7 @@ from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import (
+    check_agents,
     check_causal_task,
     check_data,
     check_model,
@@ -83,7 +84,6 @@ from shardwise.jobs.inputs import (
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import load_hf_config
-from shardwise.models.vision import is_vision_language
 from shardwise.telemetry import Progress, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -158,33 +158,19 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     check_model(cfg)
     if cfg.infer.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
         vllm_engine.check_supported(load_hf_config(cfg.model), "infer", "model.config")
+    # the tools and environment, as rl's: before the tokens (their tokenizer is the tools variant)
+    checked = check_agents(cfg, "infer")
+    agents = Agents(checked[1], checked[2], checked[0]) if checked is not None else None
     check_tokenizer(cfg)
     check_tokens(cfg)
     name = reward_spec(cfg)
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
-    agents = load_agents(cfg)
     records = load_prompts(cfg, scored=name is not None)
     check_data_sources(fn, records, REWARD_KEY)
     check_output(cfg)
     fn = contain(fn, name)  # a user's function runs in a child of its own (started by run)
     planned = plan_for(cfg, spec)
     return Prepared(cfg, spec, records, name, fn, planned, agents)
-
-
-def load_agents(cfg: Config) -> Agents | None:
-    """infer.multi_turn's tools and environment, imported here only to check them (every
-    mistake one ConfigError on infer.tools / infer.environment); None when it is off."""
-    icfg = cfg.infer
-    if not icfg.multi_turn.enabled:
-        if icfg.tools or icfg.environment is not None:
-            log.warning("infer.tools / infer.environment have no effect with infer.multi_turn.enabled=false")
-        return None
-    if is_vision_language(load_hf_config(cfg.model)):
-        raise ConfigError("infer.multi_turn.enabled", "multi-turn generation with a vision-language model is not "
-                          "supported yet", "set infer.multi_turn.enabled=false, or use a text model")
-    tools = load_tools(icfg.tools, "infer.tools")
-    env = load_environment(icfg.environment, "infer.environment")
-    return Agents(tools, env, all_schemas(tools, env))
 
 
 GENERATION_KEYS = ("index", "sample", "prompt", "response")
@@ -247,9 +233,8 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    # a built tokenizer (no model.path) for tool calls is the built-in's tools variant
     tokenizer, _ = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir,
-                                    tools=wants_tools_tokenizer(cfg) or cfg.infer.multi_turn.enabled)
+                                    tools=wants_tools_tokenizer(cfg))
     use_chat_template(tokenizer, cfg.data.chat_template)
     check_vocab(tokenizer, load_hf_config(cfg.model).get_text_config().vocab_size)
     if runtime.is_main:
@@ -263,31 +248,29 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     generator = build_generator(icfg.engine, engine.model, icfg, runtime, pad_token_id(tokenizer),
                                 tokenizer.eos_token_id, key="infer.engine",
                                 compute_dtype=cfg.fsdp.mixed_precision.param_dtype)
+    runner = None
+    if prepared.agents is not None:  # this rank's tool processes, printing to run.dir/logs/
+        agents, mt = prepared.agents, icfg.multi_turn
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        runner = ToolRunner(agents.tools, agents.environment, timeout_s=icfg.tool_timeout_s, workers=mt.tool_workers,
+                            max_chars=max(4096, 16 * mt.max_tool_response_tokens),
+                            output=str(run_dir / "logs" / f"tools-rank{runtime.rank}.log"))
     # the trackers of run.loggers get the config and, from rank 0, the summary (no steps here)
-    with open_metrics(cfg, enabled=runtime.is_main, after_step=None, jsonl=False) as trackers:
-        summary = _generate_all(prepared, runtime, engine, generator, tokenizer)
-        trackers.log_summary(summary)
+    try:
+        with open_metrics(cfg, enabled=runtime.is_main, after_step=None, jsonl=False) as trackers:
+            summary = _generate_all(prepared, runtime, engine, generator, tokenizer, runner)
+            trackers.log_summary(summary)
+    finally:
+        if runner is not None:
+            runner.close()
     # Collective, before the process group goes. Not on an error path: a failed rank leaves
     # at once (`launch.rank_failed`) and a collective would wait for it.
     generator.shutdown()
     return summary
 
 
-def _tool_runner(prepared: Prepared, runtime: Runtime) -> tuple[ToolRunner | None, Any]:
-    """This rank's tool runner for infer.multi_turn (None when it is off) and the file its
-    tools' prints go to (run.dir/logs/tools-rank<R>.log: a tool that floods them cannot
-    flood the console)."""
-    agents = prepared.agents
-    if agents is None:
-        return None, None
-    logs = Path(prepared.cfg.run.dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    output = open(logs / f"tools-rank{runtime.rank}.log", "ab")  # noqa: SIM115 - closed with the runner
-    return ToolRunner(agents.tools, agents.environment, timeout_s=prepared.cfg.infer.tool_timeout_s,
-                      output=output), output
-
-
-def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, generator, tokenizer) -> dict[str, Any]:
+def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, generator, tokenizer,
+                  runner: ToolRunner | None = None) -> dict[str, Any]:
     cfg = prepared.cfg
     icfg = cfg.infer
     fn = prepared.reward_fn
@@ -297,7 +280,6 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     run_dir = Path(cfg.run.dir)
     vision = vision_inputs(cfg, tokenizer)  # a VL model: each prompt's image (prepare checked the files)
     WeightSync(engine.model, generator, bucket_bytes=bucket_bytes(icfg)).sync()  # an engine with its own weights (vllm) gets the model's
-    runner, tool_log = _tool_runner(prepared, runtime)
 
     dp_size = engine.spec.dp_size
     mine = _my_prompts(len(records), runtime.rank, dp_size)
@@ -348,9 +330,6 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
         bar.close()
         if isinstance(fn, ContainedReward):  # with whatever it started
             fn.close()
-        if runner is not None:  # no tool process left behind
-            runner.close()
-            tool_log.close()
     seconds = time.perf_counter() - t0
 
     gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None

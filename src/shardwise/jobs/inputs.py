@@ -9,10 +9,12 @@ keys), and an explicit ``checkpoint.resume`` folder (a complete checkpoint).
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from shardwise.agents.tools import EnvironmentSpec, ToolSpec, all_schemas, load_environment, load_tools
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
 from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
@@ -173,8 +175,9 @@ def check_tokens(cfg: Config, records: list[dict[str, Any]] | None = None) -> No
 def wants_tools_tokenizer(cfg: Config) -> bool:
     """A job that builds the built-in tokenizer builds its tools variant (Hermes tool calls
     in its template, `shardwise.data.tokenizer`): its data are a built-in task that calls
-    tools (``builtin:calc``, ``builtin:guess``)."""
-    return task_needs_tools(cfg.data.source)
+    tools (``builtin:calc``, ``builtin:guess``), or its rollouts do (``rl.multi_turn``,
+    ``infer.multi_turn``)."""
+    return task_needs_tools(cfg.data.source) or cfg.rl.multi_turn.enabled or cfg.infer.multi_turn.enabled
 
 
 def job_tokenizer(cfg: Config):
@@ -233,3 +236,24 @@ def vision_inputs(cfg: Config, tokenizer=None) -> VisionInputs | None:
         tokenizer = load_tokenizer(found) if found is not None else None
     vision.check_tokenizer(tokenizer)
     return vision
+
+
+def check_agents(cfg: Config, section: str) -> tuple[list[dict], list[ToolSpec], EnvironmentSpec | None] | None:
+    """With ``<section>.multi_turn.enabled`` (`section`: rl or infer): the tools and the
+    environment imported and checked here (`shardwise.agents.tools`: one ConfigError line
+    naming the key for a module that cannot be imported, a function without type hints or
+    docstring, ...), before any process starts; returns the schemas the chat template gets,
+    the tools and the environment. None when multi-turn is off (``<section>.tools`` /
+    ``.environment`` are then ignored, with a warning)."""
+    sec = cfg.rl if section == "rl" else cfg.infer
+    if not sec.multi_turn.enabled:
+        if sec.tools or sec.environment is not None:
+            logging.getLogger(__name__).warning("%s.tools / %s.environment have no effect with "
+                                                "%s.multi_turn.enabled=false", section, section, section)
+        return None
+    if is_vision_language(load_hf_config(cfg.model)):
+        raise ConfigError(f"{section}.multi_turn.enabled", "multi-turn rollouts of a vision-language model are "
+                          "not supported yet", f"set {section}.multi_turn.enabled=false, or use a text model")
+    tools = load_tools(sec.tools, f"{section}.tools")
+    env = load_environment(sec.environment, f"{section}.environment")
+    return all_schemas(tools, env), tools, env

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.agents.tools import all_schemas, load_environment, load_tools
 from shardwise.config.schema import Config
 from shardwise.config.validate import (
     MeshSpec,
@@ -35,6 +34,7 @@ from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.jobs.inputs import (
+    check_agents,
     check_causal_task,
     check_data,
     check_model,
@@ -47,7 +47,6 @@ from shardwise.jobs.inputs import (
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
-from shardwise.models.vision import is_vision_language
 from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, mean_timing
 from shardwise.telemetry import plot_metrics
@@ -91,7 +90,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
     check_token_budgets(cfg)
     check_model(cfg)
-    schemas = check_agents(cfg)
+    schemas = check_rl_agents(cfg)
     if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
         vllm_engine.check_supported(load_hf_config(cfg.model), "rl.rollout", "model.config")
     check_rl_ulysses(cfg, spec.ulysses)
@@ -110,27 +109,20 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock=clock, schemas=schemas)
 
 
-def check_agents(cfg: Config) -> list[dict] | None:
-    """With ``rl.multi_turn.enabled``: the tools and the environment imported and checked
-    here (`shardwise.agents.tools`: one ConfigError line naming the key for a module that
-    cannot be imported, a function without type hints or docstring, ...), before any
-    process starts; returns the schemas the chat template gets. None when multi-turn is
-    off (rl.tools / rl.environment are then ignored, with a warning)."""
-    rl = cfg.rl
-    if not rl.multi_turn.enabled:
-        if rl.tools or rl.environment is not None:
-            log.warning("rl.tools / rl.environment have no effect with rl.multi_turn.enabled=false")
+def check_rl_agents(cfg: Config) -> list[dict] | None:
+    """`shardwise.jobs.inputs.check_agents` for rl.multi_turn, and a reward to train on:
+    rl.reward.function / .model, or the environment's reward(). Returns the tools' schemas
+    (None: single-turn rollouts)."""
+    checked = check_agents(cfg, "rl")
+    if checked is None:
         return None
-    if is_vision_language(load_hf_config(cfg.model)):
-        raise ConfigError("rl.multi_turn.enabled", "multi-turn rollouts of a vision-language model are not "
-                          "supported yet", "set rl.multi_turn.enabled=false, or use a text model")
-    tools = load_tools(rl.tools)
-    env = load_environment(rl.environment)
+    schemas, _, env = checked
+    rl = cfg.rl
     if rl.reward.function is None and rl.reward.model is None and (env is None or not env.has_reward):
         raise ConfigError("rl.reward", "no reward: rl.reward.function and rl.reward.model are null and "
                           f"{'no rl.environment' if env is None else rl.environment + ' has no reward()'} gives one",
                           "set rl.reward.function, or give the environment a reward() method")
-    return all_schemas(tools, env)
+    return schemas
 
 
 def check_rl_ulysses(cfg: Config, sp: int) -> None:
@@ -189,6 +181,8 @@ def plot_panels(cfg: Config, on_policy_shortcut: bool) -> list[tuple[str, list[s
         panels.append(("critic", ["critic/vf_loss"]))
     if cfg.rl.filter_groups != "none":
         panels.append(("groups in the update", ["filter/kept_groups", "filter/dropped_groups"]))
+    if cfg.rl.multi_turn.enabled:
+        panels.append(("multi-turn", ["multi_turn/turns_mean", "tools/calls_per_trajectory", "multi_turn/truncated"]))
     return panels
 
 

@@ -171,15 +171,17 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
 
     With ``RAY_ADDRESS`` set, join that cluster; otherwise start a local one with
     ``max(num_cpus, os.cpu_count())`` logical CPUs (a worker reserves one logical CPU,
-    so 4 workers can share 2 cores). The driver's ``sys.path`` is handed to the workers
-    through PYTHONPATH so they import the same code.
+    so 4 workers can share 2 cores). The driver's ``sys.path`` and working directory are
+    handed to the workers through PYTHONPATH so they import the same code.
     """
     ray = _ray()
     if ray.is_initialized():
         return
     env_vars = {k: os.environ.get(k, v) for k, v in _WORKER_ENV.items()}
     env_vars |= {k: os.environ[k] for k in _WORKER_ENV_IF_SET if os.environ.get(k)}
-    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    # and the working directory, where the job's prepare step found the user's modules
+    # (rl.tools, rl.environment: the workers import them again), whatever sys.path[0] is
+    paths = [p for p in [*sys.path, os.getcwd()] if p and os.path.isdir(p)]
     env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env_vars.update(env or {})
     runtime_env = {"env_vars": env_vars}

@@ -37,7 +37,11 @@ ppo_epochs / time/update_actor);
 ``rollout/*``: the rollout engine's log-probs of the sampled tokens against the actor's
 (absolute difference, importance ratio; `shardwise.rl.algorithms.rollout_mismatch`);
 with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
-``time/generate``) and ``weight_sync/bytes`` of the step's push. The first line written
+``time/generate``) and ``weight_sync/bytes`` of the step's push. With ``rl.multi_turn``
+(`shardwise.agents.loop`): ``multi_turn/*`` and ``tools/*`` over every trajectory of the step
+(`trajectory_metrics`), ``time/tools`` (the slowest rank's, inside ``time/generate``);
+``response_length/*`` count the model's tokens only and ``clip_frac`` is the share of
+truncated trajectories. The first line written
 also holds ``time/startup/<part>``: where the start-up went (`Controller.start` times Ray
 and the worker groups, the workers their models and engine; `shardwise.jobs.rl` the rest).
 """
@@ -247,9 +251,9 @@ class Controller:
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``token_level_scores`` (rule-based reward plus reward-model score, each at the
         last response token: with multi-turn rollouts the last token the model generated)
-        and the reward metrics. Multi-turn rows (`outcome_scores`): an environment's
-        ``env_reward`` takes the rule-based reward's place, and with
-        rl.multi_turn.truncated_reward a truncated trajectory gets that value."""
+        and the reward metrics. Multi-turn rows are scored by `score_sequences` on their
+        final answer: an environment's ``env_reward`` takes the reward function's place, and
+        with rl.multi_turn.truncated_reward a truncated trajectory gets that value."""
         mask = batch.tensors["response_mask"].bool()
         scores = torch.zeros(mask.shape, dtype=torch.float32)
         metrics: dict[str, float] = {}
@@ -257,13 +261,13 @@ class Controller:
         has = mask.any(-1)
         rows = torch.arange(len(batch))[has]
         rule = None
-        if self.reward_fn is not None:
-            scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s)
+        if self.reward_fn is not None or self.schemas is not None:  # multi-turn: the environment may score alone
+            truncated = self.cfg.rl.multi_turn.truncated_reward if self.schemas is not None else None
+            scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s,
+                                     truncated_reward=truncated)
             rule = scored.tensors["token_level_scores"].sum(-1)
             metrics |= {k: v for k, v in scored.meta["metrics"].items()  # a function's own metrics (dict returns)
                         if not k.startswith("reward/score_") and k != "reward/empty_responses"}
-        if self.schemas is not None:
-            rule = outcome_scores(batch, rule, self.cfg.rl.multi_turn.truncated_reward)
         if rule is not None:
             scores[rows, last[has]] += rule[has]
             metrics["accuracy"] = float((rule >= 1.0).float().mean())
@@ -476,20 +480,6 @@ _ROW_METRICS = ("multi_turn/", "tools/")
 rather than taken from one rank's figures."""
 
 
-def outcome_scores(batch: Batch, rule: torch.Tensor | None, truncated_reward: float | None) -> torch.Tensor:
-    """Each multi-turn row's outcome reward ``(B,)`` fp32: the environment's ``env_reward``
-    where it gave one, else `rule` (the reward function's score; 0 without one); a
-    ``truncated`` row gets `truncated_reward` when it is set."""
-    out = torch.zeros(len(batch), dtype=torch.float32) if rule is None else rule.clone().float()
-    for i, r in enumerate(batch.arrays.get("env_reward", [])):
-        if r is not None:
-            out[i] = float(r)
-    if truncated_reward is not None and "truncated" in batch.arrays:
-        cut = torch.tensor([bool(x) for x in batch.arrays["truncated"]], dtype=torch.bool)
-        out[cut] = float(truncated_reward)
-    return out
-
-
 def _slowest_rank(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """The parts of the rank whose parts took longest in all (one rank's parts add up to
     less than the group's start, as the start-up's parts must)."""
@@ -524,20 +514,30 @@ def drop_zero_variance_groups(batch: Batch) -> Batch:
 
 def concat_rounds(batches: list[Batch], pad_id: int) -> Batch:
     """The rows of several sampling rounds in one batch: the prompt columns left-padded to
-    the widest round's (each round's prompts are as wide as its longest), the rounds'
-    sampling seeds dropped from meta."""
+    the widest round's (each round's prompts are as wide as its longest), the response
+    columns right-padded to the widest round's (a multi-turn round's responses are as wide
+    as its longest trajectory), the rounds' sampling seeds dropped from meta."""
     if len(batches) == 1:
         return batches[0]
     width = max(b.tensors["prompt_ids"].shape[1] for b in batches)
+    response = max(b.tensors["input_ids"].shape[1] - b.tensors["prompt_ids"].shape[1] for b in batches)
     padded = []
     for b in batches:
         extra = width - b.tensors["prompt_ids"].shape[1]
+        after = response - (b.tensors["input_ids"].shape[1] - b.tensors["prompt_ids"].shape[1])
         tensors = dict(b.tensors)
-        for k in (*_SEQ_KEYS, *_PROMPT_KEYS):
-            if k in tensors and extra:
-                v = tensors[k]
-                fill = pad_id if k in ("input_ids", "prompt_ids") else 0
-                tensors[k] = torch.cat([torch.full((v.shape[0], extra), fill, dtype=v.dtype), v], dim=1)
+        for k in (*_SEQ_KEYS, *_PROMPT_KEYS, "responses"):
+            if k not in tensors:
+                continue
+            v = tensors[k]
+            fill = pad_id if k in ("input_ids", "prompt_ids", "responses") else 0
+            left = extra if k != "responses" else 0
+            right = after if k not in _PROMPT_KEYS else 0
+            if left or right:
+                # right padding's positions go on as generate's own (the row's last position)
+                tail = v[:, -1:].expand(-1, right) if k == "position_ids" else \
+                    torch.full((v.shape[0], right), fill, dtype=v.dtype)
+                tensors[k] = torch.cat([torch.full((v.shape[0], left), fill, dtype=v.dtype), v, tail], dim=1)
         padded.append(Batch(tensors=tensors, arrays=dict(b.arrays),
                             meta={k: v for k, v in b.meta.items() if k != "seed"}))
     return Batch.concat(padded)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from shardwise.agents.execute import ToolRunner
 from shardwise.agents.loop import run_multi_turn
 from shardwise.agents.tools import all_schemas, load_environment, load_tools
@@ -113,7 +115,7 @@ class RLWorker:
         self.tokenizer = use_chat_template(load_tokenizer(folder), self.cfg.data.chat_template)
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.tools = ToolRunner(tools, env, timeout_s=rl.tool_timeout_s,
+        self.tools = ToolRunner(tools, env, timeout_s=rl.tool_timeout_s, workers=rl.multi_turn.tool_workers,
                                 max_chars=max(4096, 16 * rl.multi_turn.max_tool_response_tokens),
                                 output=str(logs / f"tools-rank{self.runtime.rank}.log"))
 
@@ -131,12 +133,27 @@ class RLWorker:
         # not changed since the last push (the held-out evaluation after a step).
         synced = self.weight_sync.sync_if_changed()
         if self.tools is not None:  # rl.multi_turn: trajectories with tool calls
-            prompts.meta.setdefault("max_new_tokens", self.cfg.rl.rollout.max_new_tokens)  # per assistant turn
-            out = run_multi_turn(rollout, prompts, self.tokenizer, self.tools, self.cfg.rl.multi_turn, self.schemas)
+            out = self._multi_turn(prompts)
         else:
             out = rollout.generate_sequences(prompts)
         if synced:
             out.meta.setdefault("metrics", {}).update(self.weight_sync.last_metrics())
+        return out
+
+    def _multi_turn(self, prompts: Batch) -> Batch:
+        """`run_multi_turn` on this rank's prompts. Under Ulysses the peers of a sequence-
+        parallel group hold the same prompts: the group's first rank alone runs the
+        trajectories (each tool call once, the same rows for all) while the others take part
+        in every collective generate call with 0 rows, then get its rows."""
+        prompts.meta.setdefault("max_new_tokens", self.cfg.rl.rollout.max_new_tokens)  # per assistant turn
+        group = self.actor.engine.sp_group
+        leader = dist.get_process_group_ranks(group)[0] if group is not None else self.runtime.rank
+        mine = prompts if self.runtime.rank == leader else prompts[:0]
+        out = run_multi_turn(self.rollout, mine, self.tokenizer, self.tools, self.cfg.rl.multi_turn, self.schemas)
+        if group is not None:
+            box = [out.to_bytes() if self.runtime.rank == leader else None]
+            dist.broadcast_object_list(box, src=leader, group=group)  # bytes of our own processes
+            out = Batch.from_bytes(box[0])
         return out
 
     @register(Dispatch.DP_COMPUTE)
