@@ -102,6 +102,14 @@ class GenerationEngine(abc.ABC):
         full tensors); only for an engine that `takes_adapters`."""
         raise NotImplementedError(f"{type(self).__name__} takes no adapters")
 
+    def rollout_session(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which the engine is called several times in a row with nothing else
+        using the model between the calls (a multi-turn rollout's turns): an engine may set
+        up once what each call would (`HFGenerator`: the all-gather of every unit). Collective
+        on entry and exit like ``generate_sequences``: every rank enters and leaves it.
+        Nothing by default."""
+        return contextlib.nullcontext()
+
     def shutdown(self) -> None:  # noqa: B027 - optional for engines: nothing by default
         """Release what the engine holds beside the model (an engine of its own). Collective:
         every rank calls it, before the process group goes, on success paths only (a failed
@@ -240,6 +248,23 @@ class HFGenerator(GenerationEngine):
         self.seed_rank = runtime.rank
         """The rank the sampling seed mixes in: sequence-parallel peers, which get the same
         prompts, set their group's data-parallel rank so they draw the same samples."""
+        self._held = 0
+        """Depth of `rollout_session` blocks: inside one, the units stay gathered."""
+
+    @contextlib.contextmanager
+    def rollout_session(self) -> Iterator[None]:
+        """Every unit gathered ONCE for the whole block (`gathered_for_generation`), so the
+        ``generate_sequences`` calls inside (one per turn of a multi-turn rollout) all-gather
+        nothing. The model's parameters must not change inside (no optimizer step)."""
+        if self._held:
+            yield
+            return
+        with gathered_for_generation(self.model):
+            self._held += 1
+            try:
+                yield
+            finally:
+                self._held -= 1
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to load: the engine samples with the model's own parameters. The iterable
@@ -263,13 +288,14 @@ class HFGenerator(GenerationEngine):
         ``response_mask``. Top-p truncation is not in it: it is the temperature-scaled
         model distribution, what the actor's log-prob recomputation measures.
 
-        Collective (the all-gather of `gathered_for_generation`): every rank calls it.
+        Collective (the all-gather of `gathered_for_generation`; none inside a
+        `rollout_session`, which gathered once): every rank calls it.
         """
         call = sampling_call(prompts, self.cfg)
         ids, mask, greedy, r = call.ids, call.mask, call.greedy, call.max_new_tokens
         temperature = 1.0 if greedy else float(self.cfg.temperature)
 
-        with gathered_for_generation(self.model):
+        with contextlib.nullcontext() if self._held else gathered_for_generation(self.model):
             if len(ids):
                 images = forward_kwargs(prompts.tensors)
                 seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images)
