@@ -56,7 +56,7 @@ from shardwise.distributed import ulysses
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids
 from shardwise.errors import ConfigError, did_you_mean
-from shardwise.fsdp.gather import gathered_for_generation
+from shardwise.fsdp.gather import fsdp_hooks_skipped, gathered_for_generation
 from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
@@ -328,8 +328,11 @@ class HFGenerator(GenerationEngine):
             suppress_tokens=vision_token_ids(getattr(self.model, "config", None)) or None,
         )
         rng_devices = [torch.cuda.current_device()] if device.type == "cuda" else []
+        # the units are gathered (the caller's block): FSDP's per-forward hooks have nothing
+        # to do but cost every decoding step (skipped only where that changes no forward)
+        hooks_off = contextlib.nullcontext() if images else fsdp_hooks_skipped(self.model)
         with torch.random.fork_rng(devices=rng_devices), _eval_mode(self.model), \
-                _own_generation_config(self.model), ulysses.whole_sequences(self.model):
+                _own_generation_config(self.model), ulysses.whole_sequences(self.model), hooks_off:
             s = sampling_seed(int(seed), self.seed_rank)
             torch.default_generator.manual_seed(s)
             if device.type == "cuda":
