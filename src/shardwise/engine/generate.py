@@ -21,7 +21,10 @@ Generating on a sharded model: each forward of an FSDP unit normally all-gathers
 parameters, so every rank would have to run the same number of forwards. Decoding lengths
 differ per rank (rows stop at EOS), so `HFGenerator` gathers every unit ONCE per call
 (`shardwise.fsdp.gather.gathered_for_generation`): the forwards inside issue no collective
-and each rank decodes as many steps as its own rows need.
+and each rank decodes as many steps as its own rows need. A multi-turn rollout holds one
+`GenerationEngine.rollout_session` over its turns: one gather for all of them. While
+gathered, HF generate skips FSDP's per-unit forward hooks, which have nothing left to do
+(`shardwise.fsdp.gather.fsdp_hooks_skipped`).
 """
 
 from __future__ import annotations
