@@ -126,6 +126,14 @@ def _rollout_body(rank: int, world: int, overrides: list[str]) -> dict:
     out["s1"], out["s1_again"], out["s2_ids"] = dict(s1.tensors), dict(s1_again.tensors), s2.tensors["input_ids"]
     out["s1_arrays"] = {k: list(v) for k, v in s1.arrays.items()}
     out["s1_meta"] = s1.meta
+    # A session (a multi-turn rollout's turns): gathered once, the same samples; FSDP's
+    # forward hooks (skipped while generating) all back in place after each call.
+    hooks = [(list(m._forward_pre_hooks), list(m._forward_hooks)) for m in a.model.modules()]
+    with rollout.rollout_session():
+        in_session = [rollout.generate_sequences(p), rollout.generate_sequences(p)]
+    out["session_same"] = all(torch.equal(v, s.tensors[k]) for s in in_session for k, v in s1.tensors.items())
+    out["fsdp_hooks_back"] = hooks == [(list(m._forward_pre_hooks), list(m._forward_hooks))
+                                       for m in a.model.modules()]
 
     # 3. rollout_log_probs against one full forward of the same (sharded) model.
     out["s1_recomputed"] = _log_probs_of(a.model, s1)
@@ -277,6 +285,13 @@ def test_same_seed_same_samples_other_seed_other_samples(ranks):
     # copies of one prompt split over ranks would be sampled identically.
     assert torch.equal(ranks[0]["s1"]["prompt_ids"], ranks[1]["s1"]["prompt_ids"])
     assert not torch.equal(ranks[0]["s1"]["responses"], ranks[1]["s1"]["responses"])
+
+
+def test_rollout_session_and_skipped_fsdp_hooks_change_nothing(ranks):
+    """`rollout_session` gathers once for several calls: the same samples as calls alone;
+    the FSDP forward hooks that generation skips are all back, in order."""
+    for r in ranks:
+        assert r["session_same"] and r["fsdp_hooks_back"]
 
 
 def test_rollout_log_probs_equal_compute_log_probs(ranks):

@@ -54,6 +54,7 @@ format), ``num_turns``, ``tool_calls``, ``tool_errors``, ``tool_timeouts`` (int)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -272,46 +273,49 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
             t.prompt = _render_ids(tokenizer, t.messages, True, tools)
     prompt_width = _max_over_ranks(max([len(t.prompt) for t in trajs] + [prompts.tensors["prompt_ids"].shape[1]]))
 
-    for turn in range(cfg.max_turns):
-        for t in trajs:
-            if not t.done and len(t.ids) >= budget:
-                t.finish(truncated=True)
-        active = [t for t in trajs if not t.done]
-        if not _any_over_ranks(bool(active)):
-            break
-        room = max([budget - len(t.ids) for t in active], default=1)
-        rows = [t.prompt + t.ids for t in active]
-        turn_ids, turn_mask = _left_pad(rows, pad)
-        call = Batch.from_dict({"prompt_ids": turn_ids, "prompt_mask": turn_mask},
-                               meta={"seed": turn_seed(seed, turn), "max_new_tokens": max(1, min(per_turn, room)),
-                                     **({"greedy": prompts.meta["greedy"]} if "greedy" in prompts.meta else {})})
-        out = engine.generate_sequences(call)
-        width = turn_ids.shape[1]
-        calls: list[tuple[Trajectory, ToolCall]] = []
-        for i, t in enumerate(active):
-            n = int(out.tensors["response_mask"][i, width:].sum())
-            gen = out.tensors["input_ids"][i, width:width + n].tolist()[:budget - len(t.ids)]
-            lps = out.tensors["rollout_log_probs"][i, width:width + len(gen)].tolist()
-            t.append(gen, True, lps)
-            ended = bool(gen) and eos is not None and gen[-1] == eos
-            text = tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
-            parsed = parse(text)
-            t.messages.append(tool_call_message(parsed))
-            t.num_turns += 1
-            # what the reward reads: the turn's text without special tokens (the template's
-            # markers, a stray pad) where it made no call, else its content
-            t.final_answer = parsed.content if parsed.calls else \
-                tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=True).strip()
-            if not ended:  # cut by the budget or the per-turn limit
-                t.finish(truncated=True)
-            elif not parsed.calls:
-                t.finish(truncated=False)
-            else:
-                calls.extend((t, c) for c in parsed.calls)
-                if turn == cfg.max_turns - 1:  # its calls still run (an environment's last move counts)
-                    t.truncated = True
-        if calls:
-            tool_seconds += _run_calls(calls, runner, tokenizer, cfg, tools, eos, budget)
+    # one engine session for every turn (HF: the units gathered once, not per turn)
+    session = getattr(engine, "rollout_session", None)
+    with session() if session is not None else contextlib.nullcontext():
+        for turn in range(cfg.max_turns):
+            for t in trajs:
+                if not t.done and len(t.ids) >= budget:
+                    t.finish(truncated=True)
+            active = [t for t in trajs if not t.done]
+            if not _any_over_ranks(bool(active)):
+                break
+            room = max([budget - len(t.ids) for t in active], default=1)
+            rows = [t.prompt + t.ids for t in active]
+            turn_ids, turn_mask = _left_pad(rows, pad)
+            call = Batch.from_dict({"prompt_ids": turn_ids, "prompt_mask": turn_mask},
+                                   meta={"seed": turn_seed(seed, turn), "max_new_tokens": max(1, min(per_turn, room)),
+                                         **({"greedy": prompts.meta["greedy"]} if "greedy" in prompts.meta else {})})
+            out = engine.generate_sequences(call)
+            width = turn_ids.shape[1]
+            calls: list[tuple[Trajectory, ToolCall]] = []
+            for i, t in enumerate(active):
+                n = int(out.tensors["response_mask"][i, width:].sum())
+                gen = out.tensors["input_ids"][i, width:width + n].tolist()[:budget - len(t.ids)]
+                lps = out.tensors["rollout_log_probs"][i, width:width + len(gen)].tolist()
+                t.append(gen, True, lps)
+                ended = bool(gen) and eos is not None and gen[-1] == eos
+                text = tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
+                parsed = parse(text)
+                t.messages.append(tool_call_message(parsed))
+                t.num_turns += 1
+                # what the reward reads: the turn's text without special tokens (the template's
+                # markers, a stray pad) where it made no call, else its content
+                t.final_answer = parsed.content if parsed.calls else \
+                    tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=True).strip()
+                if not ended:  # cut by the budget or the per-turn limit
+                    t.finish(truncated=True)
+                elif not parsed.calls:
+                    t.finish(truncated=False)
+                else:
+                    calls.extend((t, c) for c in parsed.calls)
+                    if turn == cfg.max_turns - 1:  # its calls still run (an environment's last move counts)
+                        t.truncated = True
+            if calls:
+                tool_seconds += _run_calls(calls, runner, tokenizer, cfg, tools, eos, budget)
 
     for t in trajs:
         if not t.done:

@@ -21,7 +21,10 @@ Generating on a sharded model: each forward of an FSDP unit normally all-gathers
 parameters, so every rank would have to run the same number of forwards. Decoding lengths
 differ per rank (rows stop at EOS), so `HFGenerator` gathers every unit ONCE per call
 (`shardwise.fsdp.gather.gathered_for_generation`): the forwards inside issue no collective
-and each rank decodes as many steps as its own rows need.
+and each rank decodes as many steps as its own rows need. A multi-turn rollout holds one
+`GenerationEngine.rollout_session` over its turns: one gather for all of them. While
+gathered, HF generate skips FSDP's per-unit forward hooks, which have nothing left to do
+(`shardwise.fsdp.gather.fsdp_hooks_skipped`).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from shardwise.distributed import ulysses
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids
 from shardwise.errors import ConfigError, did_you_mean
-from shardwise.fsdp.gather import gathered_for_generation
+from shardwise.fsdp.gather import fsdp_hooks_skipped, gathered_for_generation
 from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
@@ -101,6 +104,14 @@ class GenerationEngine(abc.ABC):
         """Replace the engine's LoRA adapter with `named_tensors` (PEFT adapter-file names,
         full tensors); only for an engine that `takes_adapters`."""
         raise NotImplementedError(f"{type(self).__name__} takes no adapters")
+
+    def rollout_session(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which the engine is called several times in a row with nothing else
+        using the model between the calls (a multi-turn rollout's turns): an engine may set
+        up once what each call would (`HFGenerator`: the all-gather of every unit). Collective
+        on entry and exit like ``generate_sequences``: every rank enters and leaves it.
+        Nothing by default."""
+        return contextlib.nullcontext()
 
     def shutdown(self) -> None:  # noqa: B027 - optional for engines: nothing by default
         """Release what the engine holds beside the model (an engine of its own). Collective:
@@ -240,6 +251,23 @@ class HFGenerator(GenerationEngine):
         self.seed_rank = runtime.rank
         """The rank the sampling seed mixes in: sequence-parallel peers, which get the same
         prompts, set their group's data-parallel rank so they draw the same samples."""
+        self._held = 0
+        """Depth of `rollout_session` blocks: inside one, the units stay gathered."""
+
+    @contextlib.contextmanager
+    def rollout_session(self) -> Iterator[None]:
+        """Every unit gathered ONCE for the whole block (`gathered_for_generation`), so the
+        ``generate_sequences`` calls inside (one per turn of a multi-turn rollout) all-gather
+        nothing. The model's parameters must not change inside (no optimizer step)."""
+        if self._held:
+            yield
+            return
+        with gathered_for_generation(self.model):
+            self._held += 1
+            try:
+                yield
+            finally:
+                self._held -= 1
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to load: the engine samples with the model's own parameters. The iterable
@@ -263,13 +291,14 @@ class HFGenerator(GenerationEngine):
         ``response_mask``. Top-p truncation is not in it: it is the temperature-scaled
         model distribution, what the actor's log-prob recomputation measures.
 
-        Collective (the all-gather of `gathered_for_generation`): every rank calls it.
+        Collective (the all-gather of `gathered_for_generation`; none inside a
+        `rollout_session`, which gathered once): every rank calls it.
         """
         call = sampling_call(prompts, self.cfg)
         ids, mask, greedy, r = call.ids, call.mask, call.greedy, call.max_new_tokens
         temperature = 1.0 if greedy else float(self.cfg.temperature)
 
-        with gathered_for_generation(self.model):
+        with contextlib.nullcontext() if self._held else gathered_for_generation(self.model):
             if len(ids):
                 images = forward_kwargs(prompts.tensors)
                 seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images)
@@ -302,8 +331,11 @@ class HFGenerator(GenerationEngine):
             suppress_tokens=vision_token_ids(getattr(self.model, "config", None)) or None,
         )
         rng_devices = [torch.cuda.current_device()] if device.type == "cuda" else []
+        # the units are gathered (the caller's block): FSDP's per-forward hooks have nothing
+        # to do but cost every decoding step (skipped only where that changes no forward)
+        hooks_off = contextlib.nullcontext() if images else fsdp_hooks_skipped(self.model)
         with torch.random.fork_rng(devices=rng_devices), _eval_mode(self.model), \
-                _own_generation_config(self.model), ulysses.whole_sequences(self.model):
+                _own_generation_config(self.model), ulysses.whole_sequences(self.model), hooks_off:
             s = sampling_seed(int(seed), self.seed_rank)
             torch.default_generator.manual_seed(s)
             if device.type == "cuda":

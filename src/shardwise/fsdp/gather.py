@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardwise.models import lora
 from shardwise.models.layout import checkpoint_entries, tied_aliases
 
-__all__ = ["full_tensor", "gather_full", "gathered_for_generation", "iter_adapter_tensors", "iter_full_tensors"]
+__all__ = ["fsdp_hooks_skipped", "full_tensor", "gather_full", "gathered_for_generation", "iter_adapter_tensors", "iter_full_tensors"]
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -202,6 +202,19 @@ class _PrivateState:
         if self.state._is_root is None:
             self.state._lazy_init()
 
+    def forward_hook_ids(self) -> list[int] | None:
+        """The ids of the unit's own forward pre/post hooks on its module, or None where
+        skipping them would change a forward: a grouped unit (one hook over several modules)
+        or a mixed-precision policy that casts to something other than fp32."""
+        mp = getattr(self.state, "_mp_policy", None)
+        pre = getattr(self.state, "_pre_forward_hook_handle", None)
+        post = getattr(self.state, "_post_forward_hook_handle", None)
+        if mp is None or pre is None or post is None or not hasattr(pre, "id") or not hasattr(post, "id"):
+            return None
+        if mp.param_dtype not in (None, torch.float32) or mp.output_dtype not in (None, torch.float32):
+            return None
+        return [pre.id, post.id]
+
     def post_forward(self) -> list[Any]:
         return [g.post_forward_mesh_info for g in self.param_groups]
 
@@ -270,3 +283,34 @@ def gathered_for_generation(model: nn.Module) -> Iterator[None]:
                 # The first forward ran inside the block, where resharding was off, so torch's
                 # lazy init skipped its one change: an automatic root keeps its parameters.
                 sv.state.set_post_forward([None] * len(sv.post_forward))
+
+
+@contextlib.contextmanager
+def fsdp_hooks_skipped(model: nn.Module) -> Iterator[bool]:
+    """Inside a `gathered_for_generation` block under ``torch.no_grad()``: the forwards of
+    `model` skip FSDP's per-unit forward hooks, which then have nothing to do (the units
+    stay unsharded, nothing is recorded for a backward, and casting to fp32 changes nothing)
+    but cost Python time on every decoding step. Yields True where they are skipped; False
+    (hooks kept, nothing changed) when some unit's hooks could change a forward: grouped
+    units, or a mixed-precision policy that casts to bf16 / fp16. Every hook is back, in
+    its place, on exit."""
+    states = fsdp_states(model)
+    ids = [s.forward_hook_ids() for s in states]
+    if not states or any(i is None for i in ids) or torch.is_grad_enabled():
+        yield False
+        return
+    saved: list[tuple[nn.Module, dict, dict]] = []
+    try:
+        for s, (pre, post) in zip(states, ids):
+            m = s.module
+            saved.append((m, dict(m._forward_pre_hooks), dict(m._forward_hooks)))
+            m._forward_pre_hooks.pop(pre, None)
+            m._forward_hooks.pop(post, None)
+        yield True
+    finally:
+        for m, pre_hooks, post_hooks in saved:
+            for live, before in ((m._forward_pre_hooks, pre_hooks), (m._forward_hooks, post_hooks)):
+                added = {k: v for k, v in live.items() if k not in before}
+                live.clear()
+                live.update(before)
+                live.update(added)
