@@ -72,9 +72,8 @@ from shardwise.agents.parsers import TOOL_PARSERS, ToolCall, tool_call_message
 from shardwise.config.schema import MultiTurnConfig
 from shardwise.data import chat
 from shardwise.data.batch import Batch
-from shardwise.data.encode import encode_prompt, prompt_text
 from shardwise.data.tokenizer import pad_token_id
-from shardwise.engine.generate import GenerationEngine
+from shardwise.engine.generate import GenerationEngine, left_pad, prompt_batch
 from shardwise.engine.infer import default_position_ids
 
 __all__ = ["Trajectory", "agent_prompt_batch", "as_messages", "run_multi_turn", "tool_turn_ids",
@@ -101,21 +100,12 @@ def agent_prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int
     with the tool `schemas` (the template's ``tools``) and cut to its last `max_length`
     tokens; plus arrays ``raw_prompt`` (the messages) and ``row`` (the record: what an
     environment's ``reset(**row)`` and ``rl.multi_turn.tools_kwargs_key`` read)."""
-    tools = schemas or None
     convs = [as_messages(r["prompt"]) for r in records]
-    ids = [encode_prompt(tokenizer, c, max_length, where=r.get("where", "prompt"), tools=tools).ids
-           for c, r in zip(convs, records)]
-    prompt_ids, prompt_mask = _left_pad(ids, pad_token_id(tokenizer))
-    return Batch.from_dict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask},
-                           {"prompt": [prompt_text(tokenizer, c, r.get("where", "prompt"), tools) for c, r in
-                                       zip(convs, records)],
-                            "ground_truth": ["" if r.get("response") is None else str(r["response"])
-                                             for r in records],
-                            "data_source": [r.get("data_source") for r in records],
-                            "extra_info": [r.get("extra_info") for r in records],
-                            "uid": uids,
-                            "raw_prompt": convs,
-                            "row": [_json_row(r) for r in records]})
+    batch = prompt_batch(tokenizer, [{**r, "prompt": c} for r, c in zip(records, convs)], max_length, uids,
+                         tools=schemas or None)
+    batch.arrays.update(Batch.from_dict(arrays={"raw_prompt": convs,
+                                                "row": [_json_row(r) for r in records]}).arrays)
+    return batch
 
 
 def _json_row(record: dict[str, Any]) -> dict[str, Any]:
@@ -129,16 +119,6 @@ def _json_row(record: dict[str, Any]) -> dict[str, Any]:
             continue
     return out
 
-
-def _left_pad(rows: Sequence[Sequence[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max([len(r) for r in rows] + [width or 1])
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if len(r):
-            ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 # ---------------------------------------------------------------- the template's ids
@@ -271,7 +251,7 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
         if obs is not None:  # a user turn after the prompt, rendered with it
             t.messages.append({"role": "user", "content": str(obs)})
             t.prompt = _render_ids(tokenizer, t.messages, True, tools)
-    prompt_width = _max_over_ranks(max([len(t.prompt) for t in trajs] + [prompts.tensors["prompt_ids"].shape[1]]))
+    prompt_width = _reduce_max(max([len(t.prompt) for t in trajs] + [prompts.tensors["prompt_ids"].shape[1]]))
 
     # one engine session for every turn (HF: the units gathered once, not per turn)
     session = getattr(engine, "rollout_session", None)
@@ -285,7 +265,7 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                 break
             room = max([budget - len(t.ids) for t in active], default=1)
             rows = [t.prompt + t.ids for t in active]
-            turn_ids, turn_mask = _left_pad(rows, pad)
+            turn_ids, turn_mask = left_pad(rows, pad)
             call = Batch.from_dict({"prompt_ids": turn_ids, "prompt_mask": turn_mask},
                                    meta={"seed": turn_seed(seed, turn), "max_new_tokens": max(1, min(per_turn, room)),
                                          **({"greedy": prompts.meta["greedy"]} if "greedy" in prompts.meta else {})})
@@ -327,7 +307,7 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
         runner.end(ids)
     tool_seconds += time.perf_counter() - clock
     # every rank's rows as wide (the workers' batches are concatenated): the longest row of all
-    width = _max_over_ranks(max([len(t.ids) for t in trajs] + [1]))
+    width = _reduce_max(max([len(t.ids) for t in trajs] + [1]))
     return _assemble(prompts, trajs, tokenizer, tools, pad, width, prompt_width, tool_seconds)
 
 
@@ -415,9 +395,6 @@ def _any_over_ranks(flag: bool) -> bool:
     return bool(_reduce_max(int(flag)))
 
 
-def _max_over_ranks(value: int) -> int:
-    return _reduce_max(value)
-
 
 # ---------------------------------------------------------------- the output
 
@@ -425,7 +402,7 @@ def _max_over_ranks(value: int) -> int:
 def _assemble(prompts: Batch, trajs: list[Trajectory], tokenizer, tools: list[dict] | None, pad: int, width: int,
               prompt_width: int, tool_seconds: float) -> Batch:
     rows = len(trajs)
-    p_ids, p_mask = _left_pad([t.prompt for t in trajs], pad, prompt_width)
+    p_ids, p_mask = left_pad([t.prompt for t in trajs], pad, prompt_width)
     responses = torch.full((rows, width), pad, dtype=torch.long)
     r_mask = torch.zeros((rows, width), dtype=torch.long)
     real = torch.zeros((rows, width), dtype=torch.long)

@@ -33,7 +33,7 @@ import abc
 import contextlib
 import copy
 import importlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,7 @@ from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
 __all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "SamplingCall", "assemble_sequences", "build_generator",
-           "generate_on_ranks", "heldout_accuracy", "prompt_batch", "sampling_call", "sampling_seed",
+           "generate_on_ranks", "heldout_accuracy", "left_pad", "prompt_batch", "sampling_call", "sampling_seed",
            "score_accuracy"]
 
 
@@ -119,8 +119,21 @@ class GenerationEngine(abc.ABC):
         rank leaves at once, and a collective would wait for it). Nothing by default."""
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists as ``(ids, mask)`` ``(B, W)`` int64, left-padded with `pad` to the
+    longest row (at least `width`, and at least 1 column), mask 1 on real tokens."""
+    width = max([len(r) for r in rows] + [width or 1])
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids: list[str],
-                 vision: VisionInputs | None = None) -> Batch:
+                 vision: VisionInputs | None = None, tools: list[dict] | None = None) -> Batch:
     """The input of `GenerationEngine.generate_sequences`: left-padded ``prompt_ids`` /
     ``prompt_mask`` and the arrays ``prompt`` (the text asked: a chat prompt as its template
     renders it), ``ground_truth`` ("" where a record has no response), ``data_source`` and
@@ -128,22 +141,17 @@ def prompt_batch(tokenizer, records: list[dict[str, Any]], max_length: int, uids
     and ``uid``. Prompts are tokenized like SFT prompts (at most `max_length`; chat messages
     through the tokenizer's template, `shardwise.data.encode.encode_prompt`).
     With `vision` (a VL model) each record's ``image`` becomes the prompt's image tokens
-    and the row tensors ``pixel_values`` / ``image_grid_thw`` (`shardwise.models.vision`)."""
+    and the row tensors ``pixel_values`` / ``image_grid_thw`` (`shardwise.models.vision`).
+    `tools` (OpenAI function schemas) go to the chat template with each prompt."""
     prefix = vision.prompt_prefix if vision is not None else ()
-    ids = [encode_prompt(tokenizer, r["prompt"], max_length, prefix, where=r.get("where", "prompt")).ids
+    ids = [encode_prompt(tokenizer, r["prompt"], max_length, prefix, where=r.get("where", "prompt"), tools=tools).ids
            for r in records]
-    width = max((len(x) for x in ids), default=1)  # no records: a (0, 1) batch
-    pad = pad_token_id(tokenizer)
-    prompt_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, x in enumerate(ids):
-        prompt_ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
-        prompt_mask[i, width - len(x):] = 1
+    prompt_ids, prompt_mask = left_pad(ids, pad_token_id(tokenizer))  # no records: a (0, 1) batch
     tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
     if vision is not None:
         tensors.update(vision.encode_rows([r["image"] for r in records]))
     return Batch.from_dict(tensors,
-                           {"prompt": [prompt_text(tokenizer, r["prompt"], r.get("where", "prompt")) for r in records],
+                           {"prompt": [prompt_text(tokenizer, r["prompt"], r.get("where", "prompt"), tools) for r in records],
                             "ground_truth": ["" if r.get("response") is None else str(r["response"])
                                              for r in records],
                             "data_source": [r.get("data_source") for r in records],
