@@ -73,7 +73,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/rollout_engines.py
 	$(PY) benchmarks/lora.py    # LoRA vs full fine-tuning: memory per rank, SFT tokens/s, the RL step (~4 min)
 	$(PY) benchmarks/rl_packing.py    # rl.packing and token budgets vs padded rows, mean answers 32-256 tokens (~3 min)
-	$(PY) benchmarks/rl_vs_trl.py    # slow: 3-5 minutes, plus the TRL venv's install on its first run
+	$(PY) benchmarks/rl_vs_trl.py    # slow: 3 seeds per side, 10-15 minutes, plus the TRL venv's install on its first run
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)

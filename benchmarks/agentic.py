@@ -111,6 +111,8 @@ from rl_vs_trl import (
     run_shardwise,
     run_trl,
     settings,
+    show,
+    spread,
     summarise,
     time_to_reach,
     trailing_mean,
@@ -224,20 +226,6 @@ def derive(r: dict[str, Any], name: str, rows_per_step: int, nproc: int) -> None
     r["tools_share"] = sum(tools) / sum(later_durations) if sum(later_durations) > 0 else None
     r["calls_per_trajectory"] = calls
     r["turns_mean"] = turns
-
-
-def spread(values: list[float | None]) -> dict[str, float] | None:
-    """Mean, min and max of the seeds' values (None: no seed has one)."""
-    v = [x for x in values if x is not None]
-    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
-
-
-def show(s: dict[str, float] | None, spec: str = ".3f", suffix: str = "") -> str:
-    if s is None:
-        return "n/a"
-    if s["n"] == 1 or s["min"] == s["max"]:
-        return f"{s['mean']:{spec}}{suffix}"
-    return f"{s['mean']:{spec}}{suffix} [{s['min']:{spec}}, {s['max']:{spec}}]"
 
 
 FIGURES = [  # (key in a run, column, format)

@@ -25,13 +25,21 @@ the worker), the padding share of the update forwards (tokens run on that are pa
 shardwise's from its recorded batches, ``rl.record_batches``, laid out as its update lays
 them out: packed rows with rl.packing, its default; TRL's counted in its loss forwards) and the update's real tokens per second.
 
-    python benchmarks/rl_vs_trl.py                  # 60 steps each, 3-4 minutes on 2 CPU cores
-    python benchmarks/rl_vs_trl.py --steps 5        # a quick check that both sides run
+One run is not enough to read a reward curve, so each side runs ``--seeds`` times (default 3;
+seeds run.seed, run.seed + 1, ...; the sides' order alternates from seed to seed): each figure
+is reported as the mean and the range over seeds, each ratio against the same seed's TRL run,
+and the plot shows every seed's curve; each seed's own tables are in seed_<n>/. With
+``--seeds 1`` the output is one run's, in --out itself. ``--set KEY=VALUE`` overrides the
+config on shardwise's side only (e.g. ``--set rl.async.enabled=true``: its asynchronous run).
+
+    python benchmarks/rl_vs_trl.py                  # 3 seeds x 60 steps each, ~10-12 minutes on 2 CPU cores
+    python benchmarks/rl_vs_trl.py --seeds 1 --steps 5   # a quick check that both sides run
     python benchmarks/rl_vs_trl.py --task long      # the long-answer task (`shardwise train
                                                     # examples/sft_long.yaml --nproc 2` first)
     python benchmarks/rl_vs_trl.py --smoke --model runs/sft_reverse/hf   # shardwise's side, 2 steps (make test)
 
-Writes rl_vs_trl.{json,md,png} to --out (default results/rl_vs_trl) and prints the table.
+Writes rl_vs_trl.{json,md,png} to --out (default results/rl_vs_trl; with several seeds, each
+seed's also to --out/seed_<n>/) and prints the table.
 Needs the config's SFT model (its model.path; the demo's: `make demo`; the long task's:
 `shardwise train examples/sft_long.yaml --nproc 2`) unless --model names another.
 
@@ -467,6 +475,21 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def spread(values: list[float | None]) -> dict[str, float] | None:
+    """Mean, min and max of the seeds' values (None: no seed has one)."""
+    v = [x for x in values if x is not None]
+    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
+
+
+def show(s: dict[str, float] | None, spec: str = ".3f", suffix: str = "") -> str:
+    """A `spread` as ``mean [min, max]`` (the mean alone for one value)."""
+    if s is None:
+        return "n/a"
+    if s["n"] == 1 or s["min"] == s["max"]:
+        return f"{s['mean']:{spec}}{suffix}"
+    return f"{s['mean']:{spec}}{suffix} [{s['min']:{spec}}, {s['max']:{spec}}]"
+
+
 def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: list[Setting],
            versions: dict[str, dict[str, str]], window: int) -> str:
     lines = [("| system | versions | s / step | steps / s | startup s | train s | wall s | reward first "
@@ -554,9 +577,144 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int) -> None:
     fig.savefig(path, dpi=100)
 
 
+# ---------------------------------------------------------------------- several seeds
+
+
+SEED_FIGURES = [  # (key in a run, column, format)
+    ("step_s", "s / step", ".3f"),
+    ("speed_x", "speed: TRL's s / step / this side's", ".2f"),
+    ("startup_s", "startup s", ".1f"),
+    ("train_s", "train s", ".1f"),
+    ("wall_s", "wall s", ".1f"),
+    ("first_reward", "reward, first window", ".3f"),
+    ("final_reward", "final reward (last window)", ".3f"),
+    ("mean_reward", "mean reward, all steps", ".3f"),
+    ("time_ratio", "time to TRL's final reward / TRL's train s", ".2f"),
+    ("update_padding_share", "padding share, update", ".1%"),
+    ("update_tokens_per_s", "update tokens / s / rank", ".0f"),
+]
+ASYNC_TARGETS = {"time_ratio": 0.33, "speed_x": 2.0}
+"""Issue 28's targets for shardwise's best (asynchronous) setting against TRL, besides a whole-run
+wall time below TRL's: time to TRL's final mean reward <= 0.33 x TRL's, per step >= 2x TRL's speed."""
+
+
+def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]], window: int) -> dict[str, dict[str, Any]]:
+    """Each side's figures over the seeds (`spread`), each ratio against the same seed's TRL run."""
+    for runs in per_seed.values():
+        trl = runs.get("trl")
+        for r in runs.values():
+            if "error" in r or not trl or "error" in trl:
+                continue
+            reach = time_to_reach(r, trl["final_reward"], window)
+            r["s_to_trl_final_reward"] = reach
+            r["time_ratio"] = None if reach is None else reach / trl["train_s"]
+            r["speed_x"] = trl["step_s"] / r["step_s"]
+            r["wall_below_trl"] = r["wall_s"] < trl["wall_s"]
+    out = {}
+    for name in ("trl", "shardwise"):
+        runs = [per_seed[s][name] for s in per_seed if name in per_seed[s]]
+        if not runs:
+            continue
+        ok = [r for r in runs if "error" not in r]
+        out[name] = {"seeds": len(runs), "errors": [r["error"] for r in runs if "error" in r],
+                     "unreached": sum(1 for r in ok if "time_ratio" in r and r["time_ratio"] is None),
+                     "wall_below_trl": [r["wall_below_trl"] for r in ok if "wall_below_trl" in r],
+                     "phase_s": {k: statistics.fmean(r["phase_s"][k] for r in ok if k in r["phase_s"])
+                                 for k in sorted({k for r in ok for k in r["phase_s"]})},
+                     **{k: spread([r.get(k) for r in ok]) for k, _, _ in SEED_FIGURES}}
+    return out
+
+
+def seeds_tables(agg: dict[str, dict[str, Any]], seeds: list[int], versions: dict[str, dict[str, str]],
+                 setting_rows: list[Setting], window: int) -> str:
+    """The table of figures over seeds (mean [min, max]), the targets, the phases (mean over
+    seeds) and the settings."""
+    cols = [c for _, c, _ in SEED_FIGURES]
+    lines = ["| system | versions | seeds | " + " | ".join(cols) + " |", "|---|---|--:|" + "--:|" * len(cols)]
+    for name, a in agg.items():
+        v = ", ".join(f"{k} {x}" for k, x in versions[name].items())
+        failed = f" ({len(a['errors'])} failed)" if a["errors"] else ""
+        if len(a["errors"]) == a["seeds"]:
+            lines.append(f"| {name} | {v} | {a['seeds']}{failed} | unavailable: {a['errors'][0]} |" + " |" * (len(cols) - 1))
+            continue
+        cells = []
+        for key, _, spec in SEED_FIGURES:
+            cell = show(a[key], spec)
+            if name == "trl" and key in ("time_ratio", "speed_x"):
+                cell = "1 (the reference)"
+            elif key == "time_ratio" and a["unreached"]:
+                cell += f" ({a['unreached']} seed(s) never reached it)"
+            cells.append(cell)
+        lines.append(f"| {name} | {v} | {a['seeds']}{failed} | " + " | ".join(cells) + " |")
+    for name, a in agg.items():
+        lines += [f"\n{name}: a run failed: {e}" for e in a["errors"]]
+    sw, trl = agg.get("shardwise"), agg.get("trl")
+    if sw and trl and sw["speed_x"] is not None:
+        ratio, speed, walls = sw["time_ratio"], sw["speed_x"], sw["wall_below_trl"]
+        reached = ratio is not None and not sw["unreached"]
+        never = f", {sw['unreached']} seed(s) never reached it" if sw["unreached"] else ""
+        curve = sw["mean_reward"]["mean"] >= trl["mean_reward"]["mean"]
+
+        def verdict(ok: bool) -> str:
+            return "**met**" if ok else "**not met**"
+
+        lines += ["", f"Targets, on every seed (seeds {', '.join(map(str, seeds))}, each against the same seed's "
+                      f"TRL run; final reward: the mean of the last {window} steps):",
+                  f"- time to TRL's final mean reward / TRL's train s: {show(ratio, '.2f')}{never}; <= "
+                  f"{TARGET_TIME_RATIO} (issue 30): {verdict(reached and ratio['max'] <= TARGET_TIME_RATIO)}; <= "
+                  f"{ASYNC_TARGETS['time_ratio']} (issue 28, with the best asynchronous setting): "
+                  f"{verdict(reached and ratio['max'] <= ASYNC_TARGETS['time_ratio'])}",
+                  f"- per-step speed, TRL's s / step over shardwise's: {show(speed, '.2f')}; >= "
+                  f"{ASYNC_TARGETS['speed_x']} (issue 28): {verdict(speed['min'] >= ASYNC_TARGETS['speed_x'])}",
+                  f"- whole-run wall time (start-up included) below TRL's: on {sum(walls)} of {len(walls)} seeds "
+                  f"(issue 28): {verdict(all(walls))}",
+                  f"- per-step curve at least as good (mean reward over all steps, mean over seeds: "
+                  f"{show(sw['mean_reward'])} vs {show(trl['mean_reward'])}): {verdict(curve)}"]
+    lines += ["", "Seconds per phase (steps after the first, mean over seeds; shardwise: its `time/*` metrics, "
+                  "TRL: rank 0's phases timed in the worker); each seed's own tables are in `seed_<n>/rl_vs_trl.md`:", "",
+              "| system | s / phase |", "|---|---|"]
+    for name, a in agg.items():
+        if a["phase_s"]:
+            lines.append(f"| {name} | " + ", ".join(f"{k.removeprefix('time/')} {v:.3f}"
+                                                   for k, v in a["phase_s"].items()) + " |")
+    lines += ["", "| setting | shardwise key | value | TRL GRPOConfig | value | note |", "|---|---|---|---|---|---|"]
+    for s in setting_rows:
+        lines.append(f"| {s.what} | `{s.key}` | {s.value} | `{s.field}` | {s.trl_value} | {s.note} |")
+    return "\n".join(lines)
+
+
+def plot_seeds(per_seed: dict[int, dict[str, dict[str, Any]]], path: Path, smooth: int) -> None:
+    """Every seed's reward curve (a `smooth`-step moving average), per step and per wall-clock second."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for name, color in (("trl", "tab:orange"), ("shardwise", "tab:blue")):
+        runs = [per_seed[s][name] for s in per_seed if "error" not in per_seed[s].get(name, {"error": 1})]
+        for k, r in enumerate(runs):
+            rewards = trailing_mean([s["reward"] for s in r["steps"]], smooth)
+            label = f"{name} ({len(runs)} seeds)" if k == 0 else None
+            axes[0].plot([s["step"] for s in r["steps"]], rewards, color=color, alpha=0.75, linewidth=1, label=label)
+            axes[1].plot([s["t"] for s in r["steps"]], rewards, color=color, alpha=0.75, linewidth=1, label=label)
+    for ax, title, xlabel in zip(axes, ("reward per step", "reward per wall-clock second"),
+                                 ("step", "seconds since the first step began")):
+        ax.set_title(f"{title} (each seed: mean of {smooth} steps)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean reward")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seeds", type=int, default=3,
+                   help="runs per side (seeds run.seed, run.seed + 1, ...): each figure the mean and range over seeds")
     p.add_argument("--task", choices=sorted(TASKS), default="reverse",
                    help="reverse: the demo's short answers; long: builtin:count, answers of 8-98 tokens")
     p.add_argument("--config", type=Path, default=None, help="the shardwise RL config (default: --task's)")
@@ -564,6 +722,8 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                    help="shardwise's rollout engine (TRL generates with HF generate: its vLLM mode does not run on CPU)")
+    p.add_argument("--set", dest="shardwise_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for shardwise's side only, e.g. rl.async.enabled=true (repeatable)")
     p.add_argument("--out", type=Path, default=REPO / "results" / "rl_vs_trl")
     p.add_argument("--venv", type=Path, default=REPO / "results" / "venv-trl", help="TRL's venv")
     p.add_argument("--skip-trl-install", action="store_true", help="use --venv as it is")
@@ -576,13 +736,15 @@ def main() -> int:
     p.add_argument("--skip-trl", action="store_true",
                    help="shardwise's side only: TRL's inputs are written, but no TRL venv is made and TRL does not run")
     p.add_argument("--smoke", action="store_true",
-                   help="a check that the benchmark runs (make test): --skip-trl, 2 steps, 1 process, "
+                   help="a check that the benchmark runs (make test): --skip-trl, 1 seed, 2 steps, 1 process, "
                         "2 prompts x 2 samples, no held-out evaluation; its numbers mean nothing")
     args = p.parse_args()
     smoke_overrides = []
     if args.smoke:
-        args.skip_trl, args.steps, args.nproc, args.window, args.smooth = True, 2, 1, 1, 1
+        args.skip_trl, args.seeds, args.steps, args.nproc, args.window, args.smooth = True, 1, 2, 1, 1, 1
         smoke_overrides = ["train.global_batch_size=2", "rl.rollout.n=2", "rl.heldout_eval=false"]
+    if args.seeds < 1:
+        raise SystemExit(f"rl_vs_trl: --seeds {args.seeds}: at least 1")
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     config = (args.config or TASKS[args.task]).resolve()
@@ -593,40 +755,71 @@ def main() -> int:
     if not (model / "config.json").is_file():
         first = "`make demo`" if args.task == "reverse" else "`shardwise train examples/sft_long.yaml --nproc 2`"
         raise SystemExit(f"rl_vs_trl: no model folder at {model}: run {first} or pass --model")
-    overrides = [f"model.path={model}", "train.log_every=1", *smoke_overrides]
-    cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}", f"rl.rollout.engine={args.engine}"])
-    setting_rows = settings(cfg, args.nproc, args.steps)
+    common = [f"model.path={model}", "train.log_every=1", *smoke_overrides]
+    seed0 = load_config(config, common).run.seed
+    seeds = [seed0 + i for i in range(args.seeds)]
 
     versions = {"shardwise": {p: version(p) for p in ("shardwise", "torch", "transformers", "ray")}}
-    if args.skip_trl:
-        trl_inputs(cfg, args)
-        print(f"rl_vs_trl: --skip-trl: TRL's inputs in {args.out / 'trl'}, no TRL run", flush=True)
-    else:
+    py = None
+    if not args.skip_trl:
         py = ensure_venv(args.venv, args.skip_trl_install)
         versions["trl"] = venv_versions(py)
-    runs: dict[str, dict[str, Any]] = {}
-    for name in ("shardwise",) if args.skip_trl else ("trl", "shardwise"):
-        r = run_trl(py, cfg, args) if name == "trl" else run_shardwise(config, overrides, args)
-        if "error" not in r:
-            summarise(r, args.window)
-        runs[name] = r
-        print(f"{name}: " + (f"unavailable: {r['error']}" if "error" in r else
-                             f"{r['step_s']:.3f} s/step, startup {r['startup_s']:.1f} s, wall {r['wall_s']:.1f} s, "
-                             f"final mean reward {r['final_reward']:.3f}"), flush=True)
-    cmp = compare(runs, args.window)
-    head = (f"TRL `GRPOTrainer` vs `shardwise rl {config.relative_to(REPO) if config.is_relative_to(REPO) else config}`, "
+    per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    setting_rows: list[Setting] = []
+    for k, seed in enumerate(seeds):
+        # one seed: the run's folders straight in --out, as before --seeds; several: seed_<n>/ each
+        ns = args if len(seeds) == 1 else argparse.Namespace(**{**vars(args), "out": args.out / f"seed_{seed}"})
+        ns.out.mkdir(parents=True, exist_ok=True)
+        overrides = [*common, f"run.seed={seed}"]
+        cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}", f"rl.rollout.engine={args.engine}"])
+        setting_rows = settings(cfg, args.nproc, args.steps)
+        if args.skip_trl:
+            trl_inputs(cfg, ns)
+            print(f"rl_vs_trl: --skip-trl: TRL's inputs in {ns.out / 'trl'}, no TRL run", flush=True)
+        sides = ["shardwise"] if args.skip_trl else ["trl", "shardwise"]
+        runs: dict[str, dict[str, Any]] = {}
+        for name in sides if k % 2 == 0 else sides[::-1]:  # every other seed in reverse: drift favours no side
+            if name == "trl":
+                r = run_trl(py, cfg, ns)
+            else:
+                r = run_shardwise(config, [*overrides, *args.shardwise_set], ns)
+            if "error" not in r:
+                summarise(r, args.window)
+            runs[name] = r
+            print(f"{'' if len(seeds) == 1 else f'seed {seed} '}{name}: " + (
+                f"unavailable: {r['error']}" if "error" in r else
+                f"{r['step_s']:.3f} s/step, startup {r['startup_s']:.1f} s, wall {r['wall_s']:.1f} s, "
+                f"final mean reward {r['final_reward']:.3f}"), flush=True)
+        per_seed[seed] = {n: runs[n] for n in sides}
+    shown = config.relative_to(REPO) if config.is_relative_to(REPO) else config
+    extra = f" with {' '.join(args.shardwise_set)}" if args.shardwise_set else ""
+    head = (f"TRL `GRPOTrainer` vs `shardwise rl {shown}`{extra}, "
             f"{args.steps} steps each, {args.nproc} CPU processes each (OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', '1')}), {platform.machine()} {os.cpu_count()} CPUs. s / step: mean "
             "of the steps after the first; clocks start when the first step begins (startup apart); startup s: "
             "the command's launch to its first step's start, wall s: launch to exit, both sides alike"
             f"{'' if args.heldout_eval else ' (shardwise without its held-out evaluation: rl.heldout_eval=false)'}"
             ".\n\n")
-    md = head + tables(runs, cmp, setting_rows, versions, args.window)
-    (args.out / "rl_vs_trl.md").write_text(md + "\n")
-    (args.out / "rl_vs_trl.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions,
-         "settings": [s.__dict__ for s in setting_rows], "comparison": cmp, "runs": runs}, indent=2, default=str) + "\n")
-    plot(runs, args.out / "rl_vs_trl.png", args.smooth)
+    meta = {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions,
+            "settings": [s.__dict__ for s in setting_rows]}
+    for seed, runs in per_seed.items():  # each seed's own tables, json and plot (one seed: in --out itself)
+        out = args.out if len(seeds) == 1 else args.out / f"seed_{seed}"
+        cmp = compare(runs, args.window)
+        md = head + tables(runs, cmp, setting_rows, versions, args.window)
+        (out / "rl_vs_trl.md").write_text(md + "\n")
+        (out / "rl_vs_trl.json").write_text(json.dumps({**meta, "comparison": cmp, "runs": runs}, indent=2,
+                                                       default=str) + "\n")
+        plot(runs, out / "rl_vs_trl.png", args.smooth)
+    if len(seeds) > 1:
+        agg = aggregate(per_seed, args.window)
+        md = (head.replace(" each, ", f" each, {len(seeds)} seeds ({', '.join(map(str, seeds))}) per side, ", 1)
+              + "Each figure: the mean over seeds [min, max].\n\n"
+              + seeds_tables(agg, seeds, versions, setting_rows, args.window))
+        (args.out / "rl_vs_trl.md").write_text(md + "\n")
+        (args.out / "rl_vs_trl.json").write_text(json.dumps(
+            {**meta, "seeds": seeds, "figures": agg, "runs": {str(s): r for s, r in per_seed.items()}},
+            indent=2, default=str) + "\n")
+        plot_seeds(per_seed, args.out / "rl_vs_trl.png", args.smooth)
     print(md)
     return 0
 
