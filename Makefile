@@ -63,7 +63,7 @@ demo: $(STAMP)
 	head -n 5 runs/infer_reverse/generations.jsonl
 
 # Sharding / memory configurations, the step's speed, rollout engines, shardwise rl against
-# TRL's GRPOTrainer, side by side (about 15 minutes): results/
+# TRL's GRPOTrainer, asynchronous RL against synchronous, side by side (about 50 minutes): results/
 bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/train_configs.py
 	$(PY) benchmarks/plan_vs_published.py    # the plan's projected step time vs published torchtitan runs (seconds)
@@ -74,6 +74,8 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/lora.py    # LoRA vs full fine-tuning: memory per rank, SFT tokens/s, the RL step (~4 min)
 	$(PY) benchmarks/rl_packing.py    # rl.packing and token budgets vs padded rows, mean answers 32-256 tokens (~3 min)
 	$(PY) benchmarks/rl_vs_trl.py    # slow: 3 seeds per side, 10-15 minutes, plus the TRL venv's install on its first run
+	test -d runs/sft_long/hf || $(VENV)/bin/shardwise train examples/sft_long.yaml --nproc $(NPROC)
+	$(PY) benchmarks/rl_async.py    # slow: sync vs async at staleness 0, 1, 2, 3 seeds each, ~20 minutes
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)

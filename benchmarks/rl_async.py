@@ -5,7 +5,7 @@ answers of 8 to 98 tokens), each setting `--seeds` times (seeds run.seed, run.se
 each figure the mean and the range over seeds), every run the real command
 ``python -m shardwise.cli rl <config> --nproc N`` in a fresh run folder (`rl_vs_trl.run_shardwise`):
 
-- ``sync``: the config as it is (rl.async off), the synchronous loop: every rank generates, then
+- ``sync``: ``rl.async.enabled=false``, the synchronous loop: every rank generates, then
   every rank trains (generate -> score -> update in turn);
 - ``async_s<k>`` for each k of ``--staleness`` (default 0, 1, 2): ``rl.async.enabled=true``,
   ``rl.async.generator_ranks=--generator-ranks`` (default 1) ranks only generate and the
@@ -84,7 +84,7 @@ PLAN_CONFIG = REPO / "benchmarks" / "plan_configs" / "rl_qwen25_7b.yaml"
 
 def setting_overrides(staleness: list[int], generator_ranks: int) -> dict[str, list[str]]:
     """Each setting's name and its config overrides."""
-    out: dict[str, list[str]] = {"sync": []}  # the config as it is: rl.async off
+    out = {"sync": ["rl.async.enabled=false"]}
     for k in staleness:
         out[f"async_s{k}"] = ["rl.async.enabled=true", f"rl.async.generator_ranks={generator_ranks}",
                               f"rl.async.max_staleness={k}"]

@@ -112,6 +112,26 @@ def _check_rl_vs_trl(out: Path) -> None:
     assert spec["grpo_config"]["max_steps"] == 2
 
 
+def _check_rl_async(out: Path) -> None:
+    res = json.loads((out / "rl_async.json").read_text())
+    (runs,) = res["runs"].values()
+    assert set(runs) == {"sync", "async_s1"}, runs
+    _no_errors(list(runs.values()))
+    sync, one = runs["sync"], runs["async_s1"]
+    for r in (sync, one):
+        assert [s["step"] for s in r["steps"]] == [1, 2] and r["samples_per_s"] > 0
+        assert 0 < r["startup_s"] < r["wall_s"]
+    # the asynchronous run's own figures: both sides' waits, staleness within the bound
+    assert one["asynchronous"] and not sync["asynchronous"]
+    assert one["trainer_idle"] is not None and one["generator_idle"] is not None
+    assert 0 <= one["staleness_mean"] <= one["staleness_max"] <= 1
+    assert one["samples_x"] > 0 and sync["samples_x"] == 1.0
+    # the 8-GPU projection: projected step times, the best split named
+    best = res["projection"]["best"]
+    assert best["x_sync"] > 0 and 1 <= best["generator_gpus"] < 8
+    assert "Projected, not measured" in (out / "rl_async.md").read_text()
+
+
 @dataclass(frozen=True)
 class Smoke:
     """One benchmark's smoke: its script, extra arguments, its main results file, what to check."""
@@ -132,6 +152,7 @@ SMOKES = {
     "lora": Smoke("lora.py", "lora.json", _check_lora),
     "rl_packing": Smoke("rl_packing.py", "rl_packing.json", _check_rl_packing),
     "rl_vs_trl": Smoke("rl_vs_trl.py", "rl_vs_trl.json", _check_rl_vs_trl, needs_sft_model=True),
+    "rl_async": Smoke("rl_async.py", "rl_async.json", _check_rl_async, ("--task", "reverse"), needs_sft_model=True),
 }
 
 
