@@ -54,12 +54,14 @@ run's log in logs/ and run folder in runs/, and prints the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import statistics
 import sys
+import threading
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -92,6 +94,34 @@ def setting_overrides(staleness: list[int], generator_ranks: int) -> dict[str, l
 
 
 # ---------------------------------------------------------------------- the numbers
+
+
+class LoadSampler:
+    """The machine's 1-minute load average, sampled every `every` seconds while a run lasts
+    (its mean: on a shared machine, how busy it was beside the run; None where the OS has none)."""
+
+    def __init__(self, every: float = 2.0) -> None:
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, AttributeError):
+                self.samples.append(os.getloadavg()[0])
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.every + 1)
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None
 
 
 def _sum(values: list[float | None]) -> float | None:
@@ -168,6 +198,7 @@ FIGURES = [  # (key in a run, column, format)
     ("startup_s", "start-up s", ".1f"),
     ("train_s", "train s", ".1f"),
     ("wall_s", "wall s", ".1f"),
+    ("load", "machine load", ".1f"),
 ]
 
 
@@ -473,7 +504,9 @@ def main() -> int:
         runs: dict[str, dict[str, Any]] = {}
         for name in names if k % 2 == 0 else names[::-1]:  # every other round in reverse: drift favours none
             ns = argparse.Namespace(**{**vars(args), "out": args.out / name / f"seed_{seed}"})
-            r = run_shardwise(config, [*common, f"run.seed={seed}", *settings[name]], ns)
+            with LoadSampler() as load:
+                r = run_shardwise(config, [*common, f"run.seed={seed}", *settings[name]], ns)
+            r["load"] = load.mean
             if "error" not in r:
                 summarise(r, args.window)
                 derive(r, samples_per_step)
@@ -497,6 +530,8 @@ def main() -> int:
             f"last {args.window} steps; clocks start when the first step begins (start-up apart). Idle shares: "
             "asynchronous, time/trainer_wait and time/generator_wait over the step time; sync (one set of ranks "
             "does both in turn), derived: trainer idle = time/generate / time/step, generator idle = the rest. "
+            f"Machine load: the 1-minute load average during the run (its mean; the run itself makes about 2-3 of it on "
+            f"{os.cpu_count()} CPUs, the rest is other work on the machine). "
             f"Noise: the larger of sync's final-reward range over seeds and twice the standard error of a "
             f"{args.window}-step mean ({'n/a' if tol is None else f'{tol:.3f}'}).\n\n")
     versions = {k: installed(k) for k in ("shardwise", "torch", "transformers", "ray", "vllm")}
