@@ -4,7 +4,7 @@ One Ray worker group "gen" of ``rl.async.generator_ranks`` ranks, its own torch.
 world, beside the actor's group. Each rank holds the policy for generation only: the HF
 engine samples with an `InferEngine` (fsdp2_infer, sharded over the generator ranks, built
 from ``model.path`` like the reference policy, without LoRA: the actor's weights arrive
-merged); the vLLM engine keeps its own copy (its model here is the meta-device structure).
+merged); the vLLM engine keeps its own copy, loaded from ``model.path`` at start-up.
 
 The actor's new weights arrive over the weight bridge (`shardwise.distributed.bridge`:
 generator rank r is bridge rank 1 + r) after each update, in a receiver thread, while this
@@ -35,8 +35,9 @@ from shardwise.distributed.bridge import BridgeError, WeightBridge
 from shardwise.distributed.runtime import Runtime, seed_everything
 from shardwise.engine.generate import build_generator
 from shardwise.engine.infer import InferEngine
+from shardwise.fsdp.build import build_full
+from shardwise.fsdp.gather import iter_full_tensors
 from shardwise.fsdp.scatter import load_full_tensors
-from shardwise.models.loading import build_meta_model
 from shardwise.rl.dispatch import Dispatch, register
 
 log = logging.getLogger(__name__)
@@ -60,21 +61,31 @@ class GeneratorWorker:
     def __init__(self, cfg: dict[str, Any], pad_id: int, eos_id: int, *, runtime: Runtime):
         self.cfg = config_from_dict(cfg)
         self.runtime = runtime
+        if self.cfg.rl.multi_turn.enabled:
+            raise ValueError("the generator group rolls out single-turn prompts; rl.multi_turn runs on the hybrid "
+                             "engine (rl.async.enabled=false)")
         seed_everything(self.cfg.run.seed)
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
         gen_cfg = generator_config(self.cfg)
         rollout = self.cfg.rl.rollout
         self.engine: InferEngine | None = None
+        full = None
         if rollout.engine == "hf":
             self.engine = InferEngine(gen_cfg, runtime)
             model = self.engine.model
-        else:  # an engine with its own copy takes the structure only
-            model = build_meta_model(gen_cfg.model)
+        else:  # an engine with its own copy of the weights: model.path's, loaded into it below
+            model = full = build_full(gen_cfg)
         self.startup_s["model_load"] = time.perf_counter() - clock
         clock = time.perf_counter()
         self.rollout = build_generator(rollout.engine, model, rollout, runtime, pad_id, eos_id,
                                        compute_dtype=self.cfg.fsdp.mixed_precision.param_dtype)
+        if self.rollout.shares_model_parameters and self.engine is None:
+            raise ValueError(f"rl.rollout.engine={rollout.engine!r} shares the model's parameters; the generator "
+                             "builds an InferEngine for hf only")
+        if full is not None:
+            self.rollout.sync_weights(iter_full_tensors(full))  # version 0 (plain tensors: no collective)
+            del full, model
         self.startup_s["engine"] = time.perf_counter() - clock
         self.version = self.initial_version
         """The policy version the next batch is generated with (unless a newer one is swapped in)."""
@@ -85,8 +96,6 @@ class GeneratorWorker:
         self.timeout_s = 600.0
         """How long `generate_sequences` waits for a version (the bridge's timeout_s)."""
         self._last_return: float | None = None
-        if not self.engine and self.rollout.shares_model_parameters:
-            raise ValueError(f"rl.rollout.engine={rollout.engine!r} generates with a model of its own here")
 
     # -- the bridge
 
