@@ -120,6 +120,28 @@ def test_a_receiver_that_never_joins_is_named():
     assert time.monotonic() - start < 15
 
 
+def test_a_push_nobody_takes_raises_at_the_next_send_naming_the_receiver():
+    root, (receiver,) = _bridges(2, 1.0)  # joined, but never receives
+    weights = [("w", torch.zeros(64, 64))]  # gloo sends once the receiver posted its buffer
+    root.send(1, weights, 0)  # returns at once
+    with pytest.raises(BridgeError, match=r"the push of version 1 did not finish in 1 s.*generator rank 0 "
+                                          r"did not answer"):
+        root.send(2, weights, 0)
+    receiver.close()
+
+
+def test_a_receiver_whose_root_stops_mid_push_keeps_one_line():
+    root, (receiver,) = _bridges(2, 1.0)
+    receiver.start_receiving(lambda version, tensors: None)
+    root.store.set("push/1", "4")  # announced, never broadcast
+    deadline = time.monotonic() + 15
+    while receiver.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert str(receiver.error) == ("weight bridge: generator rank 0 waited 1 s for the header of version 4: "
+                                   "the actor group (bridge rank 0) did not answer")
+    receiver.close()
+
+
 def _try_join(port: int, rank: int) -> None:
     try:
         WeightBridge("127.0.0.1", port, rank, 3, torch.device("cpu"), 1.0)

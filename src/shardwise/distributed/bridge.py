@@ -60,6 +60,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 """The dtypes a push may carry, by the name the header gives them."""
 
+GRACE_S = 30.0
+"""The bridge's process group gives up this long after our own waits would have."""
+
 _STOP = "stop"
 
 
@@ -234,7 +237,8 @@ class WeightBridge:
         if self.device.type == "cuda":
             self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world)
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, timeout)
+            # the group's own limit is a backstop behind our waits (which name who did not answer)
+            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, timeout + timedelta(seconds=GRACE_S))
         # One broadcast both ways through the group: every rank can reach the root.
         probe = torch.tensor([self.world], dtype=torch.int64, device=self.device)
         self._wait(self.pg.broadcast(probe, 0), time.monotonic() + self.timeout_s, "the join")
@@ -252,7 +256,13 @@ class WeightBridge:
                     self.pg.abort()
                     raise TimeoutError(what)
                 time.sleep(0.001)
-        if not work.wait(timedelta(seconds=max(left, 0.001))):
+        try:
+            done = work.wait(timedelta(seconds=max(left, 0.001)))
+        except RuntimeError:
+            if time.monotonic() >= deadline - 0.01:  # gloo's words for a wait that ran out
+                raise TimeoutError(what) from None
+            raise
+        if not done:
             raise TimeoutError(what)
 
     # -- the root
