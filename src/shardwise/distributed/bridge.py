@@ -160,7 +160,12 @@ def decode_header(data: torch.Tensor) -> tuple[int, list[Slot], list[int]]:
 
 def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], slots: Sequence[Slot], sizes: Sequence[int],
                 bucket: int, device: torch.device) -> torch.Tensor:
-    """Bucket `bucket`'s flat uint8 buffer ``(sizes[bucket],)`` on `device`."""
+    """Bucket `bucket`'s flat uint8 buffer ``(sizes[bucket],)`` on `device` (a tensor alone
+    in its bucket: its own bytes, no copy)."""
+    mine = [(t, s) for (_, t), s in zip(named, slots) if s.bucket == bucket]
+    if len(mine) == 1 and mine[0][1].offset == 0 and mine[0][1].nbytes == sizes[bucket]:
+        t = mine[0][0].detach().to(device)
+        return t.contiguous().reshape(-1).view(torch.uint8)
     buf = torch.zeros(sizes[bucket], dtype=torch.uint8, device=device)
     for (_, t), s in zip(named, slots):
         if s.bucket == bucket and s.nbytes:
