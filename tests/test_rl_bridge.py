@@ -142,6 +142,44 @@ def test_a_receiver_whose_root_stops_mid_push_keeps_one_line():
     receiver.close()
 
 
+ROOT_THAT_DIES = """
+import sys, time, torch
+from shardwise.distributed.bridge import WeightBridge, open_store
+store = open_store("127.0.0.1", 20)
+print(store.port, flush=True)
+bridge = WeightBridge("127.0.0.1", store.port, 0, 2, torch.device("cpu"), 20, store=store)
+time.sleep(120)
+"""
+
+
+def test_a_root_process_that_dies_is_noticed_in_seconds():
+    """The actor's rank 0 killed between pushes: its receiver says so within seconds (its
+    store's connection breaks), not after timeout_s."""
+    import os
+    import subprocess
+    import sys
+
+    from dist.launcher import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    root = subprocess.Popen([sys.executable, "-c", ROOT_THAT_DIES], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(root.stdout.readline())
+        receiver = WeightBridge("127.0.0.1", port, 1, 2, torch.device("cpu"), 20.0)
+        receiver.start_receiving(lambda version, tensors: None)
+        root.kill()
+        deadline = time.monotonic() + 15  # well under timeout_s (20 s)
+        while receiver.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert str(receiver.error).startswith("weight bridge: generator rank 0 lost the actor group (bridge rank 0) "
+                                              "while waiting for the next push: DistNetworkError")
+        assert "\n" not in str(receiver.error)
+        receiver.close()
+    finally:
+        root.kill()
+        root.wait(10)
+
+
 def _try_join(port: int, rank: int) -> None:
     try:
         WeightBridge("127.0.0.1", port, rank, 3, torch.device("cpu"), 1.0)

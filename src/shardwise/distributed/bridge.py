@@ -384,7 +384,12 @@ class WeightBridge:
             self.error = BridgeError(f"{self.name}: {side(self.rank)} waited {self.timeout_s:g} s for {what} of "
                                      f"version {version}: {side(0)} did not answer")
         except Exception as e:  # noqa: BLE001 - kept for the owner's next call
-            if not self._closing.is_set():
+            if self._closing.is_set():
+                return
+            if version == "?":  # idle between pushes: the root's store went away (its process, its node)
+                self.error = BridgeError(f"{self.name}: {side(self.rank)} lost {side(0)} while waiting for the "
+                                         f"next push: {_first_line(e)}")
+            else:
                 self.error = BridgeError(f"{self.name}: {side(self.rank)} lost the push of version {version} "
                                          f"({what}): {side(0)} did not answer: {_first_line(e)}")
 
