@@ -240,7 +240,8 @@ class WeightBridge:
             time.sleep(POLL_S)
         prefix = dist.PrefixStore("pg/", self.store)
         if self.device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world)
+            # our waits poll the work and abort the group at the deadline (NCCL waits do not block the host)
+            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world, dist.ProcessGroupNCCL.Options())
         else:
             # the group's own limit is a backstop behind our waits (which name who did not answer)
             self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, timeout + timedelta(seconds=GRACE_S))
