@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GeneratorWorker", "generator_config"]
 
+KEEP_PENDING = 3
+"""Versions a rank of a multi-rank generator group keeps received and not yet swapped in."""
+
 
 def generator_config(cfg: Config) -> Config:
     """The config a generator rank builds its model from: the run's, without LoRA (the
@@ -92,6 +95,7 @@ class GeneratorWorker:
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         """Versions received and not yet swapped in."""
         self._cond = threading.Condition()
+        self._agreeing = False
         self.bridge: WeightBridge | None = None
         self.timeout_s = 600.0
         """How long `generate_sequences` waits for a version (the bridge's timeout_s)."""
@@ -118,8 +122,10 @@ class GeneratorWorker:
         with self._cond:
             if version > self.version:
                 self._pending[version] = tensors
-                if dist.get_world_size() == 1:  # nobody to agree with: only the newest matters
-                    for v in [v for v in self._pending if v < version]:
+                # Alone, only the newest matters; several ranks swap in the newest they all
+                # hold (`_swap_in`), and a rank is at most about one push ahead of another.
+                if not self._agreeing:  # (while the ranks agree, what they named must stay)
+                    for v in sorted(self._pending)[:-KEEP_PENDING if dist.get_world_size() > 1 else -1]:
                         del self._pending[v]
             self._cond.notify_all()
 
@@ -178,18 +184,22 @@ class GeneratorWorker:
     def _swap_in(self) -> float:
         """Swap in the newest version every generator rank holds; its seconds (0: none)."""
         with self._cond:
+            held = sorted(self._pending)
             newest = self._newest()
-        if dist.get_world_size() > 1:  # the same version on every rank: one policy per batch
-            agreed = torch.tensor([newest], dtype=torch.int64, device=self.runtime.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            newest = int(agreed.item())
-        if newest <= self.version:
-            return 0.0
-        start = time.perf_counter()
-        with self._cond:
-            tensors = self._pending.pop(newest)
-            for v in [v for v in self._pending if v <= newest]:
-                del self._pending[v]
+            self._agreeing = True
+        try:
+            if dist.get_world_size() > 1:  # the same version on every rank: one policy per batch
+                newest = self._newest_held_by_all(held)
+            if newest <= self.version:
+                return 0.0
+            start = time.perf_counter()
+            with self._cond:
+                tensors = self._pending.pop(newest)
+                for v in [v for v in self._pending if v <= newest]:
+                    del self._pending[v]
+        finally:
+            with self._cond:
+                self._agreeing = False
         if self.rollout.shares_model_parameters:
             load_full_tensors(self.engine.model, tensors)
         else:
@@ -198,6 +208,17 @@ class GeneratorWorker:
         with self._cond:
             self.version = newest
         return time.perf_counter() - start
+
+    def _newest_held_by_all(self, held: list[int]) -> int:
+        """The newest version every generator rank holds, swapped in or pending (one
+        all-gather; the version swapped in is the same on every rank, so there is one)."""
+        mine = torch.full((KEEP_PENDING,), -1, dtype=torch.int64, device=self.runtime.device)
+        if held:
+            mine[:len(held[-KEEP_PENDING:])] = torch.tensor(held[-KEEP_PENDING:], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        common = set.intersection(*({int(v) for v in t.tolist() if v >= 0} for t in every))
+        return max(common, default=self.version)
 
     @register(Dispatch.ONE_TO_ALL)
     def startup_seconds(self) -> dict[str, float]:
