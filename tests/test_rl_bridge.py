@@ -21,6 +21,7 @@ import torch
 
 from shardwise.data.batch import Batch
 from shardwise.distributed.bridge import (
+    ALONE_BYTES,
     BridgeError,
     WeightBridge,
     bucket_layout,
@@ -55,6 +56,10 @@ def test_header_round_trip_and_bucket_layout():
         if bucket_bytes == 10**9:
             assert len(sizes) == 1
         assert all(size <= max(bucket_bytes, max(s.nbytes for s in slots)) for size in sizes)
+    # small tensors share a bucket; one of ALONE_BYTES or more is a bucket of its own
+    big = [("a", torch.zeros(4)), ("big", torch.zeros(ALONE_BYTES // 4)), ("b", torch.zeros(4)), ("c", torch.zeros(4))]
+    slots, sizes = bucket_layout(big, 2**30)
+    assert [s.bucket for s in slots] == [0, 1, 2, 2] and sizes == [16, ALONE_BYTES, 32]
     with pytest.raises(ValueError, match="not one"):
         decode_header(torch.frombuffer(bytearray(b'{"version": 1}'), dtype=torch.uint8))
     with pytest.raises(ValueError, match="not one"):
