@@ -65,7 +65,7 @@ from shardwise.config.validate import rl_train_ranks
 from shardwise.data.batch import Batch
 from shardwise.data.rewards import ContainedReward, RewardFn
 from shardwise.models.vision import VisionInputs
-from shardwise.rl.cluster import Pending, RayWorkerGroup, init_ray
+from shardwise.rl.cluster import Pending, RayWorkerGroup, gpus_for, init_ray
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker
 from shardwise.rl.workers.hybrid import RLWorker
@@ -127,13 +127,16 @@ class AsyncController(Controller):
         clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         logs = self.run_dir / "logs"
+        # GPUs for every rank of every group, or none: a group started first must not leave
+        # the other waiting for the devices it took
+        gpu = gpus_for(self.world_size * (len(plan) - 1) + self.generator_ranks)
 
         def build(name: str, roles: list[str]) -> RayWorkerGroup:
             if name == "gen":
                 return RayWorkerGroup(GeneratorWorker, self.generator_ranks, cfg_dict, self.pad_id, self.eos_id,
-                                      name=name, log_dir=logs)
+                                      name=name, use_gpu=gpu, log_dir=logs)
             return RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id, self.eos_id, name=name,
-                                  log_dir=logs)
+                                  use_gpu=gpu, log_dir=logs)
 
         with ThreadPoolExecutor(len(plan)) as pool:
             started = {name: pool.submit(build, name, roles) for name, roles in plan.items()}
