@@ -165,13 +165,10 @@ class AsyncController(Controller):
         return {**self.groups, **({"gen": self.gen} if self.gen is not None else {})}
 
     def _split_startup(self, clock: StartupClock) -> None:
-        """As `Controller._split_startup`, but the groups started at once: per part, the
-        slowest group's."""
-        parts: dict[str, float] = {}
-        for g in self.all_groups().values():
-            for part, seconds in _slowest_rank(g.startup_seconds()).items():
-                parts[part] = max(parts.get(part, 0.0), seconds)
-        clock.split("worker_groups", parts)
+        """As `Controller._split_startup`, but the groups started at once: the parts of the
+        rank, of any group, whose parts took longest in all (the start-up's critical path)."""
+        clock.split("worker_groups", _slowest_rank([parts for g in self.all_groups().values()
+                                                    for parts in g.startup_seconds()]))
 
     def push_weights(self) -> dict[str, float]:
         """The weight bridge between the actor's rank 0 and the generator ranks (both sides
