@@ -2,9 +2,10 @@
 generator group of Ray workers, the weight bridge between them, the single controller in
 the CLI process.
 
-- exact at zero: ``--nproc 2`` with one generator rank and ``max_staleness: 0`` equals the
-  synchronous ``--nproc 1`` run on the same seed: the same batches (samples, log-probs,
-  scores, advantages), the same metrics, bitwise the same exported weights;
+- exact at zero: ``--nproc 2`` with one generator rank and ``max_staleness: 0``, stopped
+  after its first step and resumed, equals the uninterrupted synchronous ``--nproc 1`` run
+  on the same seed: the same batches (samples, log-probs, scores, advantages), the same
+  metrics, bitwise the same exported weights;
 - ``max_staleness: 1`` (with ``on_stale: drop``, which runs ahead without waiting for
   weights) measures the held-out accuracy through the generator group, logs its staleness
   (never above 1) and the idle figures of both sides, and checkpoints the policy version and
@@ -47,8 +48,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The synchronous run on 1 rank, the asynchronous one at staleness 0 on 1 + 1 and at
-    staleness 1 on 1 + 1, side by side (each its own command and Ray cluster)."""
+    """Side by side (each its own command and Ray cluster): the synchronous run on 1 rank;
+    the asynchronous one at staleness 0 on 1 + 1 ranks, stopped after step 1 and resumed;
+    and the one whose generator is killed (`kill_the_generator`)."""
     tmp = tmp_path_factory.mktemp("async_runs")
     (tmp / "toy_reward.py").write_text(TOY_REWARD)
 
@@ -57,10 +59,16 @@ def runs(tmp_path_factory):
                       timeout=400, cwd=tmp)
         return tmp / name, res
 
-    exact = ["train.max_steps=2", "rl.record_batches=2", "rl.heldout_eval=false"]
+    exact = ["rl.record_batches=2", "rl.heldout_eval=false"]
+
+    def stopped_and_resumed():  # step 1, then (resumed from its checkpoint) step 2
+        zero = [*exact, *ASYNC, "rl.async.max_staleness=0"]
+        first = rl("zero", 2, *zero, "train.max_steps=1")
+        return first if first[1].returncode else rl("zero", 2, *zero, "train.max_steps=2")
+
     sync, zero, killed = at_once(
-        lambda: rl("sync", 1, *exact),
-        lambda: rl("zero", 2, *exact, *ASYNC, "rl.async.max_staleness=0"),
+        lambda: rl("sync", 1, *exact, "train.max_steps=2"),
+        stopped_and_resumed,
         lambda: kill_the_generator(tmp))
     return {"sync": sync, "zero": zero, "killed": killed}
 
@@ -105,10 +113,11 @@ def finished(runs, name: str) -> Path:
     return run_dir
 
 
-def test_async_at_staleness_zero_equals_the_synchronous_run(runs):
+def test_async_at_staleness_zero_and_resumed_equals_the_synchronous_run(runs):
     from shardwise.data.batch import Batch
 
     sync, zero = finished(runs, "sync"), finished(runs, "zero")
+    assert f"resuming {zero / 'checkpoints' / 'step_00000001'}" in runs["zero"][1].stderr  # the second command
     a, b = metrics(sync), metrics(zero)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
     assert a[1]["actor/grad_norm"] > 0  # the toy reward varies within groups: real updates
