@@ -207,7 +207,8 @@ def rl(cfg: Config, summary: dict) -> None:
         step_s = timing["time/step"]
         # rl.async: the generator's own seconds (idle, swapping weights in) and the gather
         # inside the publish are not phases of the controller's step
-        other = ("time/generator_wait", "time/weight_sync", "time/weight_gather") if cfg.rl.async_.enabled else ()
+        other = ("time/generator_wait", "time/weight_sync", "time/weight_gather") if "time/trainer_wait" in timing \
+            else ()
         phases = {k[5:]: v for k, v in timing.items() if k != "time/step" and k not in other}
         print(f"  seconds per step {step_s:.2f} (mean; "
               + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
