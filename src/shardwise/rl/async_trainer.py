@@ -47,8 +47,11 @@ up to S), so the resumed run is a valid, not an identical, continuation.
 
 Faults: every wait on the other side (a batch, the weight push, the bridge's set-up, the
 held-out evaluation) is bounded by ``rl.async.timeout_s`` and ends in one line naming the
-group, the ranks and what they were doing; a rank that dies ends the run with one line
-naming its group, rank and call (`shardwise.rl.cluster`).
+group, the ranks and what they were doing: the workers bound their own waits (a generator
+for a policy version, the bridge for a join or a push) by it, and the controller waits
+`MARGIN_S` longer for their answer, so that the worker's line, which says what it waited
+for, comes first. A rank that dies ends the run within seconds with one line naming its
+group, rank, pid and call (`shardwise.rl.cluster`), and the CLI adds the last checkpoint.
 """
 
 from __future__ import annotations
