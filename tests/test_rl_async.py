@@ -2,9 +2,10 @@
 generator group of Ray workers, the weight bridge between them, the single controller in
 the CLI process.
 
-- exact at zero: ``--nproc 2`` with one generator rank and ``max_staleness: 0`` equals the
-  synchronous ``--nproc 1`` run on the same seed: the same batches (samples, log-probs,
-  scores, advantages), the same metrics, bitwise the same exported weights;
+- exact at zero: ``--nproc 2`` with one generator rank and ``max_staleness: 0``, stopped
+  after its first step and resumed, equals the uninterrupted synchronous ``--nproc 1`` run
+  on the same seed: the same batches (samples, log-probs, scores, advantages), the same
+  metrics, bitwise the same exported weights;
 - ``max_staleness: 1`` (with ``on_stale: drop``, which runs ahead without waiting for
   weights) measures the held-out accuracy through the generator group, logs its staleness
   (never above 1) and the idle figures of both sides, and checkpoints the policy version and
@@ -25,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dist.common import TINY_QWEN3
@@ -46,8 +48,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The synchronous run on 1 rank, the asynchronous one at staleness 0 on 1 + 1 and at
-    staleness 1 on 1 + 1, side by side (each its own command and Ray cluster)."""
+    """Side by side (each its own command and Ray cluster): the synchronous run on 1 rank;
+    the asynchronous one at staleness 0 on 1 + 1 ranks, stopped after step 1 and resumed;
+    and the one whose generator is killed (`kill_the_generator`)."""
     tmp = tmp_path_factory.mktemp("async_runs")
     (tmp / "toy_reward.py").write_text(TOY_REWARD)
 
@@ -56,10 +59,16 @@ def runs(tmp_path_factory):
                       timeout=400, cwd=tmp)
         return tmp / name, res
 
-    exact = ["train.max_steps=2", "rl.record_batches=2", "rl.heldout_eval=false"]
+    exact = ["rl.record_batches=2", "rl.heldout_eval=false"]
+
+    def stopped_and_resumed():  # step 1, then (resumed from its checkpoint) step 2
+        zero = [*exact, *ASYNC, "rl.async.max_staleness=0"]
+        first = rl("zero", 2, *zero, "train.max_steps=1")
+        return first if first[1].returncode else rl("zero", 2, *zero, "train.max_steps=2")
+
     sync, zero, killed = at_once(
-        lambda: rl("sync", 1, *exact),
-        lambda: rl("zero", 2, *exact, *ASYNC, "rl.async.max_staleness=0"),
+        lambda: rl("sync", 1, *exact, "train.max_steps=2"),
+        stopped_and_resumed,
         lambda: kill_the_generator(tmp))
     return {"sync": sync, "zero": zero, "killed": killed}
 
@@ -104,10 +113,11 @@ def finished(runs, name: str) -> Path:
     return run_dir
 
 
-def test_async_at_staleness_zero_equals_the_synchronous_run(runs):
+def test_async_at_staleness_zero_and_resumed_equals_the_synchronous_run(runs):
     from shardwise.data.batch import Batch
 
     sync, zero = finished(runs, "sync"), finished(runs, "zero")
+    assert f"resuming {zero / 'checkpoints' / 'step_00000001'}" in runs["zero"][1].stderr  # the second command
     a, b = metrics(sync), metrics(zero)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
     assert a[1]["actor/grad_norm"] > 0  # the toy reward varies within groups: real updates
@@ -210,3 +220,87 @@ def test_plan_shows_both_groups(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert [(g["name"], g["ranks"]) for g in plan["worker_groups"]] == [("rl", 2), ("gen", 1)]
     assert plan["mesh"]["world_size"] == 2
+
+
+# ------------------------------------------------- the schedule, on the controller alone
+
+
+class Generated:
+    """What `RayWorkerGroup.submit` hands back, for a generation made at once."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def result(self, timeout_s=None, what=None):
+        return self.batch
+
+
+class GeneratorGroup:
+    """A stand-in for the generator group that records each submitted generation and
+    answers with `assemble_sequences` (every engine's output layout) from the policy
+    version `versions(rows, call)` says, responses `width` tokens wide."""
+
+    def __init__(self, versions, width):
+        self.calls: list[tuple[list[str], int]] = []
+        self.versions, self.width = versions, width
+
+    def submit(self, name, prompts, min_version):
+        from shardwise.engine.generate import assemble_sequences
+
+        assert name == "generate_sequences"
+        self.calls.append((list(prompts.arrays["uid"]), min_version))
+        n, width = len(prompts), self.width(len(self.calls))
+        g = torch.Generator().manual_seed(len(self.calls))
+        responses = torch.randint(3, 60, (n, width), generator=g)
+        out = assemble_sequences(prompts, prompts.tensors["prompt_ids"], prompts.tensors["prompt_mask"], responses,
+                                 -torch.rand(n, width, generator=g), torch.ones(n, width, dtype=torch.bool), 0, 1)
+        out.arrays["version"] = np.asarray(self.versions(n, len(self.calls)), dtype=np.int64)
+        return Generated(out)
+
+
+def controller(tmp_path, *overrides: str):
+    from shardwise.data.tokenizer import load_tokenizer, tokenizer_dir
+    from shardwise.jobs import configs
+    from shardwise.rl.async_trainer import AsyncController
+
+    cfg, _ = configs.load(GRPO, ["model.path=null", TINY_QWEN3, f"run.dir={tmp_path}", *ASYNC,
+                                 "train.global_batch_size=2", "rl.rollout.n=2", *overrides], None)
+    tokenizer = load_tokenizer(tokenizer_dir(None, None, tmp_path, build=True))
+    records = [{"prompt": f"{i}+1=", "ground_truth": str(i + 1)} for i in range(16)]
+    return AsyncController(cfg, 2, records, tokenizer, str(tmp_path), None)
+
+
+def test_throttle_submits_what_can_still_train_in_time_and_checkpoints_the_prompts_in_flight(tmp_path):
+    ctl = controller(tmp_path, "rl.async.max_staleness=2", "train.max_steps=5")
+    ctl.gen = gen = GeneratorGroup(lambda n, call: [0] * n, lambda call: 3)
+    submitted = []
+    for s in range(5):
+        ctl.step = s
+        before = len(gen.calls)
+        ctl.submit_ahead()
+        submitted.append([(uids[0].split("-")[0], least) for uids, least in gen.calls[before:]])
+        if s == 1:  # a checkpoint after step 1: the sampler before step 1 drew, steps 1..3 in flight
+            state = ctl.state_dict()
+            assert state["sampler"] == {"epoch": 0, "position": 2} and state["async"]["in_flight"] == [1, 2, 3]
+        pending, prompts = ctl.in_flight.pop(s)
+        assert prompts.meta["seed"] == s and list(prompts.arrays["uid"]) == [f"{s}-0", f"{s}-0", f"{s}-1", f"{s}-1"]
+    # AReaL's capacity rule: step t is submitted at step t - S, asking for version t - S (v0 at least)
+    assert submitted == [[("0", 0), ("1", 0), ("2", 0)], [("3", 1)], [("4", 2)], [], []]
+
+
+def test_drop_regenerates_the_rows_too_old_and_keeps_the_order(tmp_path):
+    ctl = controller(tmp_path, "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=4")
+    # the first call's rows alternate versions 0 and 2; the regenerated ones are version 2
+    ctl.gen = GeneratorGroup(lambda n, call: [0, 2] * (n // 2) if call == 1 else [2] * n, lambda call: 2 + call)
+    ctl.step = ctl._next_step = 2  # as if steps 0 and 1 had trained
+    ctl.submit_ahead()
+    assert [least for _, least in ctl.gen.calls] == [0, 0]  # steps 2 and 3 (one further), never waiting
+    first = ctl.in_flight[2][0].result()
+    metrics: dict[str, float] = {}
+    batch = ctl._take(2, metrics)
+    assert metrics["async/dropped"] == 2 and ctl.gen.calls[-1] == (["2-0", "2-1"], 1)
+    assert list(batch.arrays["uid"]) == ["2-0", "2-0", "2-1", "2-1"] and list(batch.arrays["version"]) == [2] * 4
+    kept = batch.tensors["responses"][[1, 3]]
+    assert torch.equal(kept[:, :first.tensors["responses"].shape[1]], first.tensors["responses"][[1, 3]])
+    assert batch.tensors["input_ids"].shape == batch.tensors["attention_mask"].shape == \
+        batch.tensors["rollout_log_probs"].shape

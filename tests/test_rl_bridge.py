@@ -21,6 +21,7 @@ import torch
 
 from shardwise.data.batch import Batch
 from shardwise.distributed.bridge import (
+    ALONE_BYTES,
     BridgeError,
     WeightBridge,
     bucket_layout,
@@ -55,6 +56,10 @@ def test_header_round_trip_and_bucket_layout():
         if bucket_bytes == 10**9:
             assert len(sizes) == 1
         assert all(size <= max(bucket_bytes, max(s.nbytes for s in slots)) for size in sizes)
+    # small tensors share a bucket; one of ALONE_BYTES or more is a bucket of its own
+    big = [("a", torch.zeros(4)), ("big", torch.zeros(ALONE_BYTES // 4)), ("b", torch.zeros(4)), ("c", torch.zeros(4))]
+    slots, sizes = bucket_layout(big, 2**30)
+    assert [s.bucket for s in slots] == [0, 1, 2, 2] and sizes == [16, ALONE_BYTES, 32]
     with pytest.raises(ValueError, match="not one"):
         decode_header(torch.frombuffer(bytearray(b'{"version": 1}'), dtype=torch.uint8))
     with pytest.raises(ValueError, match="not one"):
@@ -118,6 +123,66 @@ def test_a_receiver_that_never_joins_is_named():
         receiver.start()
         WeightBridge("127.0.0.1", store.port, 0, 3, torch.device("cpu"), 1.0, store=store)
     assert time.monotonic() - start < 15
+
+
+def test_a_push_nobody_takes_raises_at_the_next_send_naming_the_receiver():
+    root, (receiver,) = _bridges(2, 1.0)  # joined, but never receives
+    weights = [("w", torch.zeros(64, 64))]  # gloo sends once the receiver posted its buffer
+    root.send(1, weights, 0)  # returns at once
+    with pytest.raises(BridgeError, match=r"the push of version 1 did not finish in 1 s.*generator rank 0 "
+                                          r"did not answer"):
+        root.send(2, weights, 0)
+    receiver.close()
+
+
+def test_a_receiver_whose_root_stops_mid_push_keeps_one_line():
+    root, (receiver,) = _bridges(2, 1.0)
+    receiver.start_receiving(lambda version, tensors: None)
+    root.store.set("push/1", "4")  # announced, never broadcast
+    deadline = time.monotonic() + 15
+    while receiver.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert str(receiver.error) == ("weight bridge: generator rank 0 waited 1 s for the header of version 4: "
+                                   "the actor group (bridge rank 0) did not answer")
+    receiver.close()
+
+
+ROOT_THAT_DIES = """
+import sys, time, torch
+from shardwise.distributed.bridge import WeightBridge, open_store
+store = open_store("127.0.0.1", 20)
+print(store.port, flush=True)
+bridge = WeightBridge("127.0.0.1", store.port, 0, 2, torch.device("cpu"), 20, store=store)
+time.sleep(120)
+"""
+
+
+def test_a_root_process_that_dies_is_noticed_in_seconds():
+    """The actor's rank 0 killed between pushes: its receiver says so within seconds (its
+    store's connection breaks), not after timeout_s."""
+    import os
+    import subprocess
+    import sys
+
+    from dist.launcher import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    root = subprocess.Popen([sys.executable, "-c", ROOT_THAT_DIES], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(root.stdout.readline())
+        receiver = WeightBridge("127.0.0.1", port, 1, 2, torch.device("cpu"), 20.0)
+        receiver.start_receiving(lambda version, tensors: None)
+        root.kill()
+        deadline = time.monotonic() + 15  # well under timeout_s (20 s)
+        while receiver.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert str(receiver.error).startswith("weight bridge: generator rank 0 lost the actor group (bridge rank 0) "
+                                              "while waiting for the next push: DistNetworkError")
+        assert "\n" not in str(receiver.error)
+        receiver.close()
+    finally:
+        root.kill()
+        root.wait(10)
 
 
 def _try_join(port: int, rank: int) -> None:
@@ -263,3 +328,45 @@ def test_a_version_never_published_fails_in_one_line_within_timeout(groups):
     assert "\n" not in line
     assert "generator rank 0 waited 2 s for policy version 9" in line and "gen.generate_sequences" in line
     root.close()
+
+
+# ----------------------------------------------------------------- swap-in: full tensors into shards
+
+
+def _scatter_body(rank: int, world: int) -> dict:
+    from dist.common import FP32, TINY_QWEN3_MOE
+
+    from shardwise.config import load_config
+    from shardwise.distributed.runtime import init_distributed, teardown
+    from shardwise.engine.infer import InferEngine
+    from shardwise.fsdp.build import build_full
+    from shardwise.fsdp.gather import iter_full_tensors
+    from shardwise.fsdp.scatter import load_full_tensors
+
+    runtime = init_distributed(timeout_s=60)
+    tied_moe = TINY_QWEN3_MOE.replace("tie_word_embeddings: false", "tie_word_embeddings: true")
+    engine = InferEngine(load_config(None, [tied_moe, *FP32, "run.seed=0"]), runtime)
+    # another model's weights, as a push brings them: HF names, experts cut, the tied head once
+    pushed = dict(iter_full_tensors(build_full(load_config(None, [tied_moe, *FP32, "run.seed=1"]))))
+    assert "lm_head.weight" not in pushed and any(".experts.0." in k for k in pushed)
+    before = dict(iter_full_tensors(engine.model))
+    assert any(not torch.equal(before[k], v) for k, v in pushed.items())
+    load_full_tensors(engine.model, pushed)
+    after = dict(iter_full_tensors(engine.model))
+    out = {"moe": list(after) == list(pushed) and all(torch.equal(after[k], v) for k, v in pushed.items())}
+    try:
+        load_full_tensors(engine.model, {**pushed, "not.a.weight": torch.zeros(1)})
+    except ValueError as e:
+        out["moe_unknown"] = str(e)
+    teardown()
+    return out
+
+
+def test_pushed_tensors_land_in_every_rank_s_shards():
+    """The generator's swap-in (`load_full_tensors`) is the inverse of the actor's gather:
+    on 2 ranks, fused MoE experts put back together and a tied head, bitwise."""
+    from dist.launcher import run_ranks
+
+    for res in run_ranks(_scatter_body, 2, timeout=240):
+        assert res["moe"]
+        assert "has unknown ['not.a.weight']" in res["moe_unknown"]

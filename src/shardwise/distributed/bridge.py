@@ -16,9 +16,9 @@ rest, so the actor's next update is not blocked):
 2. broadcast of the header's length (int64 ``(1,)``), then of the header: UTF-8 JSON as a
    uint8 tensor (version, names, shapes, dtypes by name, and where each tensor sits in
    which bucket). Never pickle: a receiver reads data, never code;
-3. one broadcast per bucket: a flat uint8 buffer of at most `bucket_bytes` (a tensor larger
-   than that gets a bucket of its own; 0: one bucket per tensor), each tensor's bytes at an
-   offset aligned to `ALIGN` bytes;
+3. one broadcast per bucket: small tensors packed into a flat uint8 buffer of at most
+   `bucket_bytes`, each at an offset aligned to `ALIGN` bytes; a tensor of `ALONE_BYTES` or
+   more is a bucket of its own, broadcast from its own memory (0: one bucket per tensor);
 4. each receiver marks push n done in the store (``got/<n>/<rank>``) and hands
    ``(version, {name: tensor})`` to its `on_weights` callback; the tensors are views into
    the push's own buffers (nothing is shared with the next push).
@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 ALIGN = 16
 """Byte alignment of each tensor inside a bucket (a dtype view needs an aligned offset)."""
 
+ALONE_BYTES = 2**20
+"""A tensor this large is a bucket of its own: a broadcast of its own bytes costs less than
+copying it into a shared buffer (packing pays for small tensors: one message, not many)."""
+
 POLL_S = 0.02
 """How often an idle receiver looks for the next push announced in the store."""
 
@@ -59,6 +63,9 @@ _DTYPES: dict[str, torch.dtype] = {
               torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
 }
 """The dtypes a push may carry, by the name the header gives them."""
+
+GRACE_S = 30.0
+"""The bridge's process group gives up this long after our own waits would have."""
 
 _STOP = "stop"
 
@@ -108,19 +115,23 @@ def _aligned(n: int) -> int:
 
 
 def bucket_layout(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[Slot], list[int]]:
-    """The slot of each tensor and the size in bytes of each bucket: consecutive tensors
-    share a bucket while it stays within `bucket_bytes` (a larger tensor alone; 0: one
-    bucket per tensor)."""
+    """The slot of each tensor and the size in bytes of each bucket: consecutive small
+    tensors share a bucket while it stays within `bucket_bytes`; a tensor of `ALONE_BYTES`
+    or more (or of `bucket_bytes`) goes alone, sent from its own memory; 0: one bucket per
+    tensor."""
     slots: list[Slot] = []
     sizes: list[int] = []
+    shared = False  # whether the last bucket takes more tensors
     for name, t in named:
         if t.dtype not in _DTYPES.values():
             raise ValueError(f"weight bridge: {name} is {t.dtype}, which a push does not carry")
         nbytes = t.numel() * t.element_size()
+        alone = bucket_bytes <= 0 or nbytes >= min(bucket_bytes, ALONE_BYTES)
         start = _aligned(sizes[-1]) if sizes else 0
-        if not sizes or bucket_bytes <= 0 or start + nbytes > bucket_bytes and sizes[-1] > 0:
+        if alone or not shared or start + nbytes > bucket_bytes:
             sizes.append(0)
             start = 0
+        shared = not alone
         slots.append(Slot(name, tuple(t.shape), t.dtype, len(sizes) - 1, start))
         sizes[-1] = start + nbytes
     return slots, sizes
@@ -157,8 +168,13 @@ def decode_header(data: torch.Tensor) -> tuple[int, list[Slot], list[int]]:
 
 def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], slots: Sequence[Slot], sizes: Sequence[int],
                 bucket: int, device: torch.device) -> torch.Tensor:
-    """Bucket `bucket`'s flat uint8 buffer ``(sizes[bucket],)`` on `device`."""
-    buf = torch.zeros(sizes[bucket], dtype=torch.uint8, device=device)
+    """Bucket `bucket`'s flat uint8 buffer ``(sizes[bucket],)`` on `device` (a tensor alone
+    in its bucket: its own bytes, no copy)."""
+    mine = [(t, s) for (_, t), s in zip(named, slots) if s.bucket == bucket]
+    if len(mine) == 1 and mine[0][1].offset == 0 and mine[0][1].nbytes == sizes[bucket]:
+        t = mine[0][0].detach().to(device)
+        return t.contiguous().reshape(-1).view(torch.uint8)
+    buf = torch.empty(sizes[bucket], dtype=torch.uint8, device=device)  # alignment gaps: never read
     for (_, t), s in zip(named, slots):
         if s.bucket == bucket and s.nbytes:
             buf[s.offset:s.offset + s.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -232,9 +248,11 @@ class WeightBridge:
             time.sleep(POLL_S)
         prefix = dist.PrefixStore("pg/", self.store)
         if self.device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world)
+            # our waits poll the work and abort the group at the deadline (NCCL waits do not block the host)
+            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world, dist.ProcessGroupNCCL.Options())
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, timeout)
+            # the group's own limit is a backstop behind our waits (which name who did not answer)
+            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, timeout + timedelta(seconds=GRACE_S))
         # One broadcast both ways through the group: every rank can reach the root.
         probe = torch.tensor([self.world], dtype=torch.int64, device=self.device)
         self._wait(self.pg.broadcast(probe, 0), time.monotonic() + self.timeout_s, "the join")
@@ -252,7 +270,13 @@ class WeightBridge:
                     self.pg.abort()
                     raise TimeoutError(what)
                 time.sleep(0.001)
-        if not work.wait(timedelta(seconds=max(left, 0.001))):
+        try:
+            done = work.wait(timedelta(seconds=max(left, 0.001)))
+        except RuntimeError:
+            if time.monotonic() >= deadline - 0.01:  # gloo's words for a wait that ran out
+                raise TimeoutError(what) from None
+            raise
+        if not done:
             raise TimeoutError(what)
 
     # -- the root
@@ -369,7 +393,12 @@ class WeightBridge:
             self.error = BridgeError(f"{self.name}: {side(self.rank)} waited {self.timeout_s:g} s for {what} of "
                                      f"version {version}: {side(0)} did not answer")
         except Exception as e:  # noqa: BLE001 - kept for the owner's next call
-            if not self._closing.is_set():
+            if self._closing.is_set():
+                return
+            if version == "?":  # idle between pushes: the root's store went away (its process, its node)
+                self.error = BridgeError(f"{self.name}: {side(self.rank)} lost {side(0)} while waiting for the "
+                                         f"next push: {_first_line(e)}")
+            else:
                 self.error = BridgeError(f"{self.name}: {side(self.rank)} lost the push of version {version} "
                                          f"({what}): {side(0)} did not answer: {_first_line(e)}")
 

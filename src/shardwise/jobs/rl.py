@@ -3,9 +3,12 @@
 `prepare` runs every check the config and its files allow before Ray starts: the mesh,
 rows per step against the ranks and mini-batches, the model and reward-model folders, the
 tokenizer, the prompts, the reward function, an explicit resume folder and the sharding
-plan (on the meta device). `run` builds the `shardwise.rl.trainer.Controller` from what
-was prepared, starts the worker groups, resumes, measures the held-out accuracy, trains,
-measures it again, exports the actor and plots the metrics. The controller writes
+plan (on the meta device); with ``rl.async`` the mesh is the training ranks' (nproc -
+generator_ranks) and what the asynchronous run does not do yet is refused (`check_rl_async`).
+`run` builds the `shardwise.rl.trainer.Controller` (with rl.async the
+`shardwise.rl.async_trainer.AsyncController`) from what was prepared, starts the worker
+groups, resumes, measures the held-out accuracy, trains, measures it again, exports the
+actor and plots the metrics. The controller writes
 ``run.dir/metrics.jsonl`` and the trackers of ``run.loggers`` (each step's scalars, the
 config, the summary without the per-step history).
 """

@@ -47,8 +47,11 @@ up to S), so the resumed run is a valid, not an identical, continuation.
 
 Faults: every wait on the other side (a batch, the weight push, the bridge's set-up, the
 held-out evaluation) is bounded by ``rl.async.timeout_s`` and ends in one line naming the
-group, the ranks and what they were doing; a rank that dies ends the run with one line
-naming its group, rank and call (`shardwise.rl.cluster`).
+group, the ranks and what they were doing: the workers bound their own waits (a generator
+for a policy version, the bridge for a join or a push) by it, and the controller waits
+`MARGIN_S` longer for their answer, so that the worker's line, which says what it waited
+for, comes first. A rank that dies ends the run within seconds with one line naming its
+group, rank, pid and call (`shardwise.rl.cluster`), and the CLI adds the last checkpoint.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from shardwise.config.validate import rl_train_ranks
 from shardwise.data.batch import Batch
 from shardwise.data.rewards import ContainedReward, RewardFn
 from shardwise.models.vision import VisionInputs
-from shardwise.rl.cluster import Pending, RayWorkerGroup, init_ray
+from shardwise.rl.cluster import Pending, RayWorkerGroup, gpus_for, init_ray
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker
 from shardwise.rl.workers.hybrid import RLWorker
@@ -127,13 +130,16 @@ class AsyncController(Controller):
         clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         logs = self.run_dir / "logs"
+        # GPUs for every rank of every group, or none: a group started first must not leave
+        # the other waiting for the devices it took
+        gpu = gpus_for(self.world_size * (len(plan) - 1) + self.generator_ranks)
 
         def build(name: str, roles: list[str]) -> RayWorkerGroup:
             if name == "gen":
                 return RayWorkerGroup(GeneratorWorker, self.generator_ranks, cfg_dict, self.pad_id, self.eos_id,
-                                      name=name, log_dir=logs)
+                                      name=name, use_gpu=gpu, log_dir=logs)
             return RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id, self.eos_id, name=name,
-                                  log_dir=logs)
+                                  use_gpu=gpu, log_dir=logs)
 
         with ThreadPoolExecutor(len(plan)) as pool:
             started = {name: pool.submit(build, name, roles) for name, roles in plan.items()}
@@ -162,13 +168,10 @@ class AsyncController(Controller):
         return {**self.groups, **({"gen": self.gen} if self.gen is not None else {})}
 
     def _split_startup(self, clock: StartupClock) -> None:
-        """As `Controller._split_startup`, but the groups started at once: per part, the
-        slowest group's."""
-        parts: dict[str, float] = {}
-        for g in self.all_groups().values():
-            for part, seconds in _slowest_rank(g.startup_seconds()).items():
-                parts[part] = max(parts.get(part, 0.0), seconds)
-        clock.split("worker_groups", parts)
+        """As `Controller._split_startup`, but the groups started at once: the parts of the
+        rank, of any group, whose parts took longest in all (the start-up's critical path)."""
+        clock.split("worker_groups", _slowest_rank([parts for g in self.all_groups().values()
+                                                    for parts in g.startup_seconds()]))
 
     def push_weights(self) -> dict[str, float]:
         """The weight bridge between the actor's rank 0 and the generator ranks (both sides

@@ -58,7 +58,7 @@ from shardwise.telemetry.logs import capture_worker_stderr, console_logger
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pending", "RankPlace", "RayWorkerGroup", "WorkerError", "init_ray", "rank_bundles", "shutdown_ray"]
+__all__ = ["Pending", "RankPlace", "RayWorkerGroup", "WorkerError", "gpus_for", "init_ray", "rank_bundles", "shutdown_ray"]
 
 # Variables every worker process gets (the driver's values win where set).
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -209,6 +209,12 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
     finally:
         if main and term is not None:
             signal.signal(signal.SIGTERM, term)
+
+
+def gpus_for(ranks: int) -> bool:
+    """Whether the Ray cluster has a GPU for each of `ranks` ranks (groups that share the
+    cluster decide together: one group taking the GPUs would leave another waiting)."""
+    return _ray().cluster_resources().get("GPU", 0) >= ranks
 
 
 _RAY_PROGRAMS = ("raylet", "gcs_server")
@@ -606,6 +612,8 @@ class Pending:
         if self._done:
             return self._value
         g = self.group
+        if not g._alive:  # its actors are gone: nothing would ever answer
+            raise WorkerError(f"worker group {g.name!r} was shut down before {what or self.name} finished")
         done = g._wait(self._futures, what or self.name, timeout=timeout_s)
         t1 = time.perf_counter()
         results: list[Any] = [None] * g.world_size

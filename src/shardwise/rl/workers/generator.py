@@ -4,7 +4,7 @@ One Ray worker group "gen" of ``rl.async.generator_ranks`` ranks, its own torch.
 world, beside the actor's group. Each rank holds the policy for generation only: the HF
 engine samples with an `InferEngine` (fsdp2_infer, sharded over the generator ranks, built
 from ``model.path`` like the reference policy, without LoRA: the actor's weights arrive
-merged); the vLLM engine keeps its own copy (its model here is the meta-device structure).
+merged); the vLLM engine keeps its own copy, loaded from ``model.path`` at start-up.
 
 The actor's new weights arrive over the weight bridge (`shardwise.distributed.bridge`:
 generator rank r is bridge rank 1 + r) after each update, in a receiver thread, while this
@@ -35,13 +35,17 @@ from shardwise.distributed.bridge import BridgeError, WeightBridge
 from shardwise.distributed.runtime import Runtime, seed_everything
 from shardwise.engine.generate import build_generator
 from shardwise.engine.infer import InferEngine
+from shardwise.fsdp.build import build_full
+from shardwise.fsdp.gather import iter_full_tensors
 from shardwise.fsdp.scatter import load_full_tensors
-from shardwise.models.loading import build_meta_model
 from shardwise.rl.dispatch import Dispatch, register
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GeneratorWorker", "generator_config"]
+
+KEEP_PENDING = 3
+"""Versions a rank of a multi-rank generator group keeps received and not yet swapped in."""
 
 
 def generator_config(cfg: Config) -> Config:
@@ -60,33 +64,42 @@ class GeneratorWorker:
     def __init__(self, cfg: dict[str, Any], pad_id: int, eos_id: int, *, runtime: Runtime):
         self.cfg = config_from_dict(cfg)
         self.runtime = runtime
+        if self.cfg.rl.multi_turn.enabled:
+            raise ValueError("the generator group rolls out single-turn prompts; rl.multi_turn runs on the hybrid "
+                             "engine (rl.async.enabled=false)")
         seed_everything(self.cfg.run.seed)
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
         gen_cfg = generator_config(self.cfg)
         rollout = self.cfg.rl.rollout
         self.engine: InferEngine | None = None
+        full = None
         if rollout.engine == "hf":
             self.engine = InferEngine(gen_cfg, runtime)
             model = self.engine.model
-        else:  # an engine with its own copy takes the structure only
-            model = build_meta_model(gen_cfg.model)
+        else:  # an engine with its own copy of the weights: model.path's, loaded into it below
+            model = full = build_full(gen_cfg)
         self.startup_s["model_load"] = time.perf_counter() - clock
         clock = time.perf_counter()
         self.rollout = build_generator(rollout.engine, model, rollout, runtime, pad_id, eos_id,
                                        compute_dtype=self.cfg.fsdp.mixed_precision.param_dtype)
+        if self.rollout.shares_model_parameters and self.engine is None:
+            raise ValueError(f"rl.rollout.engine={rollout.engine!r} shares the model's parameters; the generator "
+                             "builds an InferEngine for hf only")
+        if full is not None:
+            self.rollout.sync_weights(iter_full_tensors(full))  # version 0 (plain tensors: no collective)
+            del full, model
         self.startup_s["engine"] = time.perf_counter() - clock
         self.version = self.initial_version
         """The policy version the next batch is generated with (unless a newer one is swapped in)."""
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         """Versions received and not yet swapped in."""
         self._cond = threading.Condition()
+        self._agreeing = False
         self.bridge: WeightBridge | None = None
         self.timeout_s = 600.0
         """How long `generate_sequences` waits for a version (the bridge's timeout_s)."""
         self._last_return: float | None = None
-        if not self.engine and self.rollout.shares_model_parameters:
-            raise ValueError(f"rl.rollout.engine={rollout.engine!r} generates with a model of its own here")
 
     # -- the bridge
 
@@ -109,8 +122,10 @@ class GeneratorWorker:
         with self._cond:
             if version > self.version:
                 self._pending[version] = tensors
-                if dist.get_world_size() == 1:  # nobody to agree with: only the newest matters
-                    for v in [v for v in self._pending if v < version]:
+                # Alone, only the newest matters; several ranks swap in the newest they all
+                # hold (`_swap_in`), and a rank is at most about one push ahead of another.
+                if not self._agreeing:  # (while the ranks agree, what they named must stay)
+                    for v in sorted(self._pending)[:-KEEP_PENDING if dist.get_world_size() > 1 else -1]:
                         del self._pending[v]
             self._cond.notify_all()
 
@@ -169,18 +184,22 @@ class GeneratorWorker:
     def _swap_in(self) -> float:
         """Swap in the newest version every generator rank holds; its seconds (0: none)."""
         with self._cond:
+            held = sorted(self._pending)
             newest = self._newest()
-        if dist.get_world_size() > 1:  # the same version on every rank: one policy per batch
-            agreed = torch.tensor([newest], dtype=torch.int64, device=self.runtime.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            newest = int(agreed.item())
-        if newest <= self.version:
-            return 0.0
-        start = time.perf_counter()
-        with self._cond:
-            tensors = self._pending.pop(newest)
-            for v in [v for v in self._pending if v <= newest]:
-                del self._pending[v]
+            self._agreeing = True
+        try:
+            if dist.get_world_size() > 1:  # the same version on every rank: one policy per batch
+                newest = self._newest_held_by_all(held)
+            if newest <= self.version:
+                return 0.0
+            start = time.perf_counter()
+            with self._cond:
+                tensors = self._pending.pop(newest)
+                for v in [v for v in self._pending if v <= newest]:
+                    del self._pending[v]
+        finally:
+            with self._cond:
+                self._agreeing = False
         if self.rollout.shares_model_parameters:
             load_full_tensors(self.engine.model, tensors)
         else:
@@ -189,6 +208,17 @@ class GeneratorWorker:
         with self._cond:
             self.version = newest
         return time.perf_counter() - start
+
+    def _newest_held_by_all(self, held: list[int]) -> int:
+        """The newest version every generator rank holds, swapped in or pending (one
+        all-gather; the version swapped in is the same on every rank, so there is one)."""
+        mine = torch.full((KEEP_PENDING,), -1, dtype=torch.int64, device=self.runtime.device)
+        if held:
+            mine[:len(held[-KEEP_PENDING:])] = torch.tensor(held[-KEEP_PENDING:], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        common = set.intersection(*({int(v) for v in t.tolist() if v >= 0} for t in every))
+        return max(common, default=self.version)
 
     @register(Dispatch.ONE_TO_ALL)
     def startup_seconds(self) -> dict[str, float]:

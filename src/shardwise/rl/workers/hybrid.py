@@ -219,8 +219,7 @@ class RLWorker:
             return "", 0
         # the group's rendezvous address is rank 0's node (RayWorkerGroup); alone: loopback
         addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        if self._bridge_store is None:
-            self._bridge_store = open_store(addr, BRIDGE_STORE_TIMEOUT_S)
+        self._bridge_store = open_store(addr, BRIDGE_STORE_TIMEOUT_S)  # a fresh one per join
         return addr, int(self._bridge_store.port)
 
     @register(Dispatch.ONE_TO_ALL, collect="first")
