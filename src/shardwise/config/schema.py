@@ -489,8 +489,8 @@ class OffPolicyConfig(Section):
     correction: Literal["none", "tis", "decoupled"] = "none"
     """none: the PPO ratio against the old log-probs (recomputed by the actor, or the
     update's own); tis: the PPO ratio against the behaviour policy (the rollout's
-    log-probs; no old-log-prob forward), each token's ratio truncated at cap before the
-    clip; decoupled (AReaL's decoupled PPO): the PPO ratio against the proximal policy
+    log-probs; the old ones only measure the weights), each token's ratio truncated at
+    cap before the clip; decoupled (AReaL's decoupled PPO): the PPO ratio against the proximal policy
     (the old log-probs, always recomputed by the actor) times the behaviour weight
     min(exp(old_log_prob - rollout_log_prob), cap)."""
     cap: Annotated[float, Field(ge=1)] = 2.0
