@@ -490,9 +490,9 @@ class OffPolicyConfig(Section):
     """none: the PPO ratio against the old log-probs (recomputed by the actor, or the
     update's own); tis: the PPO ratio against the behaviour policy (the rollout's
     log-probs; the old ones only measure the weights), each token's ratio truncated at
-    cap before the clip; decoupled (AReaL's decoupled PPO): the PPO ratio against the proximal policy
-    (the old log-probs, always recomputed by the actor) times the behaviour weight
-    min(exp(old_log_prob - rollout_log_prob), cap)."""
+    cap before the clip; decoupled (AReaL's decoupled PPO): the PPO ratio against the
+    proximal policy (the old log-probs, always recomputed by the actor) times the
+    behaviour weight min(exp(old_log_prob - rollout_log_prob), cap)."""
     cap: Annotated[float, Field(ge=1)] = 2.0
     """Truncation of the importance weights of tis and decoupled (>= 1: a weight of 1,
     on-policy, is never cut)."""
