@@ -131,8 +131,10 @@ class Controller:
         self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
         a = cfg.rl.actor
         self.on_policy_shortcut = (a.on_policy_shortcut and a.ppo_epochs == 1 and a.ppo_mini_batches == 1
-                                   and not cfg.rl.kl_in_reward.enabled)
-        """No old-log-prob forward: the update is on-policy (`ActorWorker.update_actor`)."""
+                                   and not cfg.rl.kl_in_reward.enabled and a.off_policy.correction != "decoupled")
+        """No old-log-prob forward: the update is on-policy (`ActorWorker.update_actor`; with
+        off_policy tis its ratio is against the rollout's log-probs anyway). Never with
+        off_policy decoupled, whose proximal policy is the recomputed old log-probs."""
         self.dp_size = mesh_spec(cfg.parallel, world_size).dp_size
         self.step = 0
         self.groups: dict[str, RayWorkerGroup] = {}
