@@ -57,6 +57,13 @@ class EchoWorker:
         return self.runtime.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def sleep_on(self, rank: int, seconds: float) -> int:
+        import time
+        if self.runtime.rank == rank:
+            time.sleep(seconds)
+        return self.runtime.rank
+
+    @register(Dispatch.ONE_TO_ALL)
     def fail_on(self, rank: int) -> int:
         import torch.distributed as dist
 
@@ -161,6 +168,22 @@ def test_ray_group_failure_raises_instead_of_hanging():
         group.fail_on(1)
     with pytest.raises(WorkerError, match="shut down"):
         group.hello("again")
+
+
+def test_submitted_calls_join_like_call_and_a_timeout_names_the_silent_rank(ray_group):
+    pytest.importorskip("ray")
+    from shardwise.rl.cluster import RayWorkerGroup, WorkerError
+
+    first, second = ray_group.submit("double", rows(3)), ray_group.submit("hello", "hi")
+    assert second.result(30) == ["hi from 0/2", "hi from 1/2"]  # a rank runs its calls in order
+    assert first.ready() and first.result(30).tensors["y"].flatten().tolist() == [0.5, 2.5, 4.5]
+    slow = RayWorkerGroup(EchoWorker, 2, 0.0, name="slow")
+    pending = slow.submit("sleep_on", 1, 60.0)
+    with pytest.raises(WorkerError) as e:
+        pending.result(1.0, what="sleeping for the test")
+    assert str(e.value) == "worker group 'slow': sleeping for the test did not finish in 1 s (rank 1 did not answer)"
+    with pytest.raises(WorkerError, match="shut down"):
+        slow.hello("again")
 
 
 JOIN_SCRIPT = """

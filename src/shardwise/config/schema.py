@@ -641,8 +641,33 @@ def check_multi_turn(section: str, mt: MultiTurnConfig, tools: list[str], enviro
                           f"set it to at most {mt.max_response_tokens}")
 
 
+class AsyncConfig(Section):
+    """Asynchronous RL (`shardwise.rl.async_trainer`): generation on ranks of its own runs
+    ahead of training, each sample at most max_staleness policy versions old when it trains."""
+
+    enabled: bool = False
+    """false: every step generates, scores and updates in turn on the same ranks (today's run)."""
+    max_staleness: NonNeg = 1
+    """A step's batch may come from a policy at most this many updates older than the one it
+    updates; 0: generation waits for every update (the same samples, metrics and weights as
+    the synchronous run on as many training ranks)."""
+    generator_ranks: Pos = 1
+    """Ranks that only generate (their own Ray worker group "gen"); the other nproc - G
+    only train (actor, reference, critic)."""
+    timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """No wait (for a batch, a weight push, a worker call) lasts longer without one line
+    naming who did not answer."""
+    on_stale: Literal["throttle", "drop"] = "throttle"
+    """throttle: generation for a step starts only once the policy it needs exists (AReaL's
+    capacity rule; nothing is thrown away). drop: generation runs one step further ahead
+    without waiting for weights; rows older than max_staleness when their step trains are
+    dropped (counted in async/dropped) and generated again."""
+
+
 class RLConfig(Section):
     """Read by `shardwise rl` only."""
+
+    model_config = ConfigDict(**Section.model_config, populate_by_name=True)
 
     algorithm: Literal["grpo", "ppo"] = "grpo"
     """grpo: group-relative advantages, no critic; ppo: a critic trained alongside."""
@@ -700,6 +725,8 @@ class RLConfig(Section):
     the update runs on the kept groups it has."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Multi-turn rollouts with tool calls (agentic RL)."""
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    """Asynchronous RL: generation on ranks of its own, overlapping the updates."""
     tools: list[str] = []
     """Tools of rl.multi_turn, each a plain Python function as module:function (cwd on the
     import path, like rl.reward.function) with type hints and a docstring: its JSON schema

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from shardwise.config.schema import Config, ParallelConfig, SamplingConfig, TrainConfig
 from shardwise.errors import ConfigError
 
-__all__ = ["MeshSpec", "check_rl_rows", "check_sft_batch", "mesh_spec", "rl_update_groups"]
+__all__ = ["MeshSpec", "check_rl_rows", "check_sft_batch", "mesh_spec", "rl_train_ranks", "rl_update_groups"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,22 @@ def check_rl_rows(cfg: Config, dp_size: int) -> int:
                           f"{rl.actor.ppo_mini_batches} does not divide the {rows // dp_size} rows of each rank",
                           "pick a divisor of (global_batch_size x n / ranks)")
     return rows
+
+
+def rl_train_ranks(cfg: Config, world_size: int) -> int:
+    """The ranks an RL run trains on: all `world_size`, or with ``rl.async`` the
+    ``world_size - generator_ranks`` the generator group leaves (ConfigError naming
+    rl.async.generator_ranks when it leaves none)."""
+    a = cfg.rl.async_
+    if not a.enabled:
+        return world_size
+    if a.generator_ranks >= world_size:
+        most = world_size - 1
+        raise ConfigError("rl.async.generator_ranks",
+                          f"{a.generator_ranks} generator rank(s) leave none of the {world_size} to train on",
+                          f"set it to at most {most}" if most >= 1 else
+                          "run with --nproc 2 or more (one rank trains, one generates), or set rl.async.enabled=false")
+    return world_size - a.generator_ranks
 
 
 def rl_update_groups(groups: int, n: int, dp_size: int, mini_batches: int) -> int:

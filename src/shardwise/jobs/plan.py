@@ -13,7 +13,7 @@ import json
 from torch import nn
 
 from shardwise.config.schema import Config
-from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec
+from shardwise.config.validate import check_rl_rows, check_sft_batch, mesh_spec, rl_train_ranks
 from shardwise.distributed.runtime import env_world
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
@@ -21,8 +21,9 @@ from shardwise.fsdp.comm import step_comm
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.fsdp.projection import Hardware, Projection, load_hardware, profiles, project
 from shardwise.jobs import report
+from shardwise.rl.async_trainer import async_worker_groups
 
-__all__ = ["plan_at", "show"]
+__all__ = ["plan_at", "rl_groups", "show"]
 
 
 def show(cfg: Config, world_size: int | None = None, config_ranks: int | None = None, *,
@@ -47,17 +48,32 @@ def show(cfg: Config, world_size: int | None = None, config_ranks: int | None = 
         return
     world = world_size if world_size is not None else config_ranks or env_world()[1]
     _, plan, projection = plan_at(cfg, world, hw, gpus_per_node, mfu=mfu, rl=rl)
+    groups = rl_groups(cfg, world) if rl and cfg.rl.async_.enabled else None
     if as_json:
         out = plan.to_json()
         if projection is not None:
             out["projection"] = projection.to_json()
+        if groups is not None:
+            out["worker_groups"] = groups
         print(json.dumps(out, indent=2))
         return
+    if groups is not None:
+        print("rl.async: " + "; ".join(f"worker group {g['name']} ({', '.join(g['roles'])}) on {g['ranks']} "
+                                       f"rank{'s' * (g['ranks'] > 1)}" for g in groups)
+              + "; the plan below is the training group's")
     print(report.format_plan(plan))
     if projection is not None:
         print("\n" + report.format_projection(projection, hw))
     if rl and cfg.model.lora.enabled and cfg.rl.reference.enabled:
         print("rl: the reference policy is the actor with its LoRA adapters disabled (no reference model in memory)")
+
+
+def rl_groups(cfg: Config, world: int) -> list[dict]:
+    """The worker groups of an asynchronous RL run on `world` ranks: name, roles, ranks
+    (the training groups on the ranks the generator group leaves)."""
+    train = rl_train_ranks(cfg, world)
+    return [{"name": name, "roles": roles, "ranks": world - train if name == "gen" else train}
+            for name, roles in async_worker_groups(cfg).items()]
 
 
 def plan_at(cfg: Config, world: int, hw: Hardware | None, gpus_per_node: int, *, mfu: float | None = None,
@@ -66,7 +82,7 @@ def plan_at(cfg: Config, world: int, hw: Hardware | None, gpus_per_node: int, *,
     """(meta model, plan with its step's communication, projection on `hw` or None) at
     `world` ranks. `accumulation`: micro-batches per step to keep (a scan keeps each rank's
     step), instead of the config's global batch. An `rl` plan has no step communication."""
-    spec = mesh_spec(cfg.parallel, world)
+    spec = mesh_spec(cfg.parallel, rl_train_ranks(cfg, world) if rl else world)
     if hw is not None and world > gpus_per_node and world % gpus_per_node:
         raise ConfigError("--world-size", f"{world} ranks do not fill whole nodes of {gpus_per_node} GPUs",
                           f"use a multiple of {gpus_per_node}, or set --gpus-per-node")

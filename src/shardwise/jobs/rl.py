@@ -3,9 +3,12 @@
 `prepare` runs every check the config and its files allow before Ray starts: the mesh,
 rows per step against the ranks and mini-batches, the model and reward-model folders, the
 tokenizer, the prompts, the reward function, an explicit resume folder and the sharding
-plan (on the meta device). `run` builds the `shardwise.rl.trainer.Controller` from what
-was prepared, starts the worker groups, resumes, measures the held-out accuracy, trains,
-measures it again, exports the actor and plots the metrics. The controller writes
+plan (on the meta device); with ``rl.async`` the mesh is the training ranks' (nproc -
+generator_ranks) and what the asynchronous run does not do yet is refused (`check_rl_async`).
+`run` builds the `shardwise.rl.trainer.Controller` (with rl.async the
+`shardwise.rl.async_trainer.AsyncController`) from what was prepared, starts the worker
+groups, resumes, measures the held-out accuracy, trains, measures it again, exports the
+actor and plots the metrics. The controller writes
 ``run.dir/metrics.jsonl`` and the trackers of ``run.loggers`` (each step's scalars, the
 config, the summary without the per-step history).
 """
@@ -23,6 +26,7 @@ from shardwise.config.validate import (
     check_generation_engine,
     check_rl_rows,
     mesh_spec,
+    rl_train_ranks,
 )
 from shardwise.data.chat import export_template, use_chat_template
 from shardwise.data.encode import truncation_note
@@ -47,6 +51,8 @@ from shardwise.jobs.inputs import (
 )
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
+from shardwise.models.vision import is_vision_language
+from shardwise.rl.async_trainer import AsyncController
 from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, mean_timing
 from shardwise.telemetry import plot_metrics
@@ -83,13 +89,15 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     built here only check the plan."""
     clock = StartupClock(launched_at())
     clock.lap("launch")  # the interpreter, imports, the config and the command's own checks
-    spec = mesh_spec(cfg.parallel, world_size)
+    train_ranks = rl_train_ranks(cfg, world_size)  # rl.async: the generator group takes the rest
+    spec = mesh_spec(cfg.parallel, train_ranks)
     check_causal_task(cfg, "`shardwise rl`")
     check_ray_address()  # a cluster that is not there fails here, not after minutes of Ray's retries
     rows = check_rl_rows(cfg, spec.dp_size)
-    check_generation_engine(cfg.rl.rollout, world_size, "rl.rollout")
+    check_generation_engine(cfg.rl.rollout, world_size - train_ranks or world_size, "rl.rollout")
     check_token_budgets(cfg)
     check_model(cfg)
+    check_rl_async(cfg)
     schemas = check_rl_agents(cfg)
     if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
         vllm_engine.check_supported(load_hf_config(cfg.model), "rl.rollout", "model.config")
@@ -123,6 +131,31 @@ def check_rl_agents(cfg: Config) -> list[dict] | None:
                           f"{'no rl.environment' if env is None else rl.environment + ' has no reward()'} gives one",
                           "set rl.reward.function, or give the environment a reward() method")
     return schemas
+
+
+def check_rl_async(cfg: Config) -> None:
+    """ConfigError naming the key when ``rl.async`` meets what the asynchronous run does not
+    do yet: Ulysses sequence parallel, multi-turn rollouts, refilled group filtering (its
+    extra rounds would generate inside a step), a LoRA actor (the generator group takes
+    full weights) and a vision-language policy (the generator group takes text prompts)."""
+    if not cfg.rl.async_.enabled:
+        return
+    off = "or set rl.async.enabled=false"
+    if cfg.parallel.ulysses_size > 1:
+        raise ConfigError("parallel.ulysses_size", "asynchronous RL (rl.async) does not run Ulysses sequence "
+                          "parallel yet", f"set parallel.ulysses_size=1, {off}")
+    if cfg.rl.multi_turn.enabled:
+        raise ConfigError("rl.multi_turn.enabled", "asynchronous RL (rl.async) does not roll out multi-turn "
+                          "trajectories yet", f"set rl.multi_turn.enabled=false, {off}")
+    if cfg.rl.filter_groups != "none" and cfg.rl.filter_groups_refill:
+        raise ConfigError("rl.filter_groups_refill", "asynchronous RL (rl.async) generates each step's prompts "
+                          "ahead and cannot refill a step with more rounds", f"set rl.filter_groups_refill=false, {off}")
+    if cfg.model.lora.enabled:
+        raise ConfigError("model.lora.enabled", "asynchronous RL (rl.async) pushes full weights to its generator "
+                          "group and does not train LoRA adapters yet", f"set model.lora.enabled=false, {off}")
+    if is_vision_language(load_hf_config(cfg.model)):
+        raise ConfigError("model.path", "asynchronous RL (rl.async) generates from text prompts and does not "
+                          "train a vision-language policy yet", off.removeprefix("or "))
 
 
 def check_rl_ulysses(cfg: Config, sp: int) -> None:
@@ -171,12 +204,15 @@ def plot_panels(cfg: Config, on_policy_shortcut: bool) -> list[tuple[str, list[s
     """The panels of ``rl.png``, each with only the metrics a run of `cfg` logs
     (`on_policy_shortcut`: the controller's, no old-log-prob forward)."""
     kl = ["kl"] if cfg.rl.reference.enabled else []
+    asynchronous = cfg.rl.async_.enabled
     panels = [("reward / accuracy", ["reward/mean"] + ["accuracy"] * (cfg.rl.reward.function is not None)),
               ("response length", ["response_length/mean"]),
               ("KL to reference / entropy" if kl else "entropy", [*kl, "entropy"]),
               ("actor", ["actor/grad_norm", "actor/pg_clipfrac"]),
-              ("seconds per phase", ["time/step", "time/generate", "time/update_actor"]
-               + ["time/old_log_prob"] * (not on_policy_shortcut))]
+              ("seconds per phase", ["time/step", "time/trainer_wait" if asynchronous else "time/generate",
+                                     "time/update_actor"] + ["time/old_log_prob"] * (not on_policy_shortcut))]
+    if asynchronous:
+        panels.append(("staleness (policy versions)", ["async/staleness_mean", "async/staleness_max"]))
     if cfg.rl.critic.enabled:
         panels.append(("critic", ["critic/vf_loss"]))
     if cfg.rl.filter_groups != "none":
@@ -205,7 +241,8 @@ def _run(prepared: Prepared) -> dict[str, Any]:
         log.warning("lora: the actor trains LoRA adapters (r=%d); %s", cfg.model.lora.r,
                     "the reference is the actor with its adapters disabled (no second model in memory)"
                     if cfg.rl.reference.enabled else "no reference")
-    ctl = Controller(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
+    kind = AsyncController if cfg.rl.async_.enabled else Controller
+    ctl = kind(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
                      vision, prepared.schemas)
     summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
     clock = prepared.clock

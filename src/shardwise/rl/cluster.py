@@ -58,7 +58,7 @@ from shardwise.telemetry.logs import capture_worker_stderr, console_logger
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankPlace", "RayWorkerGroup", "WorkerError", "init_ray", "rank_bundles", "shutdown_ray"]
+__all__ = ["Pending", "RankPlace", "RayWorkerGroup", "WorkerError", "gpus_for", "init_ray", "rank_bundles", "shutdown_ray"]
 
 # Variables every worker process gets (the driver's values win where set).
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -209,6 +209,12 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
     finally:
         if main and term is not None:
             signal.signal(signal.SIGTERM, term)
+
+
+def gpus_for(ranks: int) -> bool:
+    """Whether the Ray cluster has a GPU for each of `ranks` ranks (groups that share the
+    cluster decide together: one group taking the GPUs would leave another waiting)."""
+    return _ray().cluster_resources().get("GPU", 0) >= ranks
 
 
 _RAY_PROGRAMS = ("raylet", "gcs_server")
@@ -439,6 +445,16 @@ class RayWorkerGroup:
         return call
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the worker method `name` on the ranks and wait for its joined result (no
+        bound but the workers' own: a lost rank still ends it, see `_wait`)."""
+        pending = self.submit(name, *args, **kwargs)
+        pending.blocking = True
+        return pending.result()
+
+    def submit(self, name: str, *args: Any, **kwargs: Any) -> Pending:
+        """Start the worker method `name` on the ranks (split by its dispatch rule) without
+        waiting; `Pending.result` joins it. A rank runs its calls one at a time, in the order
+        they were submitted."""
         rule = dispatch_rule(self.worker_cls, name)
         if rule is None:
             raise AttributeError(f"{self.worker_cls.__name__}.{name} has no dispatch rule")
@@ -447,13 +463,7 @@ class RayWorkerGroup:
         t0 = time.perf_counter()
         calls, pad = split_arguments(rule, self.layout, name, args, kwargs)
         futures = {i: self._actors[i].execute.remote(name, *c) for i, c in enumerate(calls) if c is not None}
-        done = self._wait(futures, name)
-        results: list[Any] = [None] * self.world_size
-        for i, (r, _) in zip(futures, done):
-            results[i] = r
-        out = collect_results(rule, self.layout, name, results, pad)
-        self.dispatch_s += time.perf_counter() - t0 - max((s for _, s in done), default=0.0)
-        return out
+        return Pending(self, name, rule, futures, pad, t0, time.perf_counter() - t0)
 
     def _wait(self, futures: Mapping[int, Any], what: str, timeout: float | None = None) -> list[Any]:
         """The results of `futures` (rank -> object ref), in the mapping's order; on the
@@ -487,8 +497,11 @@ class RayWorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             if not ready:
                 if deadline is not None and time.monotonic() >= deadline:
+                    silent = sorted(rank_of[f] for f in pending)
                     self.shutdown(graceful=False)
-                    raise WorkerError(f"{self.name}.{what} did not finish in {timeout} s")
+                    ranks = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
+                    raise WorkerError(f"worker group {self.name!r}: {what} did not finish in {timeout:g} s "
+                                      f"({ranks} did not answer)")
                 continue
             try:
                 ray.get(ready[0])
@@ -570,6 +583,49 @@ class RayWorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown(graceful=exc[0] is None)
+
+
+class Pending:
+    """A worker method started on a group's ranks (`RayWorkerGroup.submit`); `result`
+    waits for it and joins the ranks' results as `RayWorkerGroup.call` does."""
+
+    def __init__(self, group: RayWorkerGroup, name: str, rule: Any, futures: dict[int, Any], pad: Any,
+                 t0: float, split_s: float):
+        self.group, self.name, self._rule, self._futures, self._pad = group, name, rule, futures, pad
+        self._t0, self._split_s = t0, split_s
+        self.blocking = False
+        """Waited for right after it started (`RayWorkerGroup.call`)."""
+        self._done = False
+        self._value: Any = None
+
+    def ready(self) -> bool:
+        """Whether every rank has answered (without waiting)."""
+        ray = _ray()
+        return self._done or len(ray.wait(list(self._futures.values()), num_returns=len(self._futures),
+                                          timeout=0)[0]) == len(self._futures)
+
+    def result(self, timeout_s: float | None = None, what: str | None = None) -> Any:
+        """The joined result. A rank that raised or was lost, or (with `timeout_s`) ranks
+        that did not answer within `timeout_s` seconds, end in one `WorkerError` naming the
+        group, `what` the ranks were doing (default: the method) and the ranks; the group is
+        shut down first (see `RayWorkerGroup._wait`). A second call returns the same result."""
+        if self._done:
+            return self._value
+        g = self.group
+        if not g._alive:  # its actors are gone: nothing would ever answer
+            raise WorkerError(f"worker group {g.name!r} was shut down before {what or self.name} finished")
+        done = g._wait(self._futures, what or self.name, timeout=timeout_s)
+        t1 = time.perf_counter()
+        results: list[Any] = [None] * g.world_size
+        for i, (r, _) in zip(self._futures, done):
+            results[i] = r
+        self._value = collect_results(self._rule, g.layout, self.name, results, self._pad)
+        if self.blocking:  # all but the slowest rank's method: moving data and scheduling
+            g.dispatch_s += time.perf_counter() - self._t0 - max((s for _, s in done), default=0.0)
+        else:  # started ahead: its wait held other work too; the split and the join are the dispatch
+            g.dispatch_s += self._split_s + time.perf_counter() - t1
+        self._done = True
+        return self._value
 
 
 def _is_death(e: BaseException) -> bool:

@@ -235,16 +235,18 @@ class Controller:
             g.wait_checkpoint()
 
     # -- one step
-    def next_prompts(self, round_: int = 0) -> Batch:
+    def next_prompts(self, round_: int = 0, step: int | None = None) -> Batch:
         """The sampler's next global batch of prompts, each repeated rl.rollout.n times, with
         the sampling seed of this step's sampling round `round_` (0, then 1, 2, ... for the
-        refills of ``rl.filter_groups_refill``). A prompt's uid names its group."""
+        refills of ``rl.filter_groups_refill``). A prompt's uid names its group. `step`: the
+        step they are for (default the current one; the asynchronous run draws ahead)."""
+        step = self.step if step is None else step
         indices = next(self._batches)
-        tag = str(self.step) if round_ == 0 else f"{self.step}.{round_}"
+        tag = str(step) if round_ == 0 else f"{step}.{round_}"
         uids = [f"{tag}-{i}" for i in range(len(indices))]
         batch = self.prompt_batch([self.records[i] for i in indices], uids)
         batch = batch.repeat(self.cfg.rl.rollout.n, interleave=True)
-        batch.meta["seed"] = self.cfg.run.seed * 1_000_003 + self.step + round_ * _ROUND_SEED
+        batch.meta["seed"] = self.cfg.run.seed * 1_000_003 + step + round_ * _ROUND_SEED
         return batch
 
     def prompt_batch(self, records: list[dict[str, Any]], uids: list[str]) -> Batch:

@@ -14,12 +14,15 @@ worker group.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from shardwise.agents.execute import ToolRunner
 from shardwise.agents.loop import run_multi_turn
@@ -30,10 +33,12 @@ from shardwise.config.load import config_from_dict
 from shardwise.data.batch import Batch
 from shardwise.data.chat import use_chat_template
 from shardwise.data.tokenizer import load_tokenizer, tokenizer_dir
+from shardwise.distributed.bridge import BridgeError, WeightBridge, open_store
 from shardwise.distributed.runtime import Runtime, seed_everything
 from shardwise.engine.generate import build_generator
 from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.errors import ConfigError
+from shardwise.fsdp.gather import iter_full_tensors
 from shardwise.models.loading import load_hf_config
 from shardwise.rl.dispatch import Dispatch, register
 from shardwise.rl.workers.actor import ActorWorker, LoraReference, ReferenceWorker
@@ -43,6 +48,8 @@ from shardwise.rl.workers.reward import RewardModelWorker
 log = logging.getLogger(__name__)
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
+BRIDGE_STORE_TIMEOUT_S = 600.0
+"""The weight bridge's store, before `bridge_join` sets the run's timeout."""
 CRITIC_DIR = "critic"
 
 
@@ -62,6 +69,9 @@ class RLWorker:
         self.tools: ToolRunner | None = None
         """rl.multi_turn: the runner of this rank's tool calls (its processes live until `close`)."""
         self._ckpt = self._critic_ckpt = None
+        self._bridge: WeightBridge | None = None
+        """Asynchronous RL, actor rank 0: the weight bridge to the generator group."""
+        self._bridge_store = None
         self.startup_s: dict[str, float] = {}
         """Seconds this rank spent building each part (`startup_seconds`)."""
         clock = time.perf_counter()
@@ -199,6 +209,66 @@ class RLWorker:
             return {}
         return self.weight_sync.last_metrics()
 
+    # -- asynchronous RL: the weight bridge to the generator group
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def bridge_address(self) -> tuple[str, int]:
+        """Actor rank 0 opens the weight bridge's store (`shardwise.distributed.bridge`) on a
+        free port of its node; ``(address, port)`` for `bridge_join` on both groups."""
+        self._need("actor")
+        if self.runtime.rank != 0:
+            return "", 0
+        # the group's rendezvous address is rank 0's node (RayWorkerGroup); alone: loopback
+        addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        self._bridge_store = open_store(addr, BRIDGE_STORE_TIMEOUT_S)  # a fresh one per join
+        return addr, int(self._bridge_store.port)
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def bridge_join(self, addr: str, port: int, world: int, timeout_s: float) -> None:
+        """Actor rank 0 joins the weight bridge as its root (bridge rank 0; the generator
+        ranks join at the same time), at most `timeout_s`; the other actor ranks do nothing."""
+        self._need("actor")
+        if self.runtime.rank != 0:
+            return
+        if self._bridge is not None:
+            self._close_bridge()
+        self._bridge = WeightBridge(addr, port, 0, world, self.runtime.device, timeout_s, store=self._bridge_store,
+                                    name="weight bridge (actor -> gen)")
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
+    def publish_weights(self, version: int) -> dict[str, float]:
+        """Push the actor's weights as policy `version` to the generator group: every actor
+        rank gathers the full tensors (`iter_full_tensors`, collective; a LoRA actor's
+        merged), rank 0 hands them to the bridge, which broadcasts them in the background
+        (raising here if its previous push failed or has not finished in time).
+        ``{"time/weight_gather": seconds, "weight_sync/bytes": bytes pushed}``."""
+        actor = self._need("actor")
+        main = self.runtime.rank == 0
+        if main and self._bridge is None:
+            raise RuntimeError("publish_weights before bridge_join: actor rank 0 has no weight bridge")
+        start = time.perf_counter()
+        bb = bucket_bytes(self.cfg.rl.rollout)
+        sd = actor.model.state_dict()
+        # plain (unsharded) entries come as the model's own tensors: copied, the bridge keeps them
+        own = {t.untyped_storage().data_ptr() for t in sd.values() if not isinstance(t, DTensor)}
+        del sd
+        named: list[tuple[str, torch.Tensor]] = []
+        nbytes = 0
+        for name, t in iter_full_tensors(actor.model, bucket_bytes=bb):
+            nbytes += t.numel() * t.element_size()
+            if main:
+                named.append((name, t.clone() if t.untyped_storage().data_ptr() in own else t))
+        out = {"time/weight_gather": time.perf_counter() - start, "weight_sync/bytes": float(nbytes)}
+        if main:
+            self._bridge.send(int(version), named, bb)
+        return out
+
+    def _close_bridge(self) -> None:
+        bridge, self._bridge = self._bridge, None
+        try:
+            bridge.close()
+        except BridgeError as e:
+            log.warning("%s", e)
+
     # -- checkpoints and export
     @register(Dispatch.ONE_TO_ALL, collect="first")
     def save_checkpoint(self, step: int, extra: dict[str, Any], final: bool = False) -> str:
@@ -262,6 +332,8 @@ class RLWorker:
         if self.tools is not None:
             self.tools.close()
             self.tools = None
+        if self._bridge is not None:
+            self._close_bridge()
         if self.rollout is not None:
             self.rollout.shutdown()
         for m in (self._ckpt, self._critic_ckpt):

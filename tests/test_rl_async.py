@@ -1,0 +1,306 @@
+"""Asynchronous RL (``rl.async``) end to end through the real CLI: a training group and a
+generator group of Ray workers, the weight bridge between them, the single controller in
+the CLI process.
+
+- exact at zero: ``--nproc 2`` with one generator rank and ``max_staleness: 0``, stopped
+  after its first step and resumed, equals the uninterrupted synchronous ``--nproc 1`` run
+  on the same seed: the same batches (samples, log-probs, scores, advantages), the same
+  metrics, bitwise the same exported weights;
+- ``max_staleness: 1`` (with ``on_stale: drop``, which runs ahead without waiting for
+  weights) measures the held-out accuracy through the generator group, logs its staleness
+  (never above 1) and the idle figures of both sides, and checkpoints the policy version and
+  the steps in flight; its generator rank, killed mid-run, ends the run with exit 1 and one
+  line naming the group, the rank, what it was doing and the last checkpoint, and leaves no
+  process of the run behind;
+- what the asynchronous run cannot do is refused before Ray starts (exit 2, one line), and
+  ``shardwise plan --rl`` shows both groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dist.common import TINY_QWEN3
+from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, alive, at_once, run_cli
+
+pytest.importorskip("ray")
+
+GRPO = str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml")
+TOY_REWARD = "def ones(prompt, response, ground_truth):\n    return response.count('1') / 4\n"
+COMMON = ["model.path=null", TINY_QWEN3, "train.global_batch_size=4", "train.micro_batch_size=8",
+          "rl.rollout.n=4", "rl.rollout.max_new_tokens=4", "train.optimizer.lr=1e-3",
+          "rl.reward.function=toy_reward:ones", "checkpoint.every_steps=0"]
+ASYNC = ["rl.async.enabled=true", "rl.async.generator_ranks=1"]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Side by side (each its own command and Ray cluster): the synchronous run on 1 rank;
+    the asynchronous one at staleness 0 on 1 + 1 ranks, stopped after step 1 and resumed;
+    and the one whose generator is killed (`kill_the_generator`)."""
+    tmp = tmp_path_factory.mktemp("async_runs")
+    (tmp / "toy_reward.py").write_text(TOY_REWARD)
+
+    def rl(name: str, nproc: int, *overrides: str):
+        res = run_cli(["rl", GRPO, "--nproc", str(nproc), f"run.dir={tmp / name}", *COMMON, *overrides],
+                      timeout=400, cwd=tmp)
+        return tmp / name, res
+
+    exact = ["rl.record_batches=2", "rl.heldout_eval=false"]
+
+    def stopped_and_resumed():  # step 1, then (resumed from its checkpoint) step 2
+        zero = [*exact, *ASYNC, "rl.async.max_staleness=0"]
+        first = rl("zero", 2, *zero, "train.max_steps=1")
+        return first if first[1].returncode else rl("zero", 2, *zero, "train.max_steps=2")
+
+    sync, zero, killed = at_once(
+        lambda: rl("sync", 1, *exact, "train.max_steps=2"),
+        stopped_and_resumed,
+        lambda: kill_the_generator(tmp))
+    return {"sync": sync, "zero": zero, "killed": killed}
+
+
+def kill_the_generator(tmp: Path) -> dict:
+    """A long asynchronous run at max_staleness 1 (on_stale drop: generation runs ahead
+    without waiting for weights; the held-out accuracy measured through the generator group
+    first) whose generator rank is killed by SIGKILL once three steps were logged and a
+    checkpoint committed; its exit status, output, the rank's pid and the run's mark (an
+    environment variable every process of the run inherits)."""
+    run = tmp / "killed"
+    mark = f"shardwise-test-{os.getpid()}-{time.monotonic_ns()}"
+    out = open(tmp / "killed.txt", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "rl", GRPO, "--nproc", "2", f"run.dir={run}", *COMMON, *ASYNC,
+         "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=100000", "checkpoint.every_steps=1",
+         "checkpoint.async=false"],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
+        env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1", "SHARDWISE_TEST_MARK": mark})
+    try:
+        deadline = time.monotonic() + 300
+        while not (list((run / "checkpoints").glob("step_*/COMMITTED")) and (run / "metrics.jsonl").is_file()
+                   and len(metrics(run)) >= 3):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out.seek(0)
+                return {"run": run, "code": proc.poll(), "text": out.read(), "pid": None, "mark": mark}
+            time.sleep(0.3)
+        pid = json.loads((run / "workers.json").read_text())["gen"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        code = proc.wait(timeout=120)
+        out.seek(0)
+        return {"run": run, "code": code, "text": out.read(), "pid": pid, "mark": mark}
+    finally:
+        _kill_tree(proc.pid)
+        proc.wait()
+        out.close()
+
+
+def finished(runs, name: str) -> Path:
+    run_dir, res = runs[name]
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    return run_dir
+
+
+def test_async_at_staleness_zero_and_resumed_equals_the_synchronous_run(runs):
+    from shardwise.data.batch import Batch
+
+    sync, zero = finished(runs, "sync"), finished(runs, "zero")
+    assert f"resuming {zero / 'checkpoints' / 'step_00000001'}" in runs["zero"][1].stderr  # the second command
+    a, b = metrics(sync), metrics(zero)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+    assert a[1]["actor/grad_norm"] > 0  # the toy reward varies within groups: real updates
+    for m, n in zip(a, b):
+        for key, value in m.items():
+            if not key.startswith(("time", "perf/")):
+                assert n[key] == value, key
+        assert n["async/staleness_max"] == 0 and n["async/dropped"] == 0
+    for step in (1, 2):
+        x = Batch.from_bytes((sync / "batches" / f"step_{step:08d}.batch").read_bytes())
+        y = Batch.from_bytes((zero / "batches" / f"step_{step:08d}.batch").read_bytes())
+        assert set(x.tensors) == set(y.tensors)
+        for key, t in x.tensors.items():
+            assert torch.equal(t, y.tensors[key]), (step, key)
+        assert list(y.arrays["version"]) == [step - 1] * len(y)  # generated by the policy it updates
+        assert set(x.arrays) == set(y.arrays) - {"version"}
+        for key, v in x.arrays.items():
+            assert list(v) == list(y.arrays[key]), (step, key)
+    assert (sync / "hf" / "model.safetensors").read_bytes() == (zero / "hf" / "model.safetensors").read_bytes()
+    places = json.loads((zero / "workers.json").read_text())
+    assert sorted(places) == ["gen", "rl"] and len(places["gen"]) == len(places["rl"]) == 1
+
+
+def test_async_at_staleness_one_runs_ahead_within_the_bound(runs):
+    k = runs["killed"]  # the steps it logged before its generator was killed
+    lines = metrics(k["run"])
+    assert len(lines) >= 3, k["text"][-3000:]
+    for m in lines:
+        assert 0 <= m["async/staleness_mean"] <= m["async/staleness_max"] <= 1, m
+        for key in ("async/dropped", "time/trainer_wait", "time/generator_wait", "time/weight_sync",
+                    "time/weight_gather", "weight_sync/bytes", "reward/mean", "actor/grad_norm"):
+            assert isinstance(m[key], float), key
+    assert lines[0]["async/staleness_max"] == 0  # the first step has no older policy to come from
+    assert lines[0]["time/startup/eval"] > 0  # the held-out accuracy, through the generator group
+    # a checkpoint holds the policy version and the steps in flight (generated again on resume)
+    last = sorted((k["run"] / "checkpoints").glob("step_*/COMMITTED"))[-1].parent
+    extra = json.loads((last / "meta.json").read_text())["extra"]
+    step = int(last.name.removeprefix("step_"))
+    assert extra["async"]["policy_version"] == step and extra["step"] == step, extra
+    assert extra["async"]["in_flight"] and all(t >= step for t in extra["async"]["in_flight"]), extra
+
+
+def test_a_killed_generator_rank_is_named_with_the_last_checkpoint_and_nothing_is_left(runs):
+    k = runs["killed"]
+    run, code, text, pid, mark = k["run"], k["code"], k["text"], k["pid"], k["mark"]
+    assert pid is not None, f"the run ended (exit {code}) before the generator was killed:\n{text[-3000:]}"
+    lines = [x for x in text.splitlines() if x.startswith("shardwise: ")]
+    assert code == 1 and len(lines) == 1, f"exit {code}\n{text[-3000:]}"
+    line = lines[0]
+    assert "worker group 'gen' lost rank 0 in generate_sequences for step" in line, line
+    assert f"pid {pid}" in line and str(run / "checkpoints" / "step_") in line, line
+    left = []
+    for _ in range(100):  # Ray's processes go within seconds of the line
+        left = alive([p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+                      if _environ(p).get("SHARDWISE_TEST_MARK") == mark])
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
+
+
+@pytest.mark.parametrize("nproc,extra,key,words", [
+    (2, ["rl.async.generator_ranks=2"], "rl.async.generator_ranks", "leave none of the 2 to train on"),
+    (1, [], "rl.async.generator_ranks", "run with --nproc 2 or more"),
+    (3, ["train.global_batch_size=1", "rl.rollout.n=3"], "train.global_batch_size",
+     "do not split over 2 data-parallel ranks"),
+    (3, ["parallel.ulysses_size=2"], "parallel.ulysses_size", "does not run Ulysses"),
+    (2, ["model.lora.enabled=true"], "model.lora.enabled", "LoRA"),
+    (2, ["rl.filter_groups=zero_variance", "rl.filter_groups_refill=true"], "rl.filter_groups_refill", "refill"),
+    (2, ["rl.async.max_staleness=-1"], "rl.async.max_staleness", ">= 0"),
+], ids=["no_trainer_left", "one_rank", "rows", "ulysses", "lora", "refill", "staleness"])
+def test_what_async_cannot_do_exits_2_before_ray(nproc, extra, key, words, tmp_path, capsys, monkeypatch):
+    from shardwise.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    code = main(["rl", GRPO, "--nproc", str(nproc), f"run.dir={tmp_path / 'run'}", "model.path=null", TINY_QWEN3,
+                 *ASYNC[:1], *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"'{key}'" in err and words in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_shows_both_groups(capsys):
+    from shardwise.cli import main
+
+    assert main(["plan", GRPO, "--rl", "--world-size", "3", "model.path=null", TINY_QWEN3, *ASYNC,
+                 "rl.reference.enabled=true"]) == 0
+    out = capsys.readouterr().out
+    assert "worker group rl (actor, ref) on 2 ranks; worker group gen (generator) on 1 rank" in out, out
+    assert main(["plan", GRPO, "--rl", "--world-size", "3", "--json", "model.path=null", TINY_QWEN3, *ASYNC]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [(g["name"], g["ranks"]) for g in plan["worker_groups"]] == [("rl", 2), ("gen", 1)]
+    assert plan["mesh"]["world_size"] == 2
+
+
+# ------------------------------------------------- the schedule, on the controller alone
+
+
+class Generated:
+    """What `RayWorkerGroup.submit` hands back, for a generation made at once."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def result(self, timeout_s=None, what=None):
+        return self.batch
+
+
+class GeneratorGroup:
+    """A stand-in for the generator group that records each submitted generation and
+    answers with `assemble_sequences` (every engine's output layout) from the policy
+    version `versions(rows, call)` says, responses `width` tokens wide."""
+
+    def __init__(self, versions, width):
+        self.calls: list[tuple[list[str], int]] = []
+        self.versions, self.width = versions, width
+
+    def submit(self, name, prompts, min_version):
+        from shardwise.engine.generate import assemble_sequences
+
+        assert name == "generate_sequences"
+        self.calls.append((list(prompts.arrays["uid"]), min_version))
+        n, width = len(prompts), self.width(len(self.calls))
+        g = torch.Generator().manual_seed(len(self.calls))
+        responses = torch.randint(3, 60, (n, width), generator=g)
+        out = assemble_sequences(prompts, prompts.tensors["prompt_ids"], prompts.tensors["prompt_mask"], responses,
+                                 -torch.rand(n, width, generator=g), torch.ones(n, width, dtype=torch.bool), 0, 1)
+        out.arrays["version"] = np.asarray(self.versions(n, len(self.calls)), dtype=np.int64)
+        return Generated(out)
+
+
+def controller(tmp_path, *overrides: str):
+    from shardwise.data.tokenizer import load_tokenizer, tokenizer_dir
+    from shardwise.jobs import configs
+    from shardwise.rl.async_trainer import AsyncController
+
+    cfg, _ = configs.load(GRPO, ["model.path=null", TINY_QWEN3, f"run.dir={tmp_path}", *ASYNC,
+                                 "train.global_batch_size=2", "rl.rollout.n=2", *overrides], None)
+    tokenizer = load_tokenizer(tokenizer_dir(None, None, tmp_path, build=True))
+    records = [{"prompt": f"{i}+1=", "ground_truth": str(i + 1)} for i in range(16)]
+    return AsyncController(cfg, 2, records, tokenizer, str(tmp_path), None)
+
+
+def test_throttle_submits_what_can_still_train_in_time_and_checkpoints_the_prompts_in_flight(tmp_path):
+    ctl = controller(tmp_path, "rl.async.max_staleness=2", "train.max_steps=5")
+    ctl.gen = gen = GeneratorGroup(lambda n, call: [0] * n, lambda call: 3)
+    submitted = []
+    for s in range(5):
+        ctl.step = s
+        before = len(gen.calls)
+        ctl.submit_ahead()
+        submitted.append([(uids[0].split("-")[0], least) for uids, least in gen.calls[before:]])
+        if s == 1:  # a checkpoint after step 1: the sampler before step 1 drew, steps 1..3 in flight
+            state = ctl.state_dict()
+            assert state["sampler"] == {"epoch": 0, "position": 2} and state["async"]["in_flight"] == [1, 2, 3]
+        pending, prompts = ctl.in_flight.pop(s)
+        assert prompts.meta["seed"] == s and list(prompts.arrays["uid"]) == [f"{s}-0", f"{s}-0", f"{s}-1", f"{s}-1"]
+    # AReaL's capacity rule: step t is submitted at step t - S, asking for version t - S (v0 at least)
+    assert submitted == [[("0", 0), ("1", 0), ("2", 0)], [("3", 1)], [("4", 2)], [], []]
+
+
+def test_drop_regenerates_the_rows_too_old_and_keeps_the_order(tmp_path):
+    ctl = controller(tmp_path, "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=4")
+    # the first call's rows alternate versions 0 and 2; the regenerated ones are version 2
+    ctl.gen = GeneratorGroup(lambda n, call: [0, 2] * (n // 2) if call == 1 else [2] * n, lambda call: 2 + call)
+    ctl.step = ctl._next_step = 2  # as if steps 0 and 1 had trained
+    ctl.submit_ahead()
+    assert [least for _, least in ctl.gen.calls] == [0, 0]  # steps 2 and 3 (one further), never waiting
+    first = ctl.in_flight[2][0].result()
+    metrics: dict[str, float] = {}
+    batch = ctl._take(2, metrics)
+    assert metrics["async/dropped"] == 2 and ctl.gen.calls[-1] == (["2-0", "2-1"], 1)
+    assert list(batch.arrays["uid"]) == ["2-0", "2-0", "2-1", "2-1"] and list(batch.arrays["version"]) == [2] * 4
+    kept = batch.tensors["responses"][[1, 3]]
+    assert torch.equal(kept[:, :first.tensors["responses"].shape[1]], first.tensors["responses"][[1, 3]])
+    assert batch.tensors["input_ids"].shape == batch.tensors["attention_mask"].shape == \
+        batch.tensors["rollout_log_probs"].shape
