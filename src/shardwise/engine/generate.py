@@ -202,15 +202,20 @@ class RowSampler(LogitsProcessor):
     falls in the cumulative distribution of ``softmax(logits / temperature)`` (cut to the
     top-p nucleus, renormalised), computed in float64. Every other token's score becomes
     -inf, so HF ``generate`` run greedy (``do_sample=False``) picks exactly that token. A
-    row's draws depend on its seed and its own logits alone. `prompt_width`: the prompt
+    row's draws depend on its seed and its own logits alone (step t's uniform is the t-th
+    number of the row's stream whatever `max_new_tokens` is: a multi-turn call, whose
+    limit depends on the other rows' room, draws the same). `prompt_width`: the prompt
     columns of ``input_ids`` (HF appends one column per step).
     """
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, prompt_width: int,
                  max_new_tokens: int):
-        self.uniforms = torch.stack([torch.rand(max_new_tokens, dtype=torch.float64,
+        # one spare step: a generate that checks its stop one step late (HF's DeferredStopCheck)
+        # runs one forward more and undoes its token
+        width = max_new_tokens + 1
+        self.uniforms = torch.stack([torch.rand(width, dtype=torch.float64,
                                                 generator=torch.Generator().manual_seed(int(s)))
-                                     for s in seeds]) if len(seeds) else torch.empty((0, max_new_tokens))
+                                     for s in seeds]) if len(seeds) else torch.empty((0, width), dtype=torch.float64)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.prompt_width = int(prompt_width)
