@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from dist.launcher import REPO_ROOT, run_cli, run_ranks
@@ -226,6 +227,28 @@ def test_sampled_hf_trajectories_keep_the_invariants(tok, model, tools):
         if tok.eos_token_id not in t["responses"][row].tolist():  # never finished a turn
             assert out.arrays["truncated"][row]
     assert turn_seed(3, 0) == 3 and turn_seed(3, 1) != turn_seed(3, 2)
+
+
+def test_sample_keys_seed_each_trajectory_whatever_shares_its_turns(tok, model, tools):
+    """With arrays["sample_key"] every turn's call carries the keys of the trajectories still
+    going: a trajectory's tokens are the same in a batch of 4, in reverse order and with only
+    2 of the 4 rows (other rows, other turns still going beside it)."""
+    runner, schemas = tools
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    engine = HFGenerator(model, RolloutConfig(temperature=1.0), runtime, pad_id=0, eos_id=tok.eos_token_id)
+    cfg = MultiTurnConfig(enabled=True, max_response_tokens=40, max_tool_response_tokens=8)
+    prompts = _prompts(tok, schemas, n=4, seed=3, max_new_tokens=16)
+    prompts.arrays["sample_key"] = np.array([f"u{i}/0" for i in range(4)], dtype=object)
+
+    def tokens(batch: Batch) -> dict[str, list[int]]:
+        out = run_multi_turn(engine, batch, tok, runner, cfg, schemas)
+        t = out.tensors
+        return {k: t["input_ids"][i][t["attention_mask"][i].bool()].tolist()
+                for i, k in enumerate(out.arrays["sample_key"])}
+
+    whole = tokens(prompts)
+    assert tokens(prompts.reorder([3, 2, 1, 0])) == whole
+    assert tokens(prompts[[1, 3]]) == {k: whole[k] for k in ("u1/0", "u3/0")}
 
 
 TINY = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "

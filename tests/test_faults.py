@@ -577,7 +577,11 @@ def test_a_full_disk_during_a_checkpoint_names_what_is_intact(small_disk, tmp_pa
     # Whichever write hit the full disk first names it: the checkpoint's own (the folder,
     # the free space, the checkpoint's size) or another file (the launcher adds the rest).
     assert "checkpoint of step 2 could not be written" in line or "no space left on device" in line, line
-    assert "free" in line and "step_00000001" in line and "removed" in line, line
+    assert "free" in line and "step_00000001" in line, line
+    # A partial folder exists (and is named removed) only when the save itself was cut
+    # off; a full disk met by another write first (metrics, logs) may come before any.
+    if "checkpoint of step 2 could not be written" in line:
+        assert "removed" in line, line
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]
     big = tmp_path / "big"
     shutil.copytree(run, big)

@@ -24,7 +24,8 @@ compares:
 Then sampling at temperature 0.7: a fixed seed gives the same rows, another seed other
 rows, the global RNG states are left alone, and the log-probs equal
 ``compute_log_probs(temperature=0.7)`` of the actor within 1e-4 (vLLM's processed
-log-probs are log softmax(logits / T) when top_p = 1). Finally `shutdown`: the trainer's
+log-probs are log softmax(logits / T) when top_p = 1); with ``arrays["sample_key"]`` a
+row's tokens are the same on either rank and in any row order. Finally `shutdown`: the trainer's
 default group still works (an all-reduce), no thread is left behind, and
 `torch.set_num_threads` is the real one.
 
@@ -43,6 +44,7 @@ forward: "Unsupported CPU attention configuration: head_dim=16"), hence head_dim
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from dist.common import (
     FP32,
@@ -205,6 +207,15 @@ def engine_body(rank: int, world: int, model_override: str, tp: int, extra: tupl
     lp = lp.masked_fill(s1.tensors["response_mask"] == 0, 0.0)
     out["sample_lp_diff"] = float((lp - s1.tensors["rollout_log_probs"]).abs().max())
     out["sample_tokens"] = int(s1.tensors["response_mask"].sum())
+    # Per-row seeds (arrays["sample_key"]): the same batch on both ranks, in another order on
+    # each: every key gets the same tokens on either rank, in either position.
+    keyed = prompts_batch([4, 4, 30, 7], seed=13, tag=60)
+    keyed.tensors["prompt_ids"][1] = keyed.tensors["prompt_ids"][0]  # one prompt, two keys
+    keyed.arrays["sample_key"] = np.array(["g0/0", "g0/1", "g1/0", "g2/0"], dtype=object)
+    order = [2, 0, 3, 1] if rank == 0 else [3, 2, 1, 0]
+    out["keyed"] = engine.generate_sequences(keyed).tensors["responses"]
+    out["keyed_permuted"] = engine.generate_sequences(keyed.reorder(order)).tensors["responses"]
+    out["keyed_order"] = order
 
     t2 = time.perf_counter()
     engine.shutdown()
@@ -246,6 +257,9 @@ def _check(outs: list[dict], tp: int, adapter: bool = False) -> None:
             assert v["sync_bytes"] > 0
         assert out["sample_rng_untouched"] and out["sample_same_seed_equal"] and out["sample_other_seed_differs"]
         assert out["sample_tokens"] > 0 and out["sample_lp_diff"] < LP_TOL, out["sample_lp_diff"]
+        assert torch.equal(out["keyed_permuted"], out["keyed"][out["keyed_order"]])
+        assert torch.equal(out["keyed"], outs[0]["keyed"])  # whichever rank
+        assert not torch.equal(out["keyed"][0], out["keyed"][1])  # one prompt, two keys
         assert out["allreduce_after"] == 3.0 and out["set_num_threads_real_after"]
         assert out["threads_left"] == [], out["threads_left"]
         assert out["shm_left"] == [], out["shm_left"]

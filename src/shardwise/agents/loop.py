@@ -37,8 +37,11 @@ turns of each trajectory:
   rendered again with it (not cut by ``data.max_length``). At the end ``ToolRunner.reward`` gives
   ``env_reward`` and ``ToolRunner.end`` forgets the environments.
 - **Seeds.** Turn t samples with `turn_seed` (the batch's ``meta["seed"]`` for turn 0, a
-  mix of it and t after): a trajectory's samples depend on its row and rank as in a
-  single-turn rollout, not on which other trajectories are still going.
+  mix of it and t after). With the array ``sample_key`` (the RL controller's) each turn's
+  call carries the key of every trajectory still going, so the engine seeds the row by its
+  key (`shardwise.engine.generate.row_seed`): a trajectory's samples depend neither on its
+  rank nor on which other trajectories are still going. Without it a row is seeded by its
+  rank and position in the turn's call, as in a single-turn rollout.
 - **Collective.** The engines' ``generate_sequences`` is collective (the HF engine gathers
   the sharded model once per call), so every rank makes the same number of calls: a rank
   whose trajectories are all done calls with 0 rows until no rank has one going (one
@@ -184,6 +187,8 @@ class Trajectory:
     row: dict[str, Any]
     """The data record (environment reset, per-row tool arguments)."""
     traj_id: str
+    sample_key: str | None = None
+    """The row's ``sample_key`` (its sampling seed in every turn), when the prompts carry one."""
     ids: list[int] = field(default_factory=list)
     """Response ids so far: model turns and tool turns."""
     mask: list[int] = field(default_factory=list)
@@ -266,7 +271,8 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
             room = max([budget - len(t.ids) for t in active], default=1)
             rows = [t.prompt + t.ids for t in active]
             turn_ids, turn_mask = left_pad(rows, pad)
-            call = Batch.from_dict({"prompt_ids": turn_ids, "prompt_mask": turn_mask},
+            keyed = {"sample_key": [t.sample_key for t in active]} if "sample_key" in prompts.arrays else {}
+            call = Batch.from_dict({"prompt_ids": turn_ids, "prompt_mask": turn_mask}, keyed,
                                    meta={"seed": turn_seed(seed, turn), "max_new_tokens": max(1, min(per_turn, room)),
                                          **({"greedy": prompts.meta["greedy"]} if "greedy" in prompts.meta else {})})
             out = engine.generate_sequences(call)
@@ -322,7 +328,8 @@ def _start(prompts: Batch, tokenizer, tools: list[dict] | None) -> list[Trajecto
         row = dict(a["row"][i]) if "row" in a else {
             k: a[k][i] for k in ("prompt", "ground_truth", "data_source", "extra_info") if k in a}
         out.append(Trajectory(prompt=real, messages=copy.deepcopy(list(a["raw_prompt"][i])), row=row,
-                              traj_id=f"{a['uid'][i] if 'uid' in a else i}/{uuid.uuid4().hex[:12]}"))
+                              traj_id=f"{a['uid'][i] if 'uid' in a else i}/{uuid.uuid4().hex[:12]}",
+                              sample_key=str(a["sample_key"][i]) if "sample_key" in a else None))
     return out
 
 

@@ -482,6 +482,22 @@ class KLLossConfig(Section):
     """Weight of the KL term."""
 
 
+class OffPolicyConfig(Section):
+    """Correcting the policy update for samples an older policy generated
+    (asynchronous RL, rl.async) or another engine's numbers of the policy."""
+
+    correction: Literal["none", "tis", "decoupled"] = "none"
+    """none: the PPO ratio against the old log-probs (recomputed by the actor, or the
+    update's own); tis: the PPO ratio against the behaviour policy (the rollout's
+    log-probs; the old ones only measure the weights), each token's ratio truncated at
+    cap before the clip; decoupled (AReaL's decoupled PPO): the PPO ratio against the
+    proximal policy (the old log-probs, always recomputed by the actor) times the
+    behaviour weight min(exp(old_log_prob - rollout_log_prob), cap)."""
+    cap: Annotated[float, Field(ge=1)] = 2.0
+    """Truncation of the importance weights of tis and decoupled (>= 1: a weight of 1,
+    on-policy, is never cut)."""
+
+
 class ActorConfig(Section):
     ppo_epochs: Pos = 1
     """Passes over each rollout batch (actor and critic)."""
@@ -510,6 +526,8 @@ class ActorConfig(Section):
     """How per-token losses are reduced, over the whole mini-batch of all ranks."""
     kl_loss: KLLossConfig = KLLossConfig()
     """KL to the reference policy in the loss."""
+    off_policy: OffPolicyConfig = OffPolicyConfig()
+    """Off-policy correction of the update (stale or other-engine samples)."""
     max_tokens_per_micro_batch: Pos | None = None
     """The update's micro-batches made by a token budget instead of train.micro_batch_size
     rows (verl's ppo_max_token_len_per_gpu): each holds at most this many tokens (the sum
@@ -746,6 +764,12 @@ class RLConfig(Section):
             which = "rl.actor.kl_loss" if self.actor.kl_loss.enabled else "rl.kl_in_reward"
             raise ConfigError("rl.reference.enabled", f"{which} needs the reference policy",
                               "set rl.reference.enabled=true")
+        if self.actor.off_policy.correction != "none" and self.rollout.tis_cap is not None:
+            raise ConfigError("rl.rollout.tis_cap", f"rl.actor.off_policy.correction="
+                              f"{self.actor.off_policy.correction} already weights each token by the behaviour "
+                              "policy; the two corrections would apply twice",
+                              f"drop rl.rollout.tis_cap (use rl.actor.off_policy.cap={max(self.rollout.tis_cap, 1.0):g}) "
+                              "or set rl.actor.off_policy.correction=none")
         mt = self.multi_turn
         check_multi_turn("rl", mt, self.tools, self.environment)
         # an environment's reward() may be the reward: `shardwise.jobs.rl.check_agents` knows

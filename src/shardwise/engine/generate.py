@@ -8,7 +8,8 @@ The layout (``B`` rows, ``P`` prompt width, ``R`` = ``max_new_tokens``, ``T = P 
 - prompts (`prompt_batch` -> ``generate_sequences``): tensors ``prompt_ids`` ``(B, P)``
   int64, LEFT-padded with the pad id, and ``prompt_mask`` ``(B, P)`` int64 (1 on real
   tokens); arrays ``prompt`` (str), ``ground_truth`` (str), ``uid`` (group id, str);
-  meta ``seed`` (int, sampling seed of this call) and optionally ``greedy`` (bool).
+  meta ``seed`` (int, sampling seed of this call) and optionally ``greedy`` (bool);
+  optionally array ``sample_key`` (str, see below).
 - sequences (``generate_sequences`` ->): the prompt part plus ``input_ids`` ``(B, T)``
   (prompt left-padded, response right-padded to exactly ``R`` with the pad id),
   ``attention_mask`` ``(B, T)``, ``position_ids`` ``(B, T)`` (=
@@ -25,6 +26,17 @@ and each rank decodes as many steps as its own rows need. A multi-turn rollout h
 `GenerationEngine.rollout_session` over its turns: one gather for all of them. While
 gathered, HF generate skips FSDP's per-unit forward hooks, which have nothing left to do
 (`shardwise.fsdp.gather.fsdp_hooks_skipped`).
+
+Per-row seeds: when the prompts carry the array ``sample_key`` (the RL controller sets
+``"{uid}/{j}"``, the j-th sample of prompt group uid; the held-out pass@k batch too), every
+engine samples row i from a generator of its own seeded `row_seed` ``(meta["seed"],
+sample_key[i])``: a row's tokens depend on its prompt, its key, the call's seed and the
+weights, not on the rank that generates it, its position in the batch or which other rows
+share the batch (up to the kernels' rounding of the logits, which a batch's shape can
+change). The HF engine draws each row's token itself (`RowSampler`: temperature, top-p,
+one uniform per row and step by inverse CDF) and HF ``generate`` runs greedy on the token
+so forced; vLLM gets the row's seed as the request's seed. Without ``sample_key`` a call is
+seeded per rank (`sampling_seed`), as before.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import hashlib
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from shardwise.config.schema import SamplingConfig
 from shardwise.data.batch import Batch
@@ -63,9 +76,9 @@ from shardwise.fsdp.gather import fsdp_hooks_skipped, gathered_for_generation
 from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
-__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "SamplingCall", "assemble_sequences", "build_generator",
-           "generate_on_ranks", "heldout_accuracy", "left_pad", "prompt_batch", "sampling_call", "sampling_seed",
-           "score_accuracy"]
+__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "RowSampler", "SamplingCall", "assemble_sequences",
+           "build_generator", "generate_on_ranks", "heldout_accuracy", "left_pad", "prompt_batch", "row_seed",
+           "sample_keys", "sampling_call", "sampling_seed", "score_accuracy"]
 
 
 class GenerationEngine(abc.ABC):
@@ -166,6 +179,70 @@ def sampling_seed(seed: int, rank: int) -> int:
     return int(state) % 2**63
 
 
+def row_seed(seed: int, key: str) -> int:
+    """The sampling seed of the row keyed `key` (``arrays["sample_key"]``) in the call seeded
+    `seed`: a fixed, well-mixed function of both (numpy's SeedSequence over the seed and a
+    64-bit BLAKE2 digest of the key), the same on every rank and in every engine."""
+    digest = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")
+    state = np.random.SeedSequence([int(seed) % 2**64, digest]).generate_state(1, np.uint64)[0]
+    return int(state) % 2**63
+
+
+def sample_keys(uids: Sequence[str], n: int) -> list[str]:
+    """``arrays["sample_key"]`` of a batch whose rows are `uids` each repeated `n` times
+    (interleaved, `Batch.repeat`): ``"{uid}/{j}"``, j the sample's index in its group."""
+    return [f"{u}/{j}" for u in uids for j in range(n)]
+
+
+class RowSampler(LogitsProcessor):
+    """HF logits processor that samples every row with a generator of its own.
+
+    `seeds` (one per row) seed CPU generators that draw each row's uniforms for all
+    `max_new_tokens` steps up front; at step t row i takes the token where its uniform
+    falls in the cumulative distribution of ``softmax(logits / temperature)`` (cut to the
+    top-p nucleus, renormalised), computed in float64. Every other token's score becomes
+    -inf, so HF ``generate`` run greedy (``do_sample=False``) picks exactly that token. A
+    row's draws depend on its seed and its own logits alone (step t's uniform is the t-th
+    number of the row's stream whatever `max_new_tokens` is: a multi-turn call, whose
+    limit depends on the other rows' room, draws the same). `prompt_width`: the prompt
+    columns of ``input_ids`` (HF appends one column per step).
+    """
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, prompt_width: int,
+                 max_new_tokens: int):
+        # one spare step: a generate that checks its stop one step late (HF's DeferredStopCheck)
+        # runs one forward more and undoes its token
+        width = max_new_tokens + 1
+        self.uniforms = torch.stack([torch.rand(width, dtype=torch.float64,
+                                                generator=torch.Generator().manual_seed(int(s)))
+                                     for s in seeds]) if len(seeds) else torch.empty((0, width), dtype=torch.float64)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.prompt_width = int(prompt_width)
+        self._on: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._on is None or self._on.device != scores.device:
+            self._on = self.uniforms.to(scores.device)
+        step = input_ids.shape[1] - self.prompt_width
+        tokens = self.draw(scores, self._on[:, step])
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, tokens[:, None], 0.0)
+
+    def draw(self, scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` token ids: row i's token for its uniform ``uniforms[i]`` in [0, 1)."""
+        probs = torch.softmax(scores.double() / self.temperature, dim=-1)
+        order = None
+        if self.top_p < 1.0:  # HF's TopPLogitsWarper: keep the smallest set with mass >= top_p
+            probs, order = probs.sort(dim=-1, descending=True)
+            before = probs.cumsum(-1) - probs
+            probs = probs.masked_fill(before >= self.top_p, 0.0)
+        cdf = probs.cumsum(-1)
+        x = (uniforms * cdf[:, -1])[:, None]
+        index = torch.searchsorted(cdf, x, right=True).clamp_(max=probs.shape[-1] - 1)
+        return (order.gather(-1, index) if order is not None else index).squeeze(-1)
+
+
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """model.eval() for the block; then every submodule's own training flag is restored."""
@@ -207,6 +284,9 @@ class SamplingCall:
     """R: ``meta["max_new_tokens"]`` or the engine's setting."""
     seed: int
     """``meta["seed"]`` (0 when greedy and absent)."""
+    keys: tuple[str, ...] | None = None
+    """``arrays["sample_key"]`` (one str per row) when the prompts carry it: each row then
+    samples with `row_seed` ``(seed, key)``."""
 
 
 def sampling_call(prompts: Batch, cfg: SamplingConfig) -> SamplingCall:
@@ -217,8 +297,14 @@ def sampling_call(prompts: Batch, cfg: SamplingConfig) -> SamplingCall:
     if not greedy and not isinstance(prompts.meta.get("seed"), int):
         raise ValueError("generate_sequences: sampling needs meta['seed'] (an int, the seed "
                          f"of this call); got {prompts.meta.get('seed')!r}")
+    keys = None
+    if "sample_key" in prompts.arrays:
+        keys = tuple(prompts.arrays["sample_key"].tolist())
+        bad = next((k for k in keys if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ValueError(f"generate_sequences: arrays['sample_key'] must hold one str per row; got {bad!r}")
     return SamplingCall(ids, mask, greedy, int(prompts.meta.get("max_new_tokens", cfg.max_new_tokens)),
-                        int(prompts.meta.get("seed", 0)))
+                        int(prompts.meta.get("seed", 0)), keys)
 
 
 def _check_prompts(prompts: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,8 +376,10 @@ class HFGenerator(GenerationEngine):
         greedy), top_p, no top-k, exactly ``max_new_tokens`` (or ``meta["max_new_tokens"]``)
         = R response columns (right-padded with the pad id after the first EOS, which is
         kept). Seeded by
-        `sampling_seed` ``(meta["seed"], rank)``: a fixed seed gives the same output, and
-        the global RNG state is left as it was.
+        `sampling_seed` ``(meta["seed"], rank)``, or with ``arrays["sample_key"]`` row by
+        row (`row_seed` ``(meta["seed"], sample_key)``, `RowSampler`; see the module
+        docstring): a fixed seed gives the same output, and the global RNG state is left
+        as it was.
 
         ``rollout_log_probs[:, t]`` is ``log softmax(logits / temperature)`` of the
         sampled token t at the step that produced it (temperature 1 when greedy), aligned
@@ -309,7 +397,8 @@ class HFGenerator(GenerationEngine):
         with contextlib.nullcontext() if self._held else gathered_for_generation(self.model):
             if len(ids):
                 images = forward_kwargs(prompts.tensors)
-                seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images)
+                keys = None if greedy else call.keys
+                seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images, keys)
             else:  # nothing to generate; the gather above still matched the other ranks'
                 seqs = torch.empty((0, r), dtype=torch.long)
                 log_probs = torch.empty((0, r), dtype=torch.float32)
@@ -317,17 +406,24 @@ class HFGenerator(GenerationEngine):
 
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, greedy: bool, temperature: float,
                   seed: int, max_new_tokens: int,
-                  images: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  images: dict[str, torch.Tensor] | None = None,
+                  keys: Sequence[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated tokens ``(B, L)`` (L <= R: HF stops when every row has hit EOS) and
         their log-probs ``(B, L)`` fp32 under logits / temperature, both on CPU. `images`:
-        a VL prompt batch's ``pixel_values`` / ``image_grid_thw`` (`forward_kwargs`)."""
+        a VL prompt batch's ``pixel_values`` / ``image_grid_thw`` (`forward_kwargs`).
+        `keys` (sampling only): each row drawn by `RowSampler` with `row_seed` ``(seed, key)``."""
         cfg = self.cfg
         device = self.runtime.device
         # HF's default top_k=50 would truncate what the rollout claims to sample: 0 turns it off.
-        # Greedy gets no sampling options (HF warns about those it would ignore).
-        sampling = {} if greedy else {"temperature": temperature, "top_p": float(cfg.top_p), "top_k": 0}
+        # Greedy gets no sampling options (HF warns about those it would ignore); neither does
+        # per-row sampling, whose RowSampler draws the token that HF then picks greedily.
+        per_row = keys is not None and not greedy
+        sampling = {} if greedy or per_row else {"temperature": temperature, "top_p": float(cfg.top_p), "top_k": 0}
+        processors = LogitsProcessorList(
+            [RowSampler([row_seed(seed, k) for k in keys], temperature, float(cfg.top_p), ids.shape[1],
+                        max_new_tokens)] if per_row and keys is not None else [])
         gen_cfg = GenerationConfig(
-            do_sample=not greedy,
+            do_sample=not greedy and not per_row,
             **sampling,
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos_id,
@@ -353,7 +449,7 @@ class HFGenerator(GenerationEngine):
             # recomputation uses.
             out = self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device),
-                generation_config=gen_cfg, synced_gpus=False,
+                generation_config=gen_cfg, synced_gpus=False, logits_processor=processors,
                 **vision.with_token_types(self.model, ids.to(device), {k: v.to(device) for k, v in (images or {}).items()}),
             )
         p = ids.shape[1]
@@ -506,7 +602,8 @@ def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str
                       k: int, n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None,
                       chat: bool = False, batch_fn: PromptBatchFn | None = None) -> dict[str, float] | None:
     """Sampled accuracy on the held-out prompts of `heldout_accuracy` (None for a file
-    source): `k` samples per prompt at the engine's temperature (seeded with `seed`), and
+    source): `k` samples per prompt at the engine's temperature (seeded with `seed` and each
+    row's ``sample_key`` ``"heldout-{i}/{j}"``, so whichever ranks generate them), and
     ``{"pass@1": share of samples right, "pass@k": share of prompts with at least one
     right sample}``. pass@k well above the greedy accuracy is what RL can turn into
     greedy accuracy."""
@@ -514,6 +611,7 @@ def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str
         return None
     task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision, chat, batch_fn)
     batch = batch.repeat(k, interleave=True)
+    batch = batch.union(Batch.from_dict(arrays={"sample_key": sample_keys(list(batch.arrays["uid"][::k]), k)}))
     batch.meta.update(seed=seed, greedy=False, max_new_tokens=task.max_new_tokens)
     out = generate(batch)
     scores = score_sequences(out, tokenizer, task.score).tensors["token_level_scores"].sum(-1)

@@ -80,6 +80,7 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.engine.generate import (
     GenerationEngine,
     assemble_sequences,
+    row_seed,
     sampling_call,
     sampling_seed,
 )
@@ -341,9 +342,12 @@ def _logprobs_mode(temperature: float, top_p: float) -> str:
     return "processed_logprobs"
 
 
-def _request_seed(seed: int, rank: int, row: int) -> int:
+def _request_seed(seed: int, rank: int, row: int, key: str | None = None) -> int:
     """The vLLM seed of one request: independent per (call seed, rank, row), so repeated
-    prompts (n responses each) draw different samples."""
+    prompts (n responses each) draw different samples; with the row's ``sample_key``,
+    `row_seed` ``(seed, key)`` alone (the HF engine's per-row seed)."""
+    if key is not None:
+        return row_seed(seed, key)
     base = sampling_seed(int(seed), rank)
     return int(np.random.SeedSequence([base, row]).generate_state(1, np.uint64)[0]) % 2**63
 
@@ -777,7 +781,9 @@ class VLLMGenerator(GenerationEngine):
 
         Seeds: request i of rank k gets a seed derived from ``sampling_seed(meta["seed"], k)``
         and i (vLLM draws each seeded request from its own generator), so a fixed seed gives
-        the same rows; the global RNG states are left as they were.
+        the same rows; with ``arrays["sample_key"]`` the seed is `row_seed` ``(meta["seed"],
+        sample_key[i])`` instead, the same whichever rank or position the row has (see
+        `shardwise.engine.generate`); the global RNG states are left as they were.
 
         ``rollout_log_probs`` are vLLM's numbers for the sampled tokens (see
         `_logprobs_mode`): ``log softmax(logits / T)`` (T = 1 when greedy), computed by
@@ -792,7 +798,8 @@ class VLLMGenerator(GenerationEngine):
         call = sampling_call(prompts, self.cfg)
         ids, mask, r = call.ids, call.mask, call.max_new_tokens
         mine = [{"tokens": row[m.bool()].tolist(), "greedy": call.greedy, "max_tokens": r,
-                 "seed": _request_seed(call.seed, self.rank, i)} for i, (row, m) in enumerate(zip(ids, mask))]
+                 "seed": _request_seed(call.seed, self.rank, i, call.keys[i] if call.keys else None)}
+                for i, (row, m) in enumerate(zip(ids, mask))]
         if self.tp_group is not None:
             parts: list[Any] = [None] * self.tp
             dist.all_gather_object(parts, mine, group=self.tp_group)

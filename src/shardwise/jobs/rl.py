@@ -217,6 +217,8 @@ def plot_panels(cfg: Config, on_policy_shortcut: bool) -> list[tuple[str, list[s
         panels.append(("critic", ["critic/vf_loss"]))
     if cfg.rl.filter_groups != "none":
         panels.append(("groups in the update", ["filter/kept_groups", "filter/dropped_groups"]))
+    if cfg.rl.actor.off_policy.correction != "none":
+        panels.append(("off-policy weights", ["off_policy/is_weight_mean", "off_policy/truncated_share"]))
     if cfg.rl.multi_turn.enabled:
         panels.append(("multi-turn", ["multi_turn/turns_mean", "tools/calls_per_trajectory", "multi_turn/truncated"]))
     return panels

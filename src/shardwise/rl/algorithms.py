@@ -28,6 +28,7 @@ from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
+    "OFF_POLICY_CORRECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
@@ -42,7 +43,10 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "off_policy_token_loss",
+    "off_policy_weights",
     "policy_loss",
+    "ppo_token_loss",
     "reinforce_plus_plus_advantages",
     "resolve_agg_mode",
     "resolve_kl_kind",
@@ -536,13 +540,40 @@ def policy_loss(
     truncated importance-sampling weights ``min(pi_old / pi_rollout, cap)`` of
     `tis_weights` (``rl.rollout.tis_cap``).
 
-    ``ratio = exp(clamp(logp - old_logp, -20, 20))``; ``pg1 = -A * ratio``;
+    The per-token terms are `ppo_token_loss`'s, reduced with
+    `aggregate_loss(mode, global_tokens, global_seqs)`. Returns ``(loss, metrics)``: 0-d
+    loss (differentiable w.r.t. `logp`) and `ppo_token_loss`'s metrics.
+    """
+    m = _bool_mask(mask, logp)
+    per_token, metrics = ppo_token_loss(old_logp, logp, advantages, m, clip_low=clip_low, clip_high=clip_high,
+                                        clip_c=clip_c, token_weights=token_weights)
+    loss = aggregate_loss(per_token, m, mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    return loss, metrics
+
+
+def ppo_token_loss(
+    old_logp: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    token_weights: torch.Tensor | None = None,
+    ratio_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The per-token terms of the PPO clipped surrogate with dual clip, ``(batch,
+    response_len)``, 0 where `mask` is 0 (`policy_loss` reduces them).
+
+    ``ratio = exp(clamp(logp - old_logp, -20, 20))``, then ``min(ratio, ratio_cap)`` when
+    `ratio_cap` is given (truncated importance sampling: above the cap the token's ratio,
+    and so its gradient, stops); ``pg1 = -A * ratio``;
     ``pg2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)``; per token
     ``max(pg1, pg2)``, and where ``A < 0`` at most ``-A * clip_c`` (dual clip, which
-    bounds the loss of a very off-policy token with negative advantage). Reduced with
-    `aggregate_loss(mode, global_tokens, global_seqs)`.
+    bounds the loss of a very off-policy token with negative advantage); times
+    `token_weights` (detached) when given.
 
-    Returns ``(loss, metrics)``: 0-d loss (differentiable w.r.t. `logp`) and Python
+    Returns ``(per_token, metrics)``: the terms (differentiable w.r.t. `logp`) and Python
     floats over the masked tokens: "clipfrac" (share with ``pg2 > pg1``),
     "clipfrac_lower" (share where the dual clip bound is active), "approx_kl" (mean of
     ``old_logp - logp``, the k1 estimate of KL(old || new) in nats/token) and
@@ -555,6 +586,8 @@ def policy_loss(
     log_ratio = torch.where(m, logp - old_logp, zero)
     adv = torch.where(m, advantages.to(logp.dtype), zero)
     ratio = torch.exp(torch.clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    if ratio_cap is not None:
+        ratio = torch.clamp(ratio, max=ratio_cap)
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = torch.maximum(pg1, pg2)
@@ -563,7 +596,6 @@ def policy_loss(
     per_token = torch.where(adv < 0, dual, clipped)
     if token_weights is not None:
         per_token = per_token * torch.where(m, token_weights.detach().to(per_token.dtype), zero)
-    loss = aggregate_loss(per_token, m, mode, global_tokens=global_tokens, global_seqs=global_seqs)
     with torch.no_grad():
         metrics = {
             "clipfrac": float(masked_mean((pg2 > pg1).float(), m)),
@@ -571,7 +603,7 @@ def policy_loss(
             "approx_kl": float(masked_mean(-log_ratio.float(), m)),
             "ratio_mean": float(masked_mean(ratio.float(), m)),
         }
-    return loss, metrics
+    return per_token, metrics
 
 
 POLICY_LOSSES.register("ppo_clip")(policy_loss)
@@ -587,6 +619,78 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.
     m = _bool_mask(mask, old_logp)
     log_ratio = torch.where(m, old_logp - rollout_logp, torch.zeros((), dtype=old_logp.dtype, device=old_logp.device))
     return torch.clamp(torch.exp(torch.clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)), max=cap)
+
+
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "decoupled")
+
+
+def off_policy_token_loss(
+    correction: str,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    behave_logp: torch.Tensor | None = None,
+    prox_logp: torch.Tensor | None = None,
+    cap: float = 2.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The per-token policy loss of an update on samples that an older policy generated
+    (``rl.actor.off_policy``), ``(batch, response_len)``, 0 where `mask` is 0; all inputs
+    ``(batch, response_len)``. `logp`: the policy being trained (with gradient);
+    `behave_logp`: the behaviour policy, the one that sampled the tokens
+    (``rollout_log_probs``); `prox_logp`: the policy at the start of the update
+    (``old_log_probs``, recomputed by the actor).
+
+    - "none": PPO against `prox_logp` (`ppo_token_loss`), the samples taken as on-policy;
+    - "tis": PPO against the behaviour policy, each token's ratio truncated at `cap`
+      before the clip: ``r = min(exp(logp - behave_logp), cap)``; `prox_logp` unused;
+    - "decoupled" (AReaL's decoupled PPO): PPO against the proximal policy, ratio
+      ``exp(logp - prox_logp)`` clipped, times ``w = min(exp(prox_logp - behave_logp), cap)``
+      (no gradient through w).
+
+    The clip, the dual clip and the metrics are `ppo_token_loss`'s (for tis the ratio and
+    "approx_kl" are against the behaviour policy). Reduce the result with `aggregate_loss`;
+    `off_policy_weights` gives the importance-weight metrics.
+    """
+    if correction not in OFF_POLICY_CORRECTIONS:
+        raise _unknown("off-policy correction", str(correction), OFF_POLICY_CORRECTIONS)
+    if correction != "none" and behave_logp is None:
+        raise ValueError(f"off-policy correction {correction!r} needs the behaviour log-probs (behave_logp)")
+    if correction != "tis" and prox_logp is None:
+        raise ValueError(f"off-policy correction {correction!r} needs the proximal log-probs (prox_logp)")
+    ppo = {"clip_low": clip_low, "clip_high": clip_high, "clip_c": clip_c}
+    if correction == "none":
+        return ppo_token_loss(prox_logp, logp, advantages, mask, **ppo)
+    if correction == "tis":
+        return ppo_token_loss(behave_logp, logp, advantages, mask, ratio_cap=cap, **ppo)
+    return ppo_token_loss(prox_logp, logp, advantages, mask, token_weights=tis_weights(prox_logp, behave_logp, mask, cap),
+                          **ppo)
+
+
+@torch.no_grad()
+def off_policy_weights(
+    start_logp: torch.Tensor,
+    behave_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+    global_tokens: int | float | torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """How far the samples are from the policy at the start of the update, over the
+    `mask`ed tokens: ``off_policy/is_weight_mean``, the token mean of the untruncated
+    importance weight ``exp(start_logp - behave_logp)`` (`start_logp`: tis, the policy's
+    log-probs at the start of the update; decoupled, the proximal ones), and
+    ``off_policy/truncated_share``, the share of tokens whose weight exceeds `cap`. 0-d
+    float32 tensors; token means over `global_tokens` when given (then the values of
+    micro-batches add up to the whole batch's, as `aggregate_loss`)."""
+    m = _bool_mask(mask, start_logp)
+    diff = torch.where(m, (start_logp - behave_logp).float(), 0.0)
+    weight = torch.exp(torch.clamp(diff, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    over = (weight > cap).float()
+    return {"off_policy/is_weight_mean": aggregate_loss(weight, m, "token-mean", global_tokens),
+            "off_policy/truncated_share": aggregate_loss(over, m, "token-mean", global_tokens)}
 
 
 def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

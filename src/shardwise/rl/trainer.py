@@ -64,7 +64,7 @@ from shardwise.data.chat import text_prompts_as_chat
 from shardwise.data.rewards import ContainedReward, RewardFn, score_sequences
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.data.tokenizer import pad_token_id
-from shardwise.engine.generate import heldout_accuracy, heldout_pass_at_k, prompt_batch
+from shardwise.engine.generate import heldout_accuracy, heldout_pass_at_k, prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
@@ -131,8 +131,10 @@ class Controller:
         self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
         a = cfg.rl.actor
         self.on_policy_shortcut = (a.on_policy_shortcut and a.ppo_epochs == 1 and a.ppo_mini_batches == 1
-                                   and not cfg.rl.kl_in_reward.enabled)
-        """No old-log-prob forward: the update is on-policy (`ActorWorker.update_actor`)."""
+                                   and not cfg.rl.kl_in_reward.enabled and a.off_policy.correction != "decoupled")
+        """No old-log-prob forward: the update is on-policy (`ActorWorker.update_actor`; with
+        off_policy tis its ratio is against the rollout's log-probs anyway). Never with
+        off_policy decoupled, whose proximal policy is the recomputed old log-probs."""
         self.dp_size = mesh_spec(cfg.parallel, world_size).dp_size
         self.step = 0
         self.groups: dict[str, RayWorkerGroup] = {}
@@ -236,14 +238,16 @@ class Controller:
     def next_prompts(self, round_: int = 0, step: int | None = None) -> Batch:
         """The sampler's next global batch of prompts, each repeated rl.rollout.n times, with
         the sampling seed of this step's sampling round `round_` (0, then 1, 2, ... for the
-        refills of ``rl.filter_groups_refill``). A prompt's uid names its group. `step`: the
-        step they are for (default the current one; the asynchronous run draws ahead)."""
+        refills of ``rl.filter_groups_refill``). A prompt's uid names its group; each row's
+        ``sample_key`` ("{uid}/{j}") seeds its sampling, whichever rank generates it. `step`:
+        the step they are for (default the current one; the asynchronous run draws ahead)."""
         step = self.step if step is None else step
         indices = next(self._batches)
         tag = str(step) if round_ == 0 else f"{step}.{round_}"
         uids = [f"{tag}-{i}" for i in range(len(indices))]
         batch = self.prompt_batch([self.records[i] for i in indices], uids)
         batch = batch.repeat(self.cfg.rl.rollout.n, interleave=True)
+        batch = batch.union(Batch.from_dict(arrays={"sample_key": sample_keys(uids, self.cfg.rl.rollout.n)}))
         batch.meta["seed"] = self.cfg.run.seed * 1_000_003 + step + round_ * _ROUND_SEED
         return batch
 

@@ -112,7 +112,11 @@ class ActorWorker:
         ``advantages`` and ``old_log_probs`` (without them the update must be on-policy, one
         epoch of one mini-batch: the old log-probs are then the update's own, detached, and
         the ``entropy``, ``kl`` and ``rollout/*`` metrics come from its forward) and, with
-        the KL loss, ``ref_log_probs``. Ranks may hold different numbers of rows (0
+        the KL loss, ``ref_log_probs``. ``rl.actor.off_policy`` (`alg.off_policy_token_loss`)
+        tis or decoupled: also ``rollout_log_probs``, the behaviour policy's; decoupled
+        needs ``old_log_probs`` (the proximal policy), tis takes the ratio against the
+        behaviour policy and reads the old log-probs only for ``off_policy/*`` (the weights
+        at the start of the update). Ranks may hold different numbers of rows (0
         included). Returns metrics averaged over steps and ranks."""
         a = self.cfg.rl.actor
         n_mini = a.ppo_mini_batches
@@ -121,9 +125,13 @@ class ActorWorker:
         if on_policy and (a.ppo_epochs != 1 or n_mini != 1):
             raise ValueError("update_actor: the batch lacks old_log_probs, which only an on-policy update "
                              f"(1 epoch of 1 mini-batch) can do without; this one has {a.ppo_epochs} x {n_mini}")
+        correction = a.off_policy.correction
+        if on_policy and correction == "decoupled":
+            raise ValueError("update_actor: rl.actor.off_policy.correction=decoupled needs the proximal policy's "
+                             "old_log_probs, recomputed by compute_log_prob before the update; the batch lacks them")
         needed = [*_SEQ_KEYS, "advantages"] + ([] if on_policy else ["old_log_probs"])
         needed += ["ref_log_probs"] if a.kl_loss.enabled else []
-        needed += ["rollout_log_probs"] if self.cfg.rl.rollout.tis_cap is not None else []
+        needed += ["rollout_log_probs"] if self.cfg.rl.rollout.tis_cap is not None or correction != "none" else []
         missing = [k for k in needed if k not in batch.tensors]
         if missing:
             raise ValueError(f"update_actor: the batch lacks {missing}")
@@ -133,6 +141,7 @@ class ActorWorker:
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/loss",
                  "actor/grad_norm", "actor/lr", "actor/skipped_steps"]
         names += ["actor/entropy_loss"] * (a.entropy_coef != 0) + ["actor/kl_loss"] * a.kl_loss.enabled
+        names += [*_OFF_POLICY_SHARES] * (correction != "none")
         if on_policy:
             names += ["entropy"] + ["kl"] * ("ref_log_probs" in batch.tensors)
             names += [*_MISMATCH_SHARES, *_MISMATCH_MAXES] * ("rollout_log_probs" in batch.tensors)
@@ -189,6 +198,7 @@ class ActorWorker:
         temperature = scoring_temperature(self.cfg)
         chunk_tokens = self.engine.chunk_tokens
         tis_cap = self.cfg.rl.rollout.tis_cap
+        off = a.off_policy
         device = self.runtime.device
         layout = self.update_shape.layout
 
@@ -203,11 +213,22 @@ class ActorWorker:
             old = logp.detach() if on_policy else t["old_log_probs"]
             if on_policy:
                 _policy_metrics(metrics, old, out["entropy"].detach(), t, mask, tokens)
-            weights = (None if tis_cap is None
-                       else alg.tis_weights(old, t["rollout_log_probs"], mask, tis_cap))
-            pg, m = alg.policy_loss(old, logp, t["advantages"], mask,
-                                    clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
-                                    mode=mode, global_tokens=tokens, global_seqs=seqs, token_weights=weights)
+            if off.correction == "none":
+                weights = (None if tis_cap is None
+                           else alg.tis_weights(old, t["rollout_log_probs"], mask, tis_cap))
+                pg, m = alg.policy_loss(old, logp, t["advantages"], mask,
+                                        clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
+                                        mode=mode, global_tokens=tokens, global_seqs=seqs, token_weights=weights)
+            else:
+                # tis: the ratio against the behaviour policy; decoupled: against `old`, the
+                # proximal policy. `old` is the policy at the start of the update either way.
+                behave = t["rollout_log_probs"]
+                per_token, m = alg.off_policy_token_loss(off.correction, logp, t["advantages"], mask,
+                                                         behave_logp=behave, prox_logp=old, cap=off.cap,
+                                                         clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c)
+                pg = alg.aggregate_loss(per_token, mask, mode, tokens, seqs)
+                for k, v in alg.off_policy_weights(old, behave, mask, off.cap, tokens).items():
+                    metrics[k].append(float(v))
             loss = pg
             if a.entropy_coef != 0:
                 ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs)
@@ -228,6 +249,7 @@ class ActorWorker:
 
 
 _MISMATCH_SHARES = ("rollout/log_prob_diff_abs_mean", "rollout/importance_ratio_mean")
+_OFF_POLICY_SHARES = ("off_policy/is_weight_mean", "off_policy/truncated_share")
 _MISMATCH_MAXES = ("rollout/log_prob_diff_abs_max", "rollout/importance_ratio_max")
 
 
@@ -252,7 +274,8 @@ def _policy_metrics(metrics: dict[str, list[float]], logp: torch.Tensor, entropy
 
 def _is_share(key: str) -> bool:
     """Terms aggregated with global counts: each micro-batch holds a share."""
-    return key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "entropy", "kl", *_MISMATCH_SHARES)
+    return key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "entropy", "kl", *_MISMATCH_SHARES,
+                   *_OFF_POLICY_SHARES)
 
 
 class LoraReference:
