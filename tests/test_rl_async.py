@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
 def kill_the_generator(tmp: Path) -> dict:
     """A long asynchronous run at max_staleness 1 (on_stale drop: generation runs ahead
     without waiting for weights; the held-out accuracy measured through the generator group
-    first) whose generator rank is killed by SIGKILL once three steps were logged and a
+    first; rl.actor.off_policy decoupled) whose generator rank is killed by SIGKILL once three steps were logged and a
     checkpoint committed; its exit status, output, the rank's pid and the run's mark (an
     environment variable every process of the run inherits)."""
     run = tmp / "killed"
@@ -85,7 +85,7 @@ def kill_the_generator(tmp: Path) -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardwise.cli", "rl", GRPO, "--nproc", "2", f"run.dir={run}", *COMMON, *ASYNC,
          "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=100000", "checkpoint.every_steps=1",
-         "checkpoint.async=false"],
+         "checkpoint.async=false", "rl.actor.off_policy.correction=decoupled"],
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
         env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1", "SHARDWISE_TEST_MARK": mark})
     try:
@@ -151,6 +151,13 @@ def test_async_at_staleness_one_runs_ahead_within_the_bound(runs):
                     "time/weight_gather", "weight_sync/bytes", "reward/mean", "actor/grad_norm"):
             assert isinstance(m[key], float), key
     assert lines[0]["async/staleness_max"] == 0  # the first step has no older policy to come from
+    for m in lines:  # decoupled: the proximal policy is recomputed, the behaviour weights logged
+        assert "time/old_log_prob" in m, m
+        assert m["off_policy/is_weight_mean"] > 0 and 0 <= m["off_policy/truncated_share"] <= 1, m
+    # step 1 trains on version 0's samples with version 0: pi_prox = pi_behave up to the
+    # engines' rounding, so the weights are 1 and none is truncated
+    assert lines[0]["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3), lines[0]
+    assert lines[0]["off_policy/truncated_share"] == 0.0
     assert lines[0]["time/startup/eval"] > 0  # the held-out accuracy, through the generator group
     # a checkpoint holds the policy version and the steps in flight (generated again on resume)
     last = sorted((k["run"] / "checkpoints").glob("step_*/COMMITTED"))[-1].parent
