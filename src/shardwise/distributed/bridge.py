@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -104,10 +105,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _aligned(n: int) -> int:

@@ -13,6 +13,7 @@ Everything here reads names and shapes only, so it works on a meta-device model.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -50,10 +51,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def checkpoint_entries(model: nn.Module, names: Iterable[tuple[str, str, tuple[int, ...], torch.dtype]]
