@@ -33,6 +33,7 @@ from dist.launcher import (
     _process_tree,
     alive,
     at_once,
+    environ_of,
     free_port,
     run_cli,
 )
@@ -385,7 +386,7 @@ def test_a_rank_killed_by_a_signal_is_named_and_its_report_kept(tmp_path):
     job = Job(tmp_path)
     try:
         job.wait_for_checkpoint()
-        rank1 = next(p for p in job.pids() if _environ(p).get("RANK") == "1")
+        rank1 = next(p for p in job.pids() if environ_of(p).get("RANK") == "1")
         os.kill(rank1, signal.SIGKILL)
         job.proc.wait(timeout=60)
         out = job.output()
@@ -396,14 +397,6 @@ def test_a_rank_killed_by_a_signal_is_named_and_its_report_kept(tmp_path):
         assert "where:   rank 1" in report and "command: shardwise train" in report, report
     finally:
         job.close()
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
 
 
 # ------------------------------------------------------------ resume and reports
@@ -703,7 +696,7 @@ def test_a_reward_function_that_kills_its_parent_is_named_and_leaves_nothing(tmp
     assert "SIGTERM" not in res.stderr, res.stderr[-3000:]
     assert str(run / "checkpoints" / "step_") in line, line  # where the same command resumes
     left = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if _environ(p).get("SHARDWISE_TEST_MARK") == mark]
+            if environ_of(p).get("SHARDWISE_TEST_MARK") == mark]
     assert not alive(left), [Path(f"/proc/{p}/cmdline").read_bytes() for p in alive(left)]
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, alive, at_once, run_cli
+from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, alive, at_once, environ_of, run_cli
 
 pytest.importorskip("ray")
 
@@ -179,19 +179,11 @@ def test_a_killed_generator_rank_is_named_with_the_last_checkpoint_and_nothing_i
     left = []
     for _ in range(100):  # Ray's processes go within seconds of the line
         left = alive([p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
-                      if _environ(p).get("SHARDWISE_TEST_MARK") == mark])
+                      if environ_of(p).get("SHARDWISE_TEST_MARK") == mark])
         if not left:
             break
         time.sleep(0.2)
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
 
 
 @pytest.mark.parametrize("nproc,extra,key,words", [

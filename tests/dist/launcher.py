@@ -169,6 +169,15 @@ def _process_tree(pid: int) -> list[int]:
     return tree
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment of process `pid` ({} when it is gone or not ours to read)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
+
+
 def alive(pids: Sequence[int]) -> list[int]:
     """The processes of `pids` still running (a zombie counts as gone)."""
     out = []
