@@ -396,6 +396,44 @@ class CheckpointConfig(Section):
     export_merged: bool = False
     """model.lora: also write the merged model (base + adapters, as peft's
     merge_and_unload) as an HF folder in run.dir/hf."""
+    keep_best: str | None = None
+    """Also keep the best checkpoint by this metric of the evaluation (`eval`), e.g.
+    val/accuracy (higher is better) or val/loss (lower is better: val/loss, val/ppl), next
+    to the keep_last newest; every evaluation step is then saved. Recorded in
+    run.dir/checkpoints/best.json, which a resume reads."""
+    export_from: Literal["last", "best"] = "last"
+    """The checkpoint the final HF export is taken from: the last step, or (with keep_best)
+    the best one."""
+
+
+class EvalConfig(Section):
+    """Evaluation during training on held-out data (`shardwise train`, `rl`, `infer`):
+    validation loss (SFT), rewards and pass@k / maj@k of generated answers (RL, infer), and
+    samples a person can read (run.dir/samples/step_XXXXXXX.jsonl)."""
+
+    source: str | None = None
+    """Validation data: any format data.source takes (read with the data.* keys), or
+    builtin:<task> (its held-out examples). null: a built-in data.source's held-out
+    prompts (RL, infer: the greedy accuracy the jobs print), else no evaluation."""
+    every_steps: NonNeg = 0
+    """Evaluate every this many steps, and at step 0 and at the end; 0: at step 0 and at
+    the end only."""
+    num_prompts: Pos | None = None
+    """Validation rows used (the first ones); null: all (a built-in task: 200)."""
+    greedy: bool = True
+    """Generate one greedy answer per prompt: val/accuracy, val/reward_mean."""
+    n: NonNeg | None = None
+    """Sampled answers per prompt at rl.rollout's temperature (infer: infer.temperature) for
+    pass@k / maj@k / best@k / mean@k; null: rl.rollout.n in `shardwise rl`, 0 elsewhere;
+    0: none."""
+    k: list[Pos] | None = None
+    """The k of pass@k, maj@k, best@k, mean@k (each at most n); null: [1, n]."""
+    reward: str | None = None
+    """builtin:NAME or module:function scoring the answers; null: the job's reward
+    (rl.reward.function, infer.reward, a built-in task's scorer)."""
+    samples_logged: NonNeg = 16
+    """Rows of prompt / response / reward sent to the trackers that take tables or text at
+    each evaluation (all rows always go to run.dir/samples/)."""
 
 
 class VLLMConfig(Section):
@@ -840,6 +878,8 @@ class Config(Section):
     """RL post-training (`shardwise rl`)."""
     infer: InferConfig = InferConfig()
     """Generation (`shardwise infer`)."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation during training on held-out data."""
 
     @model_validator(mode="after")
     def _strategy_agrees(self) -> Config:
