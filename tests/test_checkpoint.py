@@ -43,6 +43,13 @@ from dist.common import (
 from dist.launcher import run_ranks
 from torch.distributed.checkpoint.metadata import Metadata
 
+from shardwise.checkpoint.best import (
+    best_checkpoint,
+    forget_best_after,
+    lower_is_better,
+    read_best,
+    record_best,
+)
 from shardwise.checkpoint.dcp import (
     COMMITTED,
     CheckpointManager,
@@ -466,6 +473,47 @@ def test_prune_keeps_newest_and_removes_old_debris(tmp_path):
     other_rank = Runtime(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")
     CheckpointManager(tmp_path, CheckpointConfig(keep_last=1), other_rank).prune()
     assert (ckpts / step_dir_name(6)).exists()  # only rank 0 deletes
+
+
+def test_prune_spares_the_best_checkpoint_and_best_json_follows_the_metric(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    assert lower_is_better("val/loss") and lower_is_better("val/gsm8k/ppl") and not lower_is_better("val/pass@4")
+    # val/loss: lower wins, the earliest of equals stays, a non-finite value is not recorded
+    for step, loss in ((0, 3.0), (2, 1.5), (4, 1.5), (6, 2.0), (8, float("nan"))):
+        _fake_checkpoint(ckpts / step_dir_name(step), step)
+        new = record_best(tmp_path, "val/loss", step, {"val/loss": loss, "val/ppl": 9.0})
+        assert new is (step in (0, 2)), step
+    assert read_best(tmp_path) | {"history": None} == {"metric": "val/loss", "mode": "min", "step": 2, "value": 1.5,
+                                                       "history": None}
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=1, keep_best="val/loss"), _runtime())
+    manager.prune()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.json", step_dir_name(2), step_dir_name(8)]
+    assert best_checkpoint(tmp_path) == ckpts / step_dir_name(2)
+    # without keep_best the record spares nothing
+    CheckpointManager(tmp_path, CheckpointConfig(keep_last=1), _runtime()).prune()
+    assert best_checkpoint(tmp_path) is None and not (ckpts / step_dir_name(2)).exists()
+
+
+def test_a_resume_from_an_earlier_step_forgets_the_later_evaluations(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    for step, acc in ((1, 0.2), (2, 0.5), (3, 0.4), (4, 0.9)):
+        _fake_checkpoint(ckpts / step_dir_name(step), step)
+        record_best(tmp_path, "val/accuracy", step, {"val/accuracy": acc})
+    assert read_best(tmp_path)["step"] == 4 and read_best(tmp_path)["mode"] == "max"
+    forget_best_after(tmp_path, 4)  # nothing later: unchanged
+    assert read_best(tmp_path)["step"] == 4
+    shutil.rmtree(ckpts / step_dir_name(2))  # pruned while 4 was the best
+    forget_best_after(tmp_path, 3)
+    assert read_best(tmp_path) | {"history": None} == {"metric": "val/accuracy", "mode": "max", "step": 3,
+                                                       "value": 0.4, "history": None}
+    assert record_best(tmp_path, "val/accuracy", 3, {"val/accuracy": 0.1}) is False  # re-evaluated: 1 is best now
+    assert read_best(tmp_path)["step"] == 1 and best_checkpoint(tmp_path) == ckpts / step_dir_name(1)
+    assert record_best(tmp_path, "val/loss", 3, {"val/loss": 2.0}) is True  # keep_best changed: a new record
+    forget_best_after(tmp_path, 2)
+    assert read_best(tmp_path) is None and best_checkpoint(tmp_path) is None
+    (ckpts / "best.json").write_text("{not json")
+    assert read_best(tmp_path) is None  # a warning; recorded anew
+    assert record_best(tmp_path, "val/loss", 4, {"val/loss": 2.0}) is True
 
 
 def test_resume_never_and_explicit_paths(tmp_path):

@@ -24,7 +24,7 @@ from shardwise.telemetry import (
     read_metrics,
 )
 from shardwise.telemetry.metrics import _tensorboard_writer_class
-from shardwise.telemetry.plots import _series
+from shardwise.telemetry.plots import _series, val_panels
 from shardwise.telemetry.progress import format_postfix_value
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -415,6 +415,29 @@ def test_plotted_series_is_sorted_by_step_and_a_relogged_step_keeps_the_last_val
     assert steps == [1, 2, 3]
     assert values[:2] == [3.0, 2.5] and math.isnan(values[2])
     assert _series(records, "phase") is None  # strings are not plotted
+
+
+def test_val_panels_group_the_sparse_validation_keys_and_plot_beside_the_training_ones(tmp_path):
+    with MetricsWriter(tmp_path, enabled=True) as writer:
+        for step in range(0, 5):
+            if step:
+                writer.log(step, {"loss": 3.0 / step})
+            if step % 2 == 0:  # the evaluations: their own lines, at steps 0, 2, 4
+                writer.log(step, {"val/loss": 2.0 + step, "val/ppl": math.exp(2.0 + step), "val/accuracy": 0.1,
+                                  "val/pass@16": 0.5, "val/pass@2": 0.3, "val/reward_mean": 0.2,
+                                  "val/gsm8k/accuracy": 0.2, "val/math/accuracy": 0.0, "val/gsm8k/pass@2": 0.1,
+                                  "time/eval": 1.5})
+    records = read_metrics(tmp_path)
+    panels = val_panels(records)
+    assert panels == [("validation loss", ["val/loss"]), ("validation perplexity", ["val/ppl"]),
+                      ("validation accuracy", ["val/accuracy", "val/pass@2", "val/pass@16"]),
+                      ("validation reward", ["val/reward_mean"]),
+                      ("validation accuracy by data source", ["val/gsm8k/accuracy", "val/math/accuracy"])]
+    assert val_panels([r for r in records if "loss" in r]) == []
+    assert _series(records, "val/loss") == ([0, 2, 4], [2.0, 4.0, 6.0])  # training lines have no val key
+    alone = plot_metrics(tmp_path, tmp_path / "train.png", [("loss", ["loss"])])
+    both = plot_metrics(tmp_path, tmp_path / "both.png", [("loss", ["loss"]), *panels])
+    assert _png_size(both)[1] > _png_size(alone)[1] * 3
 
 
 def test_libraries_output_goes_to_the_log_file_and_shardwise_stays_on_the_console(tmp_path, capsys, monkeypatch):

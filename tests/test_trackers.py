@@ -215,6 +215,46 @@ def test_the_rl_controller_sends_its_steps_and_summary_to_the_trackers(tmp_path)
     assert wandb_run["config"]["rl"]["rollout"]["n"] == 2
 
 
+SAMPLE_ROWS = [
+    {"step": 3, "index": 0, "sample": 0, "greedy": True, "prompt": [{"role": "user", "content": "12+3|4\n="}],
+     "response": "15", "ground_truth": "15", "reward": 1.0, "pred": "15", "data_source": "arithmetic"},
+    {"step": 3, "index": 1, "sample": 0, "greedy": True, "prompt": "7+8=", "response": "16", "ground_truth": "15",
+     "reward": 0.0, "pred": None, "data_source": "arithmetic", "format_ok": 1},
+]
+
+
+def test_every_tracker_takes_an_evaluations_samples(tmp_path, monkeypatch):
+    """`MetricsWriter.log_samples`: TensorBoard a Markdown table (text panel ``samples``),
+    wandb a Table ``samples``, MLflow the artifact samples/step_0000003.json, each at the step."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    trackers = open_trackers(["tensorboard", "wandb", "mlflow"], TrackerRun(tmp_path, "r", None, 0))
+    with MetricsWriter(tmp_path, enabled=True, trackers=trackers) as writer:
+        writer.log(3, {"val/accuracy": 0.5})
+        writer.log_samples(3, SAMPLE_ROWS)
+        writer.log_samples(4, [])  # nothing to send
+        assert [t.name for t in writer.trackers] == ["tensorboard", "wandb", "mlflow"]  # none failed
+    (text,) = _tensorboard(tmp_path).Tensors("samples/text_summary")
+    table = text.tensor_proto.string_val[0].decode().splitlines()
+    assert text.step == 3 and len(table) == 2 + len(SAMPLE_ROWS)
+    assert table[0].split(" | ")[:3] == ["| step", "index", "sample"] and table[0].endswith("| format_ok |")
+    # | and \ escaped (the prompt's JSON text holds "\n"), one line a row
+    assert r'"12+3\|4\\n="' in table[2] and "| 7+8= | 16 | 15 | 0.0 |" in table[3]
+    (run,) = _wandb_run(tmp_path)
+    logged = run["history"][3]
+    assert logged["val/accuracy"] == 0.5 and logged["samples/_type"] == "table-file" and logged["samples/nrows"] == 2
+    (folder,) = (tmp_path / "wandb").glob("offline-run-*")
+    saved = json.loads((folder / "files" / logged["samples/path"]).read_text())
+    assert saved["columns"] == [*SAMPLE_ROWS[0], "format_ok"]
+    assert saved["data"][1][saved["columns"].index("response")] == "16"
+    assert json.loads(saved["data"][0][saved["columns"].index("prompt")]) == SAMPLE_ROWS[0]["prompt"]
+    (artifact,) = (tmp_path / "mlartifacts").rglob("step_0000003.json")
+    assert artifact.parent.name == "samples" and json.loads(artifact.read_text()) == SAMPLE_ROWS
+    assert not list((tmp_path / "mlartifacts").rglob("step_0000004.json"))
+
+
 # --- failures -----------------------------------------------------------------------------
 
 class _Recording(Tracker):

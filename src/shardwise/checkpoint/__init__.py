@@ -1,5 +1,6 @@
 """Checkpoints: DCP save / commit / verify / resume of training state
-(`shardwise.checkpoint.dcp`), and the HF export (`shardwise.checkpoint.hf_export`)."""
+(`shardwise.checkpoint.dcp`), the best one by an evaluation metric
+(`shardwise.checkpoint.best`), and the HF export (`shardwise.checkpoint.hf_export`)."""
 
 from shardwise.checkpoint.dcp import (
     CheckpointManager,

@@ -93,6 +93,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from shardwise.checkpoint import best
+from shardwise.checkpoint.layout import (
+    CHECKPOINTS_DIR,
+    COMMITTED,
+    DCP_METADATA,
+    META_FILE,
+    is_complete,
+    step_dir_name,
+)
 from shardwise.config.schema import CheckpointConfig
 from shardwise.distributed.runtime import Runtime
 from shardwise.errors import CheckpointError, ConfigError, DiskFullError
@@ -108,10 +117,6 @@ __all__ = ["CHECKPOINTS_DIR", "COMMITTED", "META_FILE", "CheckpointManager", "Sa
            # the disk-space helpers, shared with the HF export (checkpoint.hf_export)
            "free_bytes", "human_bytes", "nearly_full", "out_of_space", "short_error"]
 
-CHECKPOINTS_DIR = "checkpoints"
-COMMITTED = "COMMITTED"
-META_FILE = "meta.json"
-DCP_METADATA = ".metadata"
 FORMAT = "shardwise-dcp/1"
 
 HASH_CHUNK_BYTES = 8 << 20
@@ -119,18 +124,6 @@ HASH_CHUNK_BYTES = 8 << 20
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_DIR = re.compile(r"^step_(\d{8,})\.tmp-")
-
-
-def step_dir_name(step: int) -> str:
-    """``step_00000004``: zero-padded so that names sort like steps."""
-    assert step >= 0, step
-    return f"step_{step:08d}"
-
-
-def is_complete(path: str | os.PathLike[str]) -> bool:
-    """A committed checkpoint folder: COMMITTED, meta.json and DCP's .metadata all present."""
-    p = Path(path)
-    return p.is_dir() and all((p / name).is_file() for name in (COMMITTED, META_FILE, DCP_METADATA))
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -844,15 +837,18 @@ class CheckpointManager:
 
     # -- pruning
     def prune(self) -> list[Path]:
-        """Delete complete checkpoints beyond the `keep_last` newest, and the debris of
-        interrupted saves (.tmp- folders, folders without COMMITTED) of steps up to the
-        newest complete one, never the folder of an async save in flight. Acts on rank 0
-        only; returns what it deleted."""
+        """Delete complete checkpoints beyond the `keep_last` newest (never the best one of
+        `shardwise.checkpoint.best`, recorded in best.json with ``checkpoint.keep_best``),
+        and the debris of interrupted saves (.tmp- folders, folders without COMMITTED) of
+        steps up to the newest complete one, never the folder of an async save in flight.
+        Acts on rank 0 only; returns what it deleted."""
         if not self.runtime.is_main:
             return []
         pending = self._pending  # its .tmp- folder is being written or committed
         complete = self._complete_steps()
-        doomed = [p for _, p in complete[:-self.cfg.keep_last]] if len(complete) > self.cfg.keep_last else []
+        best_step = best.best_step(self.dir.parent) if self.cfg.keep_best else None
+        doomed = [p for step, p in complete[:-self.cfg.keep_last] if step != best_step] \
+            if len(complete) > self.cfg.keep_last else []
         if complete:
             newest = complete[-1][0]
             for p in self.dir.iterdir():

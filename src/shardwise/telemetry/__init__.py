@@ -5,7 +5,7 @@ Everything that writes is enabled on rank 0 only; the caller passes ``rank == 0`
 """
 
 from shardwise.telemetry.metrics import MetricsWriter, read_metrics
-from shardwise.telemetry.plots import plot_metrics
+from shardwise.telemetry.plots import plot_metrics, val_panels
 from shardwise.telemetry.progress import PhaseTimer, Progress, peak_memory_bytes
 from shardwise.telemetry.trackers import Tracker, TrackerRun, open_trackers
 
@@ -17,6 +17,7 @@ __all__ = [
     "TrackerRun",
     "peak_memory_bytes",
     "plot_metrics",
+    "val_panels",
     "open_trackers",
     "read_metrics",
 ]

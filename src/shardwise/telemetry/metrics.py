@@ -192,6 +192,15 @@ class MetricsWriter:
         if self.enabled and not self._closed:
             self._each("with the summary", lambda t: t.log_summary(summary))
 
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Send an evaluation's sample rows (the caller passes the first
+        ``eval.samples_logged``) to the trackers that take tables or text; no-op when
+        disabled or when `rows` is empty. The file of every sample is the caller's
+        (`shardwise.engine.evaluate.write_samples`)."""
+        if self.enabled and not self._closed and rows:
+            step = operator.index(step)
+            self._each(f"with the samples of step {step}", lambda t: t.log_samples(step, rows))
+
     def _each(self, when: str, call: Callable[[Tracker], None]) -> None:
         for tracker in list(self.trackers):
             try:

@@ -1,8 +1,12 @@
-"""Plot a run's metrics file to a PNG, one subplot per panel, step on the x axis."""
+"""Plot a run's metrics file to a PNG, one subplot per panel, step on the x axis.
+
+`val_panels` picks the validation panels (``val/*`` keys of the evaluations during
+training, logged at sparse steps) that the SFT and RL plots add to their training panels."""
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +15,7 @@ from typing import Any
 from shardwise.errors import nearest
 from shardwise.telemetry.metrics import read_metrics
 
-__all__ = ["plot_metrics"]
+__all__ = ["plot_metrics", "val_panels"]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]] | None:
@@ -28,6 +32,52 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
         return None
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
+
+
+_VAL_GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("validation loss", re.compile(r"^loss$")),
+    ("validation perplexity", re.compile(r"^ppl$")),
+    ("validation accuracy", re.compile(r"^(accuracy|pass@\d+|maj@\d+)$")),
+    ("validation reward", re.compile(r"^(reward_mean|best@\d+|mean@\d+)$")),
+)
+"""Panel of each validation metric, by its name after ``val/``."""
+
+_BY_SOURCE = ("loss", "ppl", "accuracy", "reward_mean")
+"""The metrics drawn per data source (one panel each) when the rows have several."""
+
+
+def _k_order(name: str) -> tuple[str, int]:
+    """pass@2 before pass@16: the metric name, then k as a number."""
+    head, _, k = name.partition("@")
+    return head, int(k) if k.isdigit() else -1
+
+
+def val_panels(records: Sequence[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The validation panels for the ``val/*`` keys present in `records` (metrics.jsonl
+    lines): loss, perplexity, accuracy-like rates (accuracy, pass@k, maj@k) and rewards
+    (reward_mean, best@k, mean@k) over all data; with more than one data source
+    (``val/<source>/...``), also ``validation <m> by data source`` for m in loss, ppl,
+    accuracy, reward_mean: one line per source. ``time/eval`` and keys of no group are
+    left out; [] when no ``val/`` key is present."""
+    keys = sorted({k for r in records for k in r if k.startswith("val/")})
+    overall: dict[str, list[str]] = {}
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) != 2:
+            continue
+        for title, pattern in _VAL_GROUPS:
+            if pattern.match(parts[1]):
+                overall.setdefault(title, []).append(key)
+                break
+    panels = [(title, sorted(overall[title], key=lambda k: _k_order(k.split("/")[1])))
+              for title, _ in _VAL_GROUPS if title in overall]
+    per_source = [k.split("/") for k in keys if k.count("/") == 2]
+    if len({parts[1] for parts in per_source}) > 1:
+        for name in _BY_SOURCE:
+            lines = [f"val/{src}/{m}" for _, src, m in per_source if m == name]
+            if lines:
+                panels.append((f"validation {name} by data source", lines))
+    return panels
 
 
 def plot_metrics(
@@ -90,8 +140,9 @@ def plot_metrics(
     axes = fig.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (title, lines) in zip(axes, drawn):
         for key, (steps, values) in lines:
-            # one point would be an invisible line; a marker keeps it on the plot
-            marker = "o" if len(steps) == 1 else None
+            # one point would be an invisible line, and an evaluation's few points are
+            # easier to read as points: markers keep them on the plot
+            marker = "o" if len(steps) == 1 else ("." if key.startswith("val/") else None)
             ax.plot(steps, values, label=key, marker=marker)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)

@@ -10,7 +10,11 @@ controller in RL) only:
 - every logged step's numeric metrics, with their step and wall time (`Tracker.log_metrics`);
 - the run's summary at the end (`Tracker.log_summary`): TensorBoard a text panel, wandb
   its run summary (flattened, ``final/loss``), MLflow a ``summary.json`` artifact and each
-  number as a metric ``summary/<key>``.
+  number as a metric ``summary/<key>``;
+- an evaluation's first ``eval.samples_logged`` samples (prompt, response, ground truth,
+  reward, ...: `Tracker.log_samples`): TensorBoard a Markdown table in the text panel
+  ``samples`` at that step, wandb a Table ``samples``, MLflow an artifact
+  ``samples/step_XXXXXXX.json``.
 
 Where they write, with nothing set: ``run.dir/tensorboard/``; ``run.dir/wandb/`` (online
 when wandb has credentials, ``WANDB_API_KEY`` or ``wandb login``; offline otherwise, or as
@@ -40,7 +44,7 @@ from typing import Any
 
 from shardwise.registry import TRACKERS
 
-__all__ = ["IDS_FILE", "Tracker", "TrackerRun", "flatten", "open_trackers"]
+__all__ = ["IDS_FILE", "Tracker", "TrackerRun", "flatten", "open_trackers", "sample_table", "samples_artifact"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,11 @@ class Tracker:
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         """The run's summary (nested dicts of JSON values), once at the end."""
 
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Samples of the evaluation at `step` (one dict per answer: prompt, response,
+        ground_truth, reward, ...; see `shardwise.engine.evaluate`); trackers without
+        tables or text ignore them."""
+
     def close(self, failed: bool = False) -> None:
         """Flush and end the run; `failed`: the job is ending with an error."""
 
@@ -124,6 +133,48 @@ def _is_number(value: Any) -> bool:
 def _as_text(tree: Mapping[str, Any]) -> str:
     """JSON as a Markdown code block (TensorBoard's text panel renders Markdown)."""
     return "\n".join("    " + line for line in json.dumps(tree, indent=2, default=str).splitlines())
+
+
+def sample_table(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """(columns, data) of sample rows: the columns are every key met, in order of first
+    appearance. A cell is the row's value when a string, a number or a bool, its JSON text
+    otherwise (a chat prompt's list of messages), None when the row has none; a column whose
+    values are of more than one of those kinds holds them all as text (a table column has
+    one type)."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+
+    def cell(value: Any) -> Any:
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        return json.dumps(value, default=str, ensure_ascii=False)
+
+    def kind(value: Any) -> str:
+        return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else "text"
+
+    data = [[cell(row.get(c)) for c in columns] for row in rows]
+    for j in range(len(columns)):
+        if len({kind(r[j]) for r in data if r[j] is not None}) > 1:
+            for r in data:
+                r[j] = None if r[j] is None else str(r[j])
+    return columns, data
+
+
+def _markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The rows as a Markdown table (TensorBoard's text panel renders it); a cell's ``|``
+    is escaped and its line breaks become <br>."""
+    columns, data = sample_table(rows)
+
+    def esc(value: Any) -> str:
+        return ("" if value is None else str(value)).replace("\\", "\\\\").replace("|", "\\|").replace("\r\n", "<br>").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(esc(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(esc(v) for v in row) + " |" for row in data]
+    return "\n".join(lines)
+
+
+def samples_artifact(step: int) -> str:
+    """The artifact path of an evaluation's samples in MLflow: ``samples/step_0000012.json``."""
+    return f"samples/step_{step:07d}.json"
 
 
 def _saved_ids(run_dir: Path) -> dict[str, Any]:
@@ -187,6 +238,9 @@ class TensorBoardTracker(Tracker):
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         self._tb.add_text("summary", _as_text(summary))
 
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        self._tb.add_text("samples", _markdown_table(rows), global_step=step)
+
     def close(self, failed: bool = False) -> None:
         self._tb.close()
 
@@ -244,6 +298,13 @@ class WandbTracker(Tracker):
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         self._check_folder()
         self._run.summary.update(flatten(summary, "/"))
+
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        import wandb
+
+        self._check_folder()
+        columns, data = sample_table(rows)
+        self._run.log({"samples": wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self, failed: bool = False) -> None:
         try:
@@ -368,6 +429,10 @@ class MlflowTracker(Tracker):
                    for k, v in flatten(summary, "/").items() if _is_number(v)]
         for i in range(0, len(numbers), 1000):
             self._client.log_batch(self.run_id, metrics=numbers[i:i + 1000])
+
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        rows = json.loads(json.dumps([dict(r) for r in rows], default=str))  # JSON values only
+        self._client.log_dict(self.run_id, rows, samples_artifact(step))
 
     def close(self, failed: bool = False) -> None:
         self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
