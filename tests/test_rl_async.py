@@ -43,7 +43,9 @@ ASYNC = ["rl.async.enabled=true", "rl.async.generator_ranks=1"]
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The training steps' lines (an evaluation's own line, with ``time/eval``, left out)."""
+    return [m for m in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "time/eval" not in m]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,10 @@ group, the single controller in the CLI process.
   its first metrics line says where the start-up went (``time/startup/*``);
 - the demo's GRPO stage (examples/grpo_reverse.yaml from the SFT demo's model) raises the
   held-out greedy accuracy by at least 10 points, without an old-log-prob forward;
-- PPO with the critic in a worker group of its own (GAE) lowers its value loss.
+- PPO with the critic in a worker group of its own (GAE) lowers its value loss; the same
+  run evaluates on a user-format validation file (two data_sources, greedy and 2 samples)
+  at steps 0, 2, ..., 8: its val/* lines, samples files (pass@k / maj@k recounted from
+  them), the best checkpoint kept in both groups' folders and exported.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 from dist.common import TINY_QWEN3, assert_clean_rl_console
 from dist.launcher import REPO_ROOT, at_once, run_cli
+from dist.val_count import count_val, sample_rows
 
 pytest.importorskip("ray")
 
@@ -39,6 +43,11 @@ def rl(run_dir: Path, *overrides: str, timeout: float = 400, cwd: Path | None = 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_lines(run_dir: Path) -> list[dict]:
+    """The training steps' lines (not the evaluations', which have ``time/eval``)."""
+    return [x for x in metrics(run_dir) if "time/eval" not in x]
 
 
 TOY_REWARD = "def ones(prompt, response, ground_truth):\n    return response.count('1') / 4\n"
@@ -128,12 +137,21 @@ def demo_runs(sft_demo_model, tmp_path_factory):
         except AssertionError as exc:
             return run_dir, exc
 
+    val = tmp / "val.jsonl"  # user-format validation data: the demo's words, two data_sources
+    val.write_text("".join(json.dumps({"prompt": f"{w}=", "response": w[::-1], "data_source": src}) + "\n"
+                           for w, src in VAL_WORDS))
     res_grpo, res_ppo = at_once(
         lambda: run(grpo, "checkpoint.every_steps=0", "rl.record_batches=1"),
         lambda: run(ppo, "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true", "rl.critic.lr=1e-3",
                     "rl.critic.colocated=false", "train.max_steps=8", "train.global_batch_size=16",
-                    "checkpoint.every_steps=4", "checkpoint.export_hf=false", "rl.heldout_eval=false"))
+                    "checkpoint.every_steps=4", "rl.heldout_eval=false",
+                    f"eval.source={val}", "eval.every_steps=2", "eval.n=2", "eval.k=[1,2]", "eval.samples_logged=3",
+                    "checkpoint.keep_best=val/accuracy", "checkpoint.export_from=best"))
     return {"grpo": res_grpo, "ppo": res_ppo}
+
+
+VAL_WORDS = [("cat", "short"), ("dog", "short"), ("sun", "short"), ("tree", "short"), ("house", "long"),
+             ("garden", "long"), ("planet", "long"), ("river", "long")]
 
 
 def demo_run(demo_runs, name: str):
@@ -154,7 +172,12 @@ def test_the_rl_demo_raises_heldout_accuracy_by_ten_points(sft_demo_model, demo_
     before, after = (float(x.rstrip("%")) for x in re.findall(r"[0-9.]+%", line))
     assert after >= before + 10.0, res.stdout
     assert re.search(r"pass@8 [0-9.]+% -> [0-9.]+%", res.stdout), res.stdout
-    m = metrics(run_dir)
+    # the held-out figures are the evaluation's (one path): its lines at steps 0 and 30
+    evals = [x for x in metrics(run_dir) if "time/eval" in x]
+    assert [x["step"] for x in evals] == [0, 30]
+    assert [f"{x['val/accuracy']:.1%}" for x in evals] == [f"{before:.1f}%", f"{after:.1f}%"], (evals, line)
+    assert len((run_dir / "samples" / "step_0000030.jsonl").read_text().splitlines()) == 200 * (1 + 8)
+    m = step_lines(run_dir)
     assert len(m) == 30 and m[-1]["kl"] > 0  # the policy moved away from the reference
     # the on-policy update ran no old-log-prob forward, yet reports what it would have given
     assert all("time/old_log_prob" not in x and x["entropy"] > 0 for x in m)
@@ -235,14 +258,42 @@ def check_recorded_batch(path: Path, model_dir: Path, step_metrics: dict) -> Non
 
 def test_ppo_with_critic_lowers_value_loss(demo_runs):
     run_dir, _ = demo_run(demo_runs, "ppo")  # 8 steps, critic not colocated, checkpoints every 4
-    m = metrics(run_dir)
+    m = step_lines(run_dir)
     vf = [x["critic/vf_loss"] for x in m]
     # The targets move with the policy, so the loss is not monotone; measured on this
     # machine: 0.156 at step 1, 0.088 at step 5, ~0.1 at steps 6-8.
     assert min(vf[-4:]) < 0.7 * vf[0] and sum(vf[-4:]) / 4 < 0.85 * vf[0], vf
     assert all("time/values" in x and "time/update_critic" in x for x in m)
-    assert sorted(p.name for p in (run_dir / "critic" / "checkpoints").iterdir()) == ["step_00000004",
-                                                                                    "step_00000008"]
+
+
+def test_ppo_evaluates_on_user_data_and_exports_its_best_checkpoint(demo_runs):
+    # The PPO run's eval keys: a user jsonl with data_sources short / long, every 2 steps,
+    # greedy + 2 samples, keep_best val/accuracy, export_from best.
+    run_dir, res = demo_run(demo_runs, "ppo")
+    lines = [x for x in metrics(run_dir) if "time/eval" in x]
+    assert [x["step"] for x in lines] == [0, 2, 4, 6, 8], lines
+    for x in lines:
+        rows = sample_rows(run_dir, x["step"])
+        assert len(rows) == len(VAL_WORDS) * 3 and {r["data_source"] for r in rows} == {"short", "long"}
+        assert {r["prompt"] for r in rows} == {f"{w}=" for w, _ in VAL_WORDS}
+        assert all(r["ground_truth"] == r["prompt"][:-1][::-1] for r in rows)
+        for name, value in count_val(rows, [1, 2]).items():
+            assert abs(x[f"val/{name}"] - value) < 1e-9, (x["step"], name)
+        short = count_val([r for r in rows if r["data_source"] == "short"], [2])
+        assert abs(x["val/short/pass@2"] - short["pass@2"]) < 1e-9 and "val/long/maj@2" in x
+    # keep_best: best.json in both groups' folders names the best evaluation, whose step
+    # folder outlives keep_last (2); the export is that step's
+    accuracies = [x["val/accuracy"] for x in lines]
+    kept = {}
+    for root in (run_dir, run_dir / "critic"):
+        best = json.loads((root / "checkpoints" / "best.json").read_text())
+        assert best["metric"] == "val/accuracy" and best["value"] == max(accuracies), best
+        assert best["step"] == lines[accuracies.index(max(accuracies))]["step"]
+        kept[root] = sorted(p.name for p in (root / "checkpoints").iterdir() if p.name.startswith("step_"))
+        assert kept[root] == sorted({"step_00000006", "step_00000008", f"step_{best['step']:08d}"}), kept
+    assert f"exported the best checkpoint by val/accuracy: step {best['step']}" in res.stdout, res.stdout
+    assert (run_dir / "hf" / "config.json").is_file()
+    assert "evaluation at step 8" in res.stdout and "short" in res.stdout
 
 
 HALF_FLAT_REWARD = ("def half_flat(prompt, response, ground_truth):\n"

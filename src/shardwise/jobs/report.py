@@ -8,6 +8,7 @@ One function per table, so `shardwise plan`, the jobs and anything else that sho
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 from shardwise.config.schema import Config
@@ -206,6 +207,12 @@ def rl(cfg: Config, summary: dict) -> None:
                   for kind in ("greedy", "sampled") if kind in tb and kind in ta]
         if shares:  # rl.multi_turn: how the answers were reached
             print("  held-out trajectories calling a tool: " + ", ".join(shares))
+    if summary.get("eval") and cfg.eval.source is not None:  # the user's validation data: every figure
+        print(f"  evaluation at step {summary['eval_step']} on {cfg.eval.source}:")
+        print(textwrap.indent(eval_table(summary["eval"]), "    "))
+    exported = summary.get("exported_step")
+    if exported is not None:  # checkpoint.export_from: best
+        print(f"  exported the best checkpoint by {cfg.checkpoint.keep_best}: step {exported}")
     timing = summary.get("timing") or {}
     if timing.get("time/step"):
         step_s = timing["time/step"]

@@ -7,8 +7,9 @@ plan (on the meta device); with ``rl.async`` the mesh is the training ranks' (np
 generator_ranks) and what the asynchronous run does not do yet is refused (`check_rl_async`).
 `run` builds the `shardwise.rl.trainer.Controller` (with rl.async the
 `shardwise.rl.async_trainer.AsyncController`) from what was prepared, starts the worker
-groups, resumes, measures the held-out accuracy, trains, measures it again, exports the
-actor and plots the metrics. The controller writes
+groups, resumes, evaluates the policy (``eval``: step 0, every ``eval.every_steps``, the
+end; a built-in task's held-out accuracy by default), trains, exports the actor (with
+``checkpoint.export_from: best`` the best evaluation's checkpoint) and plots the metrics. The controller writes
 ``run.dir/metrics.jsonl`` and the trackers of ``run.loggers`` (each step's scalars, the
 config, the summary without the per-step history).
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardwise.checkpoint.best import best_checkpoint, read_best
 from shardwise.config.schema import Config
 from shardwise.config.validate import (
     MeshSpec,
@@ -34,6 +36,7 @@ from shardwise.data.rewards import RewardFn, check_data_sources, contain, resolv
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
 from shardwise.engine import vllm_engine
+from shardwise.engine.evaluate import EvalPlan
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
@@ -41,6 +44,7 @@ from shardwise.jobs.inputs import (
     check_agents,
     check_causal_task,
     check_data,
+    check_eval,
     check_model,
     check_resume,
     check_tokenizer,
@@ -54,14 +58,16 @@ from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
 from shardwise.rl.async_trainer import AsyncController
 from shardwise.rl.cluster import check_ray_address
-from shardwise.rl.trainer import Controller, mean_timing
+from shardwise.rl.trainer import Controller, heldout_summary, mean_timing
 from shardwise.telemetry import plot_metrics
 from shardwise.telemetry.logs import ThirdPartyToFile
+from shardwise.telemetry.metrics import read_metrics
+from shardwise.telemetry.plots import val_panels
 from shardwise.telemetry.startup import StartupClock, launched_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Prepared", "plot_panels", "prepare", "run"]
+__all__ = ["Prepared", "eval_scorer", "load_best", "plot_panels", "prepare", "run"]
 
 
 @dataclass
@@ -78,6 +84,10 @@ class Prepared:
     """The actor's plan on the meta device (its memory per rank, for the launch line)."""
     schemas: list[dict] | None = None
     """rl.multi_turn: the tools' schemas the chat template gets (None: single-turn rollouts)."""
+    eval_plan: EvalPlan | None = None
+    """The evaluation (`check_eval`; None: none): at step 0, every eval.every_steps, the end."""
+    eval_scorer: RewardFn | None = None
+    """What scores the evaluation's answers (`eval_scorer`)."""
     clock: StartupClock = field(default_factory=StartupClock)
     """The start-up's timeline so far (``launch``: the process's start to `prepare`, and
     ``prepare``); `run` goes on with it to the first step."""
@@ -112,9 +122,27 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
     check_data_sources(fn, records)
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
+    evaluation = check_eval(cfg, "rl")
+    scorer = eval_scorer(cfg, evaluation, fn)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     clock.lap("prepare")
-    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock=clock, schemas=schemas)
+    return Prepared(cfg, spec, world_size, rows, records, fn, plan, clock=clock, schemas=schemas,
+                    eval_plan=evaluation, eval_scorer=scorer)
+
+
+def eval_scorer(cfg: Config, plan: EvalPlan | None, job_fn: RewardFn | None) -> RewardFn | None:
+    """What scores the evaluation's answers (``plan.reward``, resolved by `check_eval`:
+    eval.reward, else a built-in task's scorer for its held-out prompts, else the job's):
+    the job's own function (`job_fn`, contained as the job runs it) when the plan names it,
+    else the spec resolved and, a user's ``module:function``, contained the same way. None
+    without a plan, or where an environment's reward scores alone."""
+    if plan is None or plan.reward is None:
+        return None if plan is None else job_fn
+    spec = plan.reward.strip()
+    if cfg.rl.reward.function is not None and spec == cfg.rl.reward.function.strip():
+        return job_fn
+    key = "eval.reward" if cfg.eval.reward is not None else "eval.source" if plan.builtin else "rl.reward.function"
+    return contain(resolve_reward_fn(spec, key), spec)
 
 
 def check_rl_agents(cfg: Config) -> list[dict] | None:
@@ -224,6 +252,23 @@ def plot_panels(cfg: Config, on_policy_shortcut: bool) -> list[tuple[str, list[s
     return panels
 
 
+def load_best(ctl: Controller) -> int | None:
+    """``checkpoint.export_from: best``: the actor's weights of the best evaluation's
+    checkpoint (``checkpoint.keep_best``, `best_checkpoint`) loaded into the workers before
+    the export; returns its step (None when none was recorded: the last step is exported,
+    said once)."""
+    found = best_checkpoint(ctl.run_dir)
+    if found is None:
+        log.warning("checkpoint.export_from=best: no best checkpoint was recorded in %s; exporting the last step",
+                    ctl.run_dir / "checkpoints")
+        return None
+    step = int((read_best(ctl.run_dir) or {}).get("step", ctl.step))
+    if step != ctl.step:
+        ctl.group.load_actor(str(found))
+        log.info("checkpoint.export_from=best: exporting step %d (%s)", step, found)
+    return step
+
+
 def _run(prepared: Prepared) -> dict[str, Any]:
     cfg = prepared.cfg
     folder = tokenizer_dir(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, build=True,
@@ -243,7 +288,7 @@ def _run(prepared: Prepared) -> dict[str, Any]:
                     if cfg.rl.reference.enabled else "no reference")
     kind = AsyncController if cfg.rl.async_.enabled else Controller
     ctl = kind(cfg, prepared.world_size, prepared.records, tokenizer, str(folder), prepared.reward_fn,
-                     vision, prepared.schemas)
+               vision, prepared.schemas, prepared.eval_plan, prepared.eval_scorer)
     summary: dict[str, Any] = {"run_dir": str(ctl.run_dir), "metrics": str(ctl.run_dir / "metrics.jsonl")}
     clock = prepared.clock
     clock.lap("controller")  # the launch line, the tokenizer, the controller
@@ -256,20 +301,21 @@ def _run(prepared: Prepared) -> dict[str, Any]:
         if ctl.push_weights():
             clock.lap("first_push")
         summary["resumed_from_step"] = ctl.step if resumed else None
-        summary["accuracy_before"] = ctl.evaluate()
-        summary["sampled_before"] = ctl.evaluate_sampled()
-        summary["heldout_tools_before"] = dict(ctl.heldout_tools) or None  # rl.multi_turn
-        if cfg.rl.heldout_eval:
+        if ctl.eval_plan is not None:  # the policy as it starts (step 0, or the resumed step)
+            ctl.run_evaluation(writer, record=not (resumed and ctl.evaluated_before(writer)))
             clock.lap("eval")
+            if cfg.checkpoint.keep_best is not None and not resumed:
+                ctl.save(final=False)  # the starting policy may stay the best: it needs a checkpoint
+                clock.lap("checkpoint")
         startup = clock.metrics()
         summary["startup"] = {k.removeprefix("time/startup/"): v for k, v in startup.items()}
         history = ctl.fit(writer, startup)
         summary["steps"] = ctl.step
         summary["history"] = history
         summary["timing"] = mean_timing(history)
-        summary["accuracy_after"] = ctl.evaluate()
-        summary["sampled_after"] = ctl.evaluate_sampled()
-        summary["heldout_tools_after"] = dict(ctl.heldout_tools) or None
+        summary.update(heldout_summary(ctl.evaluations))
+        if cfg.checkpoint.export_from == "best" and (cfg.checkpoint.export_hf or cfg.model.lora.enabled):
+            summary["exported_step"] = load_best(ctl)
         if cfg.checkpoint.export_hf and cfg.model.lora.enabled:
             summary["adapter"] = ctl.group.export_adapter(str(ctl.run_dir / "adapter"))
         if cfg.checkpoint.export_hf and (not cfg.model.lora.enabled or cfg.checkpoint.export_merged):
@@ -289,6 +335,7 @@ def _run(prepared: Prepared) -> dict[str, Any]:
     with writer:  # closed here; as failed if the plot raises
         if (ctl.run_dir / "metrics.jsonl").is_file():
             panels = plot_panels(cfg, ctl.on_policy_shortcut)
+            panels += val_panels(read_metrics(ctl.run_dir / "metrics.jsonl"))  # the evaluation's curves
             summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
         writer.log_summary({k: v for k, v in summary.items() if k != "history"})  # the trackers have it as metrics
     return summary

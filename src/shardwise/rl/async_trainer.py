@@ -66,7 +66,8 @@ import numpy as np
 from shardwise.config.schema import Config
 from shardwise.config.validate import rl_train_ranks
 from shardwise.data.batch import Batch
-from shardwise.data.rewards import ContainedReward, RewardFn
+from shardwise.data.rewards import RewardFn
+from shardwise.engine.evaluate import EvalPlan
 from shardwise.models.vision import VisionInputs
 from shardwise.rl.cluster import Pending, RayWorkerGroup, gpus_for, init_ray
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, worker_groups
@@ -100,9 +101,11 @@ class AsyncController(Controller):
 
     def __init__(self, cfg: Config, world_size: int, records: list[dict[str, Any]], tokenizer,
                  tokenizer_dir: str, reward_fn: RewardFn | None, vision: VisionInputs | None = None,
-                 schemas: list[dict] | None = None):
+                 schemas: list[dict] | None = None, eval_plan: EvalPlan | None = None,
+                 eval_scorer: RewardFn | None = None):
         train = rl_train_ranks(cfg, world_size)
-        super().__init__(cfg, train, records, tokenizer, tokenizer_dir, reward_fn, vision, schemas)
+        super().__init__(cfg, train, records, tokenizer, tokenizer_dir, reward_fn, vision, schemas, eval_plan,
+                         eval_scorer)
         a = cfg.rl.async_
         self.generator_ranks = world_size - train
         self.max_staleness, self.timeout_s, self.on_stale = a.max_staleness, a.timeout_s, a.on_stale
@@ -123,8 +126,7 @@ class AsyncController(Controller):
     def start(self, clock: StartupClock | None = None) -> None:
         """Start Ray, then the training groups and the generator group at once."""
         clock = clock or StartupClock()
-        if isinstance(self.reward_fn, ContainedReward):
-            self.reward_fn.start()
+        self._start_scorers()
         plan = async_worker_groups(self.cfg)
         init_ray(num_cpus=self.world_size * (len(plan) - 1) + self.generator_ranks)
         clock.lap("ray")
@@ -285,10 +287,12 @@ class AsyncController(Controller):
         return batch
 
     # -- evaluation
-    def _heldout_generate(self, kind: str):
-        """The generator group, once it holds the current policy."""
+    def _eval_generate(self):
+        """The generator group, once it holds the current policy (after the steps it was
+        given before: at most max_staleness + 1, each from a version it holds already)."""
         def generate(batch: Batch) -> Batch:
             assert self.gen is not None
+            kind = "greedy" if batch.meta.get("greedy") else "sampled"
             return self.gen.submit("generate_sequences", batch, self.version).result(
-                self.timeout_s + MARGIN_S, what=f"generate_sequences for the held-out evaluation ({kind})")
+                self.timeout_s + MARGIN_S, what=f"generate_sequences for the evaluation at step {self.step} ({kind})")
         return generate

@@ -41,9 +41,19 @@ with an engine that keeps its own weights (vllm), ``time/weight_sync`` (inside
 (`shardwise.agents.loop`): ``multi_turn/*`` and ``tools/*`` over every trajectory of the step
 (`trajectory_metrics`), ``time/tools`` (the slowest rank's, inside ``time/generate``);
 ``response_length/*`` count the model's tokens only and ``clip_frac`` is the share of
-truncated trajectories. The first line written
+truncated trajectories. The first step's line
 also holds ``time/startup/<part>``: where the start-up went (`Controller.start` times Ray
 and the worker groups, the workers their models and engine; `shardwise.jobs.rl` the rest).
+
+Evaluation (``eval``, or a built-in task's held-out prompts; `Controller.run_evaluation`):
+before the first step (step 0, or the step a resumed run starts from), every
+``eval.every_steps`` and after the last step, the rollout engine answers the evaluation's
+prompts (greedy and / or n samples; multi-turn with the tools) and its reward scores them
+(`shardwise.engine.evaluate`). Each evaluation is a line of its own at its step (``val/*``,
+``time/eval``), a file run.dir/samples/step_XXXXXXX.jsonl and the first
+``eval.samples_logged`` rows sent to the trackers. With ``checkpoint.keep_best`` every
+evaluation step is also a checkpoint step and best.json (`shardwise.checkpoint.best`) says
+which one is the best (in the critic's checkpoints too).
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from typing import Any
 import torch
 
 from shardwise.agents.loop import agent_prompt_batch, trajectory_metrics
+from shardwise.checkpoint.best import forget_best_after, record_best
 from shardwise.config.schema import Config
 from shardwise.config.validate import mesh_spec, rl_update_groups
 from shardwise.data.batch import Batch
@@ -64,19 +75,21 @@ from shardwise.data.chat import text_prompts_as_chat
 from shardwise.data.rewards import ContainedReward, RewardFn, score_sequences
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.data.tokenizer import pad_token_id
-from shardwise.engine.generate import heldout_accuracy, heldout_pass_at_k, prompt_batch, sample_keys
+from shardwise.engine.evaluate import EvalPlan, evaluate, extract_fn, is_eval_step, write_samples
+from shardwise.engine.generate import prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
 from shardwise.rl.cluster import RayWorkerGroup, init_ray
-from shardwise.rl.workers.hybrid import RLWorker
+from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
 from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
+from shardwise.telemetry.metrics import read_metrics
 from shardwise.telemetry.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller", "concat_rounds", "drop_zero_variance_groups", "mean_timing", "merge_reward_metrics",
-           "worker_groups"]
+__all__ = ["Controller", "concat_rounds", "drop_zero_variance_groups", "heldout_summary", "mean_timing",
+           "merge_reward_metrics", "worker_groups"]
 
 
 def worker_groups(cfg: Config) -> dict[str, list[str]]:
@@ -98,13 +111,15 @@ class Controller:
     """The single controller (see the module docstring).
 
     `records` are the prompts (with their ground truths), `tokenizer` and its folder the
-    run's, `reward_fn` the rule-based reward (None: the reward model alone). Nothing is
-    started until `start`.
+    run's, `reward_fn` the rule-based reward (None: the reward model alone). `eval_plan`:
+    what the evaluation asks and how often (`shardwise.jobs.inputs.check_eval`; None: no
+    evaluation), scored by `eval_scorer`. Nothing is started until `start`.
     """
 
     def __init__(self, cfg: Config, world_size: int, records: list[dict[str, Any]], tokenizer,
                  tokenizer_dir: str, reward_fn: RewardFn | None, vision: VisionInputs | None = None,
-                 schemas: list[dict] | None = None):
+                 schemas: list[dict] | None = None, eval_plan: EvalPlan | None = None,
+                 eval_scorer: RewardFn | None = None):
         self.cfg = cfg
         self.world_size = world_size
         self.run_dir = Path(cfg.run.dir)
@@ -122,10 +137,14 @@ class Controller:
         self.schemas = schemas if cfg.rl.multi_turn.enabled else None
         """rl.multi_turn: the tools' schemas; prompts are chats rendered with them
         (`shardwise.agents.loop.agent_prompt_batch`) and the workers roll out trajectories."""
+        self.eval_plan, self.eval_scorer = eval_plan, eval_scorer
+        self.evaluations: list[tuple[int, dict[str, float], dict[str, dict[str, float]]]] = []
+        """Every evaluation of this process so far: (step, its ``val/*`` and ``time/eval``,
+        its `heldout_tools`), oldest first (`heldout_summary` reads the first and last)."""
         self.heldout_tools: dict[str, dict[str, float]] = {}
         """rl.multi_turn: the trajectory figures (`trajectory_metrics`: ``tools/share``,
-        ``tools/calls_per_trajectory``, ...) of the last held-out evaluation, under
-        "greedy" (`evaluate`) and "sampled" (`evaluate_sampled`)."""
+        ``tools/calls_per_trajectory``, ...) of the last evaluation, under "greedy" and
+        "sampled" (its two passes)."""
         k = cfg.rl.kl_in_reward
         self.kl_ctl = alg.kl_controller(k.controller, k.coef, k.target, k.horizon)
         self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
@@ -144,8 +163,7 @@ class Controller:
         """Start Ray and the worker groups; with `clock`, laps ``ray`` and
         ``worker_groups`` (the parts the workers timed moved out of it: `_split_startup`)."""
         clock = clock or StartupClock()
-        if isinstance(self.reward_fn, ContainedReward):  # its process imports the function while Ray starts
-            self.reward_fn.start()
+        self._start_scorers()
         plan = worker_groups(self.cfg)
         init_ray(num_cpus=self.world_size * len(plan))
         clock.lap("ray")
@@ -172,6 +190,16 @@ class Controller:
                 parts[part] = parts.get(part, 0.0) + seconds
         clock.split("worker_groups", parts)
 
+    def _start_scorers(self) -> None:
+        """The contained reward functions (the job's, the evaluation's when another): their
+        processes import the functions while Ray starts."""
+        for fn in self._scorers():
+            fn.start()
+
+    def _scorers(self) -> list[ContainedReward]:
+        fns = [self.reward_fn] + [self.eval_scorer] * (self.eval_scorer is not self.reward_fn)
+        return [fn for fn in fns if isinstance(fn, ContainedReward)]
+
     def push_weights(self) -> dict[str, float]:
         """The first push of the actor's weights into a rollout engine that keeps its own
         (vLLM), before anything generates; {} for an engine that shares the actor's."""
@@ -192,8 +220,8 @@ class Controller:
     def close(self, graceful: bool = True) -> None:
         """Release the worker groups; not graceful after an error (workers may be stuck in
         a collective, a teardown barrier would wait for them)."""
-        if isinstance(self.reward_fn, ContainedReward):  # with whatever it started
-            self.reward_fn.close()
+        for fn in self._scorers():  # with whatever they started
+            fn.close()
         for g in self.groups.values():
             g.shutdown(graceful=graceful)
         self.groups = {}
@@ -224,11 +252,28 @@ class Controller:
         if extras["rl"] is None:
             return False
         self.load_state_dict(extras["rl"])
+        if self.cfg.checkpoint.keep_best is not None:  # a best found after this step is gone with its step
+            for folder in self._checkpoint_roots():
+                forget_best_after(folder, self.step)
         return True
+
+    def _checkpoint_roots(self) -> list[Path]:
+        """The folders whose ``checkpoints/`` this run saves into: run.dir (the actor) and,
+        with a critic, run.dir/critic (`shardwise.rl.workers.hybrid.CRITIC_DIR`)."""
+        return [self.run_dir] + [self.run_dir / CRITIC_DIR] * self.cfg.rl.critic.enabled
 
     def save(self, final: bool) -> None:
         for g in self.groups.values():
             g.save_checkpoint(self.step, self.state_dict(), final)
+
+    def should_save(self, step: int) -> bool:
+        """Every ``checkpoint.every_steps``, the last step and, with ``checkpoint.keep_best``,
+        every evaluation step (the best must have a checkpoint)."""
+        max_steps = self.cfg.train.max_steps
+        plan = self.eval_plan
+        return _should_save(self.cfg, step, max_steps) or (
+            self.cfg.checkpoint.keep_best is not None and plan is not None
+            and is_eval_step(step, plan.every_steps, max_steps))
 
     def wait_checkpoints(self) -> None:
         for g in self.groups.values():
@@ -386,7 +431,7 @@ class Controller:
             metrics["filter/skipped_update"] = float(not len(batch))
         self.step += 1
         max_steps = self.cfg.train.max_steps
-        if _should_save(self.cfg, self.step, max_steps):
+        if self.should_save(self.step):
             with timer("checkpoint"):
                 self.save(final=self.step == max_steps)
         metrics.update(timer.as_dict())
@@ -441,11 +486,15 @@ class Controller:
         """Steps until ``train.max_steps`` (from wherever `resume` left the controller), with
         the progress bar and one line per logged step to `writer` (opened after `resume`,
         with ``after_step=self.step``; the caller closes it); returns every step's metrics.
-        `startup` (``time/startup/*``) joins the first line written, not the history."""
+        `startup` (``time/startup/*``) joins the first step's line, not the history. After
+        each evaluation step (``eval.every_steps`` and the last; `is_eval_step`) the policy
+        is evaluated (`run_evaluation`: its own line)."""
         max_steps = self.cfg.train.max_steps
         bar = Progress(total=max_steps, enabled=True, desc=self.cfg.rl.algorithm, initial=self.step)
         history: list[dict[str, float]] = []
         pending = dict(startup or {})
+        plan = self.eval_plan
+        val: dict[str, float] = {}
         try:
             while self.step < max_steps:
                 m = self.train_step()
@@ -453,49 +502,96 @@ class Controller:
                 if self.step % self.cfg.train.log_every == 0 or self.step == max_steps:
                     writer.log(self.step, {**m, **pending})
                     pending = {}
-                bar.update(1, reward=m["reward/mean"], **({"acc": m["accuracy"]} if "accuracy" in m else {}))
+                if plan is not None and is_eval_step(self.step, plan.every_steps, max_steps):
+                    val = _bar_figures(self.run_evaluation(writer))
+                bar.update(1, reward=m["reward/mean"], **({"acc": m["accuracy"]} if "accuracy" in m else {}), **val)
             self.wait_checkpoints()
         finally:
             bar.close()
         return history
 
     # -- evaluation
-    def evaluate(self) -> float | None:
-        """Greedy held-out accuracy of the current policy on a built-in task (None for file
-        data or ``rl.heldout_eval: false``), by the same function every job reports it with."""
-        if not self.cfg.rl.heldout_eval:
-            return None
-        return heldout_accuracy(self._heldout_generate("greedy"), self.tokenizer, self.cfg.data.source,
-                                self.cfg.run.seed, self.cfg.data.max_length, vision=self.vision,
-                                chat=text_prompts_as_chat(self.cfg.data), batch_fn=self._heldout_batch_fn())
+    def run_evaluation(self, writer: MetricsWriter, record: bool = True) -> dict[str, float]:
+        """Evaluate the current policy (step `self.step`) on the plan's prompts through the
+        rollout engine (`shardwise.engine.evaluate.evaluate`: greedy and sampled passes,
+        multi-turn with the tools, scored by the evaluation's reward within
+        ``rl.reward.timeout_s``). With `record` (False: a resumed run's step the run before
+        already recorded): write its samples to run.dir/samples/step_XXXXXXX.jsonl, its
+        metrics (``val/*``, ``time/eval``) to `writer` as a line of their own and its first
+        ``eval.samples_logged`` rows to the trackers; with ``checkpoint.keep_best``, record
+        whether this step is the best so far. Returns the metrics."""
+        plan = self.eval_plan
+        assert plan is not None
+        self.heldout_tools = {}
+        result = evaluate(self._eval_generate(), self.tokenizer, plan, self.eval_scorer, seed=self.cfg.run.seed,
+                          max_length=self.cfg.data.max_length, step=self.step, timeout_s=self.cfg.rl.reward.timeout_s,
+                          timeout_key="rl.reward.timeout_s", batch_fn=self._eval_batch_fn(), vision=self.vision,
+                          chat=text_prompts_as_chat(self.cfg.data), extract=extract_fn(plan.reward))
+        self.evaluations.append((self.step, dict(result.metrics), dict(self.heldout_tools)))
+        if not record:
+            return result.metrics
+        write_samples(self.run_dir, self.step, result.rows)
+        writer.log(self.step, result.metrics)
+        if plan.samples_logged:
+            writer.log_samples(self.step, result.rows[:plan.samples_logged])
+        metric = self.cfg.checkpoint.keep_best
+        if metric is not None:  # each group's checkpoints know their best (prune keeps it)
+            for folder in self._checkpoint_roots():
+                record_best(folder, metric, self.step, result.metrics)
+        return result.metrics
 
-    def evaluate_sampled(self) -> dict[str, float] | None:
-        """pass@1 and pass@n (n = ``rl.rollout.n``) of the current policy, sampled at the
-        rollout temperature on the held-out prompts of a built-in task (None for file data or
-        ``rl.heldout_eval: false``)."""
-        if not self.cfg.rl.heldout_eval:
-            return None
-        return heldout_pass_at_k(self._heldout_generate("sampled"), self.tokenizer, self.cfg.data.source,
-                                 self.cfg.run.seed, self.cfg.data.max_length, self.cfg.rl.rollout.n,
-                                 vision=self.vision, chat=text_prompts_as_chat(self.cfg.data),
-                                 batch_fn=self._heldout_batch_fn())
+    def evaluated_before(self, writer: MetricsWriter) -> bool:
+        """Whether `writer`'s file already holds an evaluation's line at this step (a run
+        resumed from a step it evaluated at: logged once)."""
+        return writer.path.is_file() and any(
+            m.get("step") == self.step and "time/eval" in m for m in read_metrics(writer.path))
 
-    def _heldout_batch_fn(self):
-        """Multi-turn: the held-out prompts are asked with the tools (`prompt_batch`)."""
+    def _eval_batch_fn(self):
+        """Multi-turn: the evaluation's prompts are asked with the tools (`prompt_batch`)."""
         return self.prompt_batch if self.schemas is not None else None
 
-    def _heldout_generate(self, kind: str):
-        """The workers' ``generate_sequences``; multi-turn: it also keeps the held-out
-        trajectories' figures in ``heldout_tools[kind]`` (the score is the final answer's,
+    def _eval_generate(self):
+        """The workers' ``generate_sequences``; multi-turn: it also keeps the trajectories'
+        figures in ``heldout_tools["greedy" | "sampled"]`` (the score is the final answer's,
         `shardwise.data.rewards.score_sequences`; this is how it was reached)."""
         if self.schemas is None:
             return self.group.generate_sequences
 
         def generate(batch: Batch) -> Batch:
             out = self.group.generate_sequences(batch)
-            self.heldout_tools[kind] = trajectory_metrics(out)
+            self.heldout_tools["greedy" if batch.meta.get("greedy") else "sampled"] = trajectory_metrics(out)
             return out
         return generate
+
+
+def _bar_figures(metrics: dict[str, float]) -> dict[str, float]:
+    """The evaluation's headline figures for the progress bar's postfix."""
+    out = {}
+    if "val/accuracy" in metrics:
+        out["val_acc"] = metrics["val/accuracy"]
+    elif "val/reward_mean" in metrics:
+        out["val_reward"] = metrics["val/reward_mean"]
+    return out
+
+
+def heldout_summary(evaluations: list[tuple[int, dict[str, float], dict[str, dict[str, float]]]]
+                    ) -> dict[str, Any]:
+    """The summary's figures of the first and the last evaluation (`Controller.evaluations`;
+    the last is the first when there was one): ``accuracy_before`` / ``_after`` (greedy
+    ``val/accuracy``), ``sampled_before`` / ``_after`` (``{"pass@k": ...}`` of each k),
+    ``heldout_tools_before`` / ``_after`` (multi-turn), ``eval`` (the last evaluation's
+    metrics) and ``eval_step``; None each where there was no evaluation."""
+    if not evaluations:
+        return {f"{k}_{w}": None for k in ("accuracy", "sampled", "heldout_tools") for w in ("before", "after")} \
+            | {"eval": None, "eval_step": None}
+    out: dict[str, Any] = {}
+    for when, (_, metrics, tools) in (("before", evaluations[0]), ("after", evaluations[-1])):
+        out[f"accuracy_{when}"] = metrics.get("val/accuracy")
+        passes = sorted((int(k.removeprefix("val/pass@")), v) for k, v in metrics.items() if k.startswith("val/pass@"))
+        out[f"sampled_{when}"] = {f"pass@{k}": v for k, v in passes} or None
+        out[f"heldout_tools_{when}"] = tools or None
+    out["eval"], out["eval_step"] = evaluations[-1][1], evaluations[-1][0]
+    return out
 
 
 _ROW_METRICS = ("multi_turn/", "tools/")

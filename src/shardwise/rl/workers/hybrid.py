@@ -309,6 +309,16 @@ class RLWorker:
         return extra
 
     @register(Dispatch.ONE_TO_ALL, collect="first")
+    def load_actor(self, path: str) -> None:
+        """The actor (model, optimizer, step) from the complete checkpoint folder `path`:
+        ``checkpoint.export_from: best`` before the export."""
+        self._need("actor")
+        assert self._ckpt is not None
+        self._ckpt.load(self.actor.engine, path)
+        if self.rollout is not None:
+            self.weight_sync.actor_changed()
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
     def wait_checkpoint(self) -> None:
         for m in (self._ckpt, self._critic_ckpt):
             if m is not None:
