@@ -6,10 +6,11 @@
   a random tiny model can have near-ties at that scale, so 2 of 24 responses may differ
   (observed: none). The exact, token-for-token check after every weight update is
   tests/test_vllm_engine.py.
-- rl, GRPO with the rollout on vLLM: the weights are pushed after every update (each step
-  after the first reports ``time/weight_sync`` and ``weight_sync/bytes`` = the model's
-  fp32 bytes), the rollout/actor log-prob mismatch is reported and small (fp32 on both
-  sides: rounding, < 1e-3 in nats), truncated importance sampling runs, and once the
+- rl, GRPO with the rollout on vLLM: the weights are pushed after every update (before the
+  evaluation that follows each step: its line reports ``time/weight_sync`` and
+  ``weight_sync/bytes`` = the model's fp32 bytes), the rollout/actor log-prob mismatch is
+  reported and small (fp32 on both sides: rounding, < 1e-3 in nats), truncated importance
+  sampling runs, and once the
   command has exited nothing of the engine is left: no process still holding the run
   folder in its command line, no shared-memory segment of the engine in /dev/shm.
   The console holds shardwise's lines only: vLLM's and torch's warnings are in
@@ -108,9 +109,12 @@ def test_grpo_with_vllm_rollout_syncs_weights_and_reports_mismatch(tmp_path):
     model_bytes = 4 * (2 * per_layer + 64 * 64 * 2 + 64)
     # the engine's start and its first push are start-up, before the first step
     assert steps[0]["time/startup/engine"] > 0 and steps[0]["time/startup/first_push"] > 0, steps[0]
-    for m in steps[1:]:  # the first step's push happened at start-up, before it
+    # after each update the engine takes the new weights before it next answers: here the
+    # evaluation's (every step), whose line reports that push; the next step pushes nothing
+    for m in evals[1:]:
         assert m["weight_sync/bytes"] == model_bytes, m
-        assert 0 < m["time/weight_sync"] < m["time/generate"]
+        assert 0 < m["time/weight_sync"] < m["time/eval"]
+    assert all("weight_sync/bytes" not in m for m in steps) and "weight_sync/bytes" not in evals[0]
     for m in steps:
         assert m["rollout/log_prob_diff_abs_max"] < 1e-3, m
         assert abs(m["rollout/importance_ratio_mean"] - 1) < 1e-3, m

@@ -293,6 +293,8 @@ class AsyncController(Controller):
         def generate(batch: Batch) -> Batch:
             assert self.gen is not None
             kind = "greedy" if batch.meta.get("greedy") else "sampled"
-            return self.gen.submit("generate_sequences", batch, self.version).result(
+            out = self.gen.submit("generate_sequences", batch, self.version).result(
                 self.timeout_s + MARGIN_S, what=f"generate_sequences for the evaluation at step {self.step} ({kind})")
+            self._keep_push(out)
+            return out
         return generate

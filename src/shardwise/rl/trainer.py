@@ -141,6 +141,8 @@ class Controller:
         self.evaluations: list[tuple[int, dict[str, float], dict[str, dict[str, float]]]] = []
         """Every evaluation of this process so far: (step, its ``val/*`` and ``time/eval``,
         its `heldout_tools`), oldest first (`heldout_summary` reads the first and last)."""
+        self._eval_engine: dict[str, float] = {}
+        """The engine's figures of the running evaluation's generate calls (`_keep_push`)."""
         self.heldout_tools: dict[str, dict[str, float]] = {}
         """rl.multi_turn: the trajectory figures (`trajectory_metrics`: ``tools/share``,
         ``tools/calls_per_trajectory``, ...) of the last evaluation, under "greedy" and
@@ -522,7 +524,7 @@ class Controller:
         whether this step is the best so far. Returns the metrics."""
         plan = self.eval_plan
         assert plan is not None
-        self.heldout_tools = {}
+        self.heldout_tools, self._eval_engine = {}, {}
         result = evaluate(self._eval_generate(), self.tokenizer, plan, self.eval_scorer, seed=self.cfg.run.seed,
                           max_length=self.cfg.data.max_length, step=self.step, timeout_s=self.cfg.rl.reward.timeout_s,
                           timeout_key="rl.reward.timeout_s", batch_fn=self._eval_batch_fn(), vision=self.vision,
@@ -531,7 +533,8 @@ class Controller:
         if not record:
             return result.metrics
         write_samples(self.run_dir, self.step, result.rows)
-        writer.log(self.step, result.metrics)
+        # an engine that keeps its own weights took the update's push here, before answering
+        writer.log(self.step, {**result.metrics, **self._eval_engine})
         if plan.samples_logged:
             writer.log_samples(self.step, result.rows[:plan.samples_logged])
         metric = self.cfg.checkpoint.keep_best
@@ -554,14 +557,22 @@ class Controller:
         """The workers' ``generate_sequences``; multi-turn: it also keeps the trajectories'
         figures in ``heldout_tools["greedy" | "sampled"]`` (the score is the final answer's,
         `shardwise.data.rewards.score_sequences`; this is how it was reached)."""
-        if self.schemas is None:
-            return self.group.generate_sequences
-
         def generate(batch: Batch) -> Batch:
             out = self.group.generate_sequences(batch)
-            self.heldout_tools["greedy" if batch.meta.get("greedy") else "sampled"] = trajectory_metrics(out)
+            self._keep_push(out)
+            if self.schemas is not None:
+                self.heldout_tools["greedy" if batch.meta.get("greedy") else "sampled"] = trajectory_metrics(out)
             return out
         return generate
+
+    def _keep_push(self, out: Batch) -> None:
+        """The weight push an evaluation's generate made (an engine that keeps its own
+        weights, after an update: ``weight_sync/*``, ``time/weight_sync``, the slowest
+        rank's), for the evaluation's line: the next step's generate pushes nothing."""
+        for name, values in out.meta.pop("metrics", {}).items():
+            if name.startswith("weight_sync/") or name == "time/weight_sync":
+                value = float(max(values) if isinstance(values, list) else values)
+                self._eval_engine[name] = self._eval_engine.get(name, 0.0) + value
 
 
 def _bar_figures(metrics: dict[str, float]) -> dict[str, float]:
