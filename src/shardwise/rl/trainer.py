@@ -539,8 +539,10 @@ class Controller:
             writer.log_samples(self.step, result.rows[:plan.samples_logged])
         metric = self.cfg.checkpoint.keep_best
         if metric is not None:  # each group's checkpoints know their best (prune keeps it)
-            for folder in self._checkpoint_roots():
-                record_best(folder, metric, self.step, result.metrics)
+            new = [record_best(folder, metric, self.step, result.metrics) for folder in self._checkpoint_roots()]
+            if any(new):  # this step's save pruned before it was the best: the former best may go now
+                for g in self.groups.values():
+                    g.prune_checkpoints()
         return result.metrics
 
     def evaluated_before(self, writer: MetricsWriter) -> bool:

@@ -319,6 +319,14 @@ class RLWorker:
             self.weight_sync.actor_changed()
 
     @register(Dispatch.ONE_TO_ALL, collect="first")
+    def prune_checkpoints(self) -> None:
+        """`CheckpointManager.prune` now (rank 0 acts): a new best (``checkpoint.keep_best``,
+        recorded after its step's save had pruned) frees the former best's folder."""
+        for m in (self._ckpt, self._critic_ckpt):
+            if m is not None:
+                m.prune()
+
+    @register(Dispatch.ONE_TO_ALL, collect="first")
     def wait_checkpoint(self) -> None:
         for m in (self._ckpt, self._critic_ckpt):
             if m is not None:
