@@ -3,7 +3,9 @@ group, the single controller in the CLI process.
 
 - resume: a PPO run (critic and reward model colocated with the actor, a user reward
   function) stopped at step 2 and resumed to step 4 logs exactly the metrics of an
-  uninterrupted 4-step run (actor, critic, optimizers, sampler, sampling seeds restored);
+  uninterrupted 4-step run (actor, critic, optimizers, sampler, sampling seeds restored),
+  its evaluations (user file, every 2 steps) and best checkpoint too; export_from best
+  exports the best (step 0) checkpoint's weights;
   its first metrics line says where the start-up went (``time/startup/*``);
 - the demo's GRPO stage (examples/grpo_reverse.yaml from the SFT demo's model) raises the
   held-out greedy accuracy by at least 10 points, without an old-log-prob forward;
@@ -69,7 +71,12 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     # imported from the working directory) gives the advantages something to work with.
     (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
     save_tiny_reward_model(tmp_path / "rm")
-    common = [*TINY, "checkpoint.every_steps=2", "checkpoint.export_hf=false",
+    # Evaluated at steps 0, 2, 4 on a user file; it never scores 1 (4 ones in 4 tokens), so
+    # the best val/accuracy stays step 0's: export_from best exports the starting weights.
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"prompt": p, "response": r, "data_source": d}) + "\n"
+                                                for p, r, d in [("1+2=", "3", "add"), ("7-5=", "2", "sub")]))
+    common = [*TINY, "checkpoint.every_steps=2", "checkpoint.export_from=best", "checkpoint.keep_best=val/accuracy",
+              f"eval.source={tmp_path / 'val.jsonl'}", "eval.every_steps=2", "eval.n=2",
               "rl.reward.function=toy_reward:ones", f"rl.reward.model={tmp_path / 'rm'}",
               "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true", "rl.critic.lr=1e-3",
               "rl.actor.on_policy_shortcut=false",  # the old-log-prob forward path (the demo test: the other)
@@ -79,8 +86,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     at_once(lambda: rl(whole, *common, "train.max_steps=4", cwd=tmp_path),
             lambda: rl(parts, *common, "train.max_steps=2", cwd=tmp_path))
-    assert sorted(p.name for p in (parts / "checkpoints").iterdir()) == ["step_00000002"]
-    assert sorted(p.name for p in (parts / "critic" / "checkpoints").iterdir()) == ["step_00000002"]
+    for root in (parts, parts / "critic"):  # keep_best: step 0 (the best) is kept too
+        assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["best.json", "step_00000000",
+                                                                           "step_00000002"]
 
     # Meanwhile: a damaged checkpoint named explicitly passes the launcher's look at the
     # folder and is found by the Ray workers when they verify its checksums: the user still
@@ -96,7 +104,16 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
                                         "train.max_steps=6", f"checkpoint.resume={damaged}"], timeout=400,
                                        cwd=tmp_path))
     assert "ppo" in res.stderr  # the progress bar
-    a, b = metrics(whole), metrics(parts)
+    # the evaluations: the resumed run's first (step 2, evaluated by the first part) logged once,
+    # the same figures; best.json goes on from the first part's
+    evals = [[{k: v for k, v in m.items() if k != "time/eval" and k != "time"} for m in metrics(r) if "time/eval" in m]
+             for r in (whole, parts)]
+    assert [m["step"] for m in evals[0]] == [0, 2, 4] and evals[1] == evals[0]
+    assert evals[0][0]["val/accuracy"] == 0.0 and "val/sub/pass@2" in evals[0][0]
+    best = [json.loads((r / "checkpoints" / "best.json").read_text()) for r in (whole, parts)]
+    assert best[0] == best[1] and best[0]["step"] == 0 and [h[0] for h in best[0]["history"]] == [0, 2, 4]
+    check_best_export(whole)
+    a, b = step_lines(whole), step_lines(parts)
     assert [m["step"] for m in a] == [1, 2, 3, 4] and [m["step"] for m in b] == [1, 2, 3, 4]
     for key in ("reward/mean", "reward/model_mean", "response_length/mean", "entropy", "kl", "actor/loss",
                 "actor/grad_norm", "actor/pg_clipfrac", "critic/vf_loss", "critic/grad_norm"):
@@ -121,6 +138,21 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
     assert "checkpoint.resume" in lines[0] and "failed verification" in lines[0] and shard.name in lines[0], lines
     assert "Traceback" not in res.stderr
+
+
+def check_best_export(run_dir: Path) -> None:
+    """run.dir/hf holds the weights of the best checkpoint (step 0, exported again here in
+    this process), not the last one's."""
+    from safetensors.torch import load_file
+
+    from shardwise.checkpoint.hf_export import export_checkpoint
+
+    got = load_file(str(run_dir / "hf" / "model.safetensors"))
+    for step, same in (("00000000", True), ("00000004", False)):
+        export_checkpoint(run_dir / "checkpoints" / f"step_{step}", run_dir / f"hf_{step}")
+        want = load_file(str(run_dir / f"hf_{step}" / "model.safetensors"))
+        assert sorted(want) == sorted(got)
+        assert all(want[k].equal(got[k]) for k in want) == same, step
 
 
 @pytest.fixture(scope="module")
