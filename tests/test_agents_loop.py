@@ -277,8 +277,9 @@ def test_multi_turn_config_checks(overrides, message):
 
 def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
     """`shardwise rl` with rl.multi_turn on builtin:calc (2 processes, 2 steps): exits 0 and
-    logs the multi-turn and tool metrics each step; a tool that cannot be imported is one
-    config line, exit 2, before anything starts."""
+    logs the multi-turn and tool metrics each step; the evaluation (4 held-out prompts,
+    greedy + 2 samples, at steps 0 and 2) rolls out trajectories with the tools too; a tool
+    that cannot be imported is one config line, exit 2, before anything starts."""
     common = ["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "--nproc", "2", "model.path=null", TINY,
               "data.source=builtin:calc", "data.max_length=32", "train.global_batch_size=2",
               "train.micro_batch_size=4", "train.max_steps=2", "rl.rollout.n=2", "rl.rollout.max_new_tokens=12",
@@ -287,7 +288,7 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
               "rl.reward.function=builtin:calc",
               "rl.heldout_eval=false", "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false",
               "checkpoint.every_steps=0", "checkpoint.export_hf=false",
-              "checkpoint.async=false"]
+              "checkpoint.async=false", "eval.source=builtin:calc", "eval.num_prompts=4", "eval.n=2"]
     bad = run_cli([*common, f"run.dir={tmp_path / 'bad'}", "rl.tools=[no_such_module:calculator]"], timeout=120,
                   cwd=tmp_path)
     assert bad.returncode == 2 and "rl.tools[0]" in bad.stderr and not (tmp_path / "bad").exists()
@@ -297,7 +298,13 @@ def test_rl_cli_runs_multi_turn_rollouts(tmp_path):
     res = run_cli([*common, f"run.dir={run}", "rl.tools=[my_calc:calculator]"], timeout=300, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2]
+    evals = [m for m in lines if "time/eval" in m]
+    lines = [m for m in lines if "time/eval" not in m]
+    assert [m["step"] for m in lines] == [1, 2] and [m["step"] for m in evals] == [0, 2]
+    assert all("val/accuracy" in m and "val/pass@2" in m for m in evals)
+    rows = [json.loads(x) for x in (run / "samples" / "step_0000002.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 3 and all(r["ground_truth"] and r["prompt"] for r in rows)
+    assert "held-out trajectories calling a tool: greedy" in res.stdout, res.stdout  # how they were answered
     for m in lines:
         for key in ("multi_turn/turns_mean", "tools/calls_per_trajectory", "tools/errors", "tools/timeouts",
                     "multi_turn/truncated", "multi_turn/retokenize_mismatch", "time/tools"):
