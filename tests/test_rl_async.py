@@ -5,7 +5,7 @@ the CLI process.
 - exact at zero: ``--nproc 2`` with one generator rank and ``max_staleness: 0``, stopped
   after its first step and resumed, equals the uninterrupted synchronous ``--nproc 1`` run
   on the same seed: the same batches (samples, log-probs, scores, advantages), the same
-  metrics, bitwise the same exported weights;
+  metrics, bitwise the same exported weights, the same evaluations after every step;
 - ``max_staleness: 1`` (with ``on_stale: drop``, which runs ahead without waiting for
   weights) measures the held-out accuracy through the generator group, logs its staleness
   (never above 1) and the idle figures of both sides, and checkpoints the policy version and
@@ -42,10 +42,13 @@ COMMON = ["model.path=null", TINY_QWEN3, "train.global_batch_size=4", "train.mic
 ASYNC = ["rl.async.enabled=true", "rl.async.generator_ranks=1"]
 
 
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     """The training steps' lines (an evaluation's own line, with ``time/eval``, left out)."""
-    return [m for m in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "time/eval" not in m]
+    return [m for m in lines(run_dir) if "time/eval" not in m]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,8 @@ def runs(tmp_path_factory):
                       timeout=400, cwd=tmp)
         return tmp / name, res
 
-    exact = ["rl.record_batches=2", "rl.heldout_eval=false"]
+    exact = ["rl.record_batches=2", "rl.heldout_eval=false",  # evaluated every step: 8 held-out prompts
+             "eval.source=builtin:arithmetic", "eval.num_prompts=8", "eval.n=2", "eval.every_steps=1"]
 
     def stopped_and_resumed():  # step 1, then (resumed from its checkpoint) step 2
         zero = [*exact, *ASYNC, "rl.async.max_staleness=0"]
@@ -139,6 +143,14 @@ def test_async_at_staleness_zero_and_resumed_equals_the_synchronous_run(runs):
         for key, v in x.arrays.items():
             assert list(v) == list(y.arrays[key]), (step, key)
     assert (sync / "hf" / "model.safetensors").read_bytes() == (zero / "hf" / "model.safetensors").read_bytes()
+    # the evaluations (through the generator group, after each update) answer alike: the
+    # same figures and samples at steps 0, 1 (the resumed run's first: logged once) and 2
+    evals = [[{k: v for k, v in m.items() if not k.startswith("time")} for m in lines(r) if "time/eval" in m]
+             for r in (sync, zero)]
+    assert [m["step"] for m in evals[0]] == [0, 1, 2] and evals[1] == evals[0]
+    for step in (0, 1, 2):
+        name = f"samples/step_{step:07d}.jsonl"
+        assert (sync / name).read_text() == (zero / name).read_text(), step
     places = json.loads((zero / "workers.json").read_text())
     assert sorted(places) == ["gen", "rl"] and len(places["gen"]) == len(places["rl"]) == 1
 
