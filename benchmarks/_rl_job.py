@@ -34,5 +34,7 @@ def run_rl(config: Path, run_dir: Path, overrides: list[str], *, nproc: int, log
     log.write_text(f"$ {' '.join(cmd)}\n{res.stdout}\n{res.stderr}")
     if res.returncode != 0:
         return {"wall_s": wall, "launched": launched, "error": (res.stderr.strip().splitlines() or ["?"])[-1]}
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"wall_s": wall, "launched": launched, "stdout": res.stdout, "steps": steps}
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "time/eval" not in m]  # an evaluation's line (val/*) is its own
+    return {"wall_s": wall, "launched": launched, "stdout": res.stdout, "steps": steps,
+            "evals": [m for m in lines if "time/eval" in m]}
