@@ -190,19 +190,26 @@ def test_mlflow_run_holds_the_metrics_params_and_summary_and_resumes_by_id(track
 
 def test_the_rl_controller_sends_its_steps_and_summary_to_the_trackers(tmp_path):
     """`shardwise rl`: the controller (not a Ray worker) logs; the summary goes without the
-    per-step history, which the trackers have as metrics."""
+    per-step history, which the trackers have as metrics; each evaluation (3 held-out
+    prompts, greedy, at steps 0 and 2) its val/* and its first eval.samples_logged rows."""
     pytest.importorskip("ray", reason="shardwise rl needs ray: pip install 'shardwise[rl]'")
     run_dir = tmp_path / "grpo_tiny"
     res = run_cli(["rl", str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml"), "--nproc", "1", f"run.dir={run_dir}",
                    "model.path=null", TINY_QWEN3, "train.global_batch_size=2", "train.micro_batch_size=8",
                    "rl.rollout.n=2", "rl.rollout.max_new_tokens=2", "train.max_steps=2", "rl.heldout_eval=false",
-                   "checkpoint.export_hf=false", "checkpoint.async=false", "run.loggers=[mlflow,wandb]"],
+                   "checkpoint.export_hf=false", "checkpoint.async=false", "run.loggers=[mlflow,wandb]",
+                   "eval.source=builtin:arithmetic", "eval.num_prompts=3", "eval.n=0", "eval.samples_logged=2"],
                   timeout=300, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": None,
                                     "MLFLOW_EXPERIMENT_NAME": None, "WANDB_PROJECT": None})
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
-    records = read_metrics(run_dir)
+    records = [r for r in read_metrics(run_dir) if "time/eval" not in r]
     assert [r["step"] for r in records] == [1, 2]
     client, run_id = _mlflow(run_dir)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "val/accuracy")) == [0, 2]
+    for step in (0, 2):  # the first 2 rows of the step's samples file
+        (artifact,) = (run_dir / "mlartifacts").rglob(f"step_{step:07d}.json")
+        rows = [json.loads(x) for x in (run_dir / "samples" / f"step_{step:07d}.jsonl").read_text().splitlines()]
+        assert len(rows) == 3 and json.loads(artifact.read_text()) == rows[:2]
     for key in ("reward/mean", "actor/pg_loss", "time/step"):
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         assert got == [(r["step"], pytest.approx(float(r[key]), rel=1e-9)) for r in records], key
@@ -211,7 +218,8 @@ def test_the_rl_controller_sends_its_steps_and_summary_to_the_trackers(tmp_path)
     (summary_json,) = (run_dir / "mlartifacts").rglob("summary.json")
     assert "history" not in json.loads(summary_json.read_text())
     (wandb_run,) = _wandb_run(run_dir)
-    assert sorted(wandb_run["history"]) == [1, 2] and wandb_run["summary"]["steps"] == 2
+    assert sorted(wandb_run["history"]) == [0, 1, 2] and wandb_run["summary"]["steps"] == 2  # 0: the evaluation
+    assert all(wandb_run["history"][s]["samples/nrows"] == 2 for s in (0, 2))
     assert wandb_run["config"]["rl"]["rollout"]["n"] == 2
 
 
