@@ -52,14 +52,11 @@ from shardwise.engine.generate import PromptBatchFn, prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import Progress
 
-__all__ = ["EvalPlan", "EvalResult", "METRIC_NAMES", "answer_row", "eval_metrics", "eval_table", "evaluate",
+__all__ = ["EvalPlan", "EvalResult", "answer_row", "eval_metrics", "eval_table", "evaluate",
            "extract_fn", "is_eval_step", "metric_names", "pass_at_k", "samples_path", "write_samples"]
 
 RIGHT = 1.0
 """A reward at least this is a right answer (accuracy, pass@k, maj@k)."""
-
-METRIC_NAMES = ("reward_mean", "accuracy", "pass", "maj", "best", "mean")
-"""The kinds of generation metrics (``val/pass@{k}`` and the like take a k)."""
 
 
 @dataclass(frozen=True)
