@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -31,10 +32,20 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from shardwise.config.load import load_config
 from shardwise.config.schema import InferConfig
-from shardwise.data.rewards import resolve_reward_fn
+from shardwise.data.rewards import RewardFunctionError, resolve_reward_fn
 from shardwise.data.tokenizer import build_char_tokenizer
 from shardwise.distributed.runtime import Runtime
-from shardwise.engine.evaluate import EvalPlan, eval_metrics, eval_table, evaluate, extract_fn, is_eval_step, pass_at_k
+from shardwise.engine.evaluate import (
+    EvalPlan,
+    answer_row,
+    bounded_extract,
+    eval_metrics,
+    eval_table,
+    evaluate,
+    extract_fn,
+    is_eval_step,
+    pass_at_k,
+)
 from shardwise.engine.generate import HFGenerator
 from shardwise.errors import ShardwiseError
 from shardwise.jobs.inputs import check_eval
@@ -235,3 +246,27 @@ def test_evaluate_asks_greedy_and_keyed_samples_and_counts_its_rows(tmp_path, mo
     metrics = dict(res.metrics)
     assert metrics.pop("time/eval") >= 0 and metrics == eval_metrics(res.rows, (1, 3), greedy=True)
     assert {"val/accuracy", "val/a/pass@3", "val/b/maj@1"} <= set(metrics)
+
+
+def test_a_user_extract_that_raises_or_hangs_is_contained():
+    """An ``extract`` that raises leaves that answer's pred unknown (said in the row) and the
+    evaluation goes on; one that does not return within the reward's timeout stops it with
+    one line naming the function and the setting."""
+    def broken(response):
+        raise KeyError(response)
+
+    def slow(response):
+        time.sleep(30)
+        return response  # had it not been stopped, a pred and no error
+
+    record = {"prompt": "1+1=", "response": "2"}
+    row = answer_row(step=0, index=0, sample=0, greedy=True, record=record, response=" 2 ", reward=1.0,
+                     extract=bounded_extract(broken, 5.0, "infer.reward_timeout_s"))
+    assert row["pred"] is None and row["extract_error"].startswith("KeyError")
+    assert answer_row(step=0, index=0, sample=0, greedy=True, record=record, response=" 2 ", reward=1.0,
+                      info={"pred": 2, "why": "x"})["pred"] == 2
+    assert answer_row(step=0, index=0, sample=0, greedy=True, record=record, response=" 2 ", reward=1.0)["pred"] == "2"
+    with pytest.raises(RewardFunctionError) as e:
+        answer_row(step=0, index=0, sample=0, greedy=True, record=record, response="2", reward=1.0,
+                   extract=bounded_extract(slow, 0.2, "infer.reward_timeout_s"))
+    assert "slow" in str(e.value) and "infer.reward_timeout_s" in str(e.value) and len(str(e.value).splitlines()) == 1
