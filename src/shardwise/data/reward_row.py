@@ -7,6 +7,7 @@ a fraction of a second).
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 from shardwise.data import scorers
 from shardwise.errors import ShardwiseError
 
-__all__ = ["RewardFunctionError", "checked", "describe", "invoke", "score_row", "short", "where"]
+__all__ = ["RewardFunctionError", "checked", "describe", "invoke", "row_info", "score_row", "short", "where"]
 
 
 class RewardFunctionError(ShardwiseError, RuntimeError):
@@ -82,11 +83,35 @@ def checked(name: str, value: Any, at: str) -> tuple[float, dict[str, float]]:
     return value, extra
 
 
+def row_info(value: Any) -> dict[str, Any]:
+    """The keys beside ``"score"`` of what a reward function returned (a dict; {} for a
+    number), each as plain JSON: numbers, text, booleans, null, lists and objects of them as
+    they are (a numpy scalar as its Python number), anything else as its ``str``. What a
+    row of the evaluation's samples file carries (an answer ``pred`` among them)."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if k == "score":
+            continue
+        if hasattr(v, "item") and not isinstance(v, (list, dict, str)):
+            try:
+                v = v.item()
+            except (TypeError, ValueError):
+                pass
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError):
+            v = str(v)
+        out[str(k)] = v
+    return out
+
+
 def score_row(fn: Callable, row: dict[str, Any]) -> dict[str, Any]:
     """The contained child's adapter (`shardwise.contained.Contained`): one row (keys
     ``name``, ``row``, ``prompt``, ``response``, ``truth``, ``data_source``, ``extra_info``,
     ``verl``, ``takes_extra_info``, optionally ``messages`` and ``takes_messages``) scored by the user's `fn`: ``{"score": float, "extra":
-    {...}}``, or ``{"error": the one-line message}``; plain JSON either way."""
+    {...}, "info": {...}}`` (`checked`, `row_info`), or ``{"error": the one-line message}``; plain JSON either way."""
     at = where(row["row"], row["prompt"])
     try:
         value = invoke(fn, row["prompt"], row["response"], row["truth"], row.get("data_source"),
@@ -98,4 +123,4 @@ def score_row(fn: Callable, row: dict[str, Any]) -> dict[str, Any]:
         score, extra = checked(row["name"], value, at)
     except RewardFunctionError as e:
         return {"error": str(e)}
-    return {"score": score, "extra": extra}
+    return {"score": score, "extra": extra, "info": row_info(value)}

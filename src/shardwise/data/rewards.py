@@ -46,7 +46,7 @@ import torch
 from shardwise.contained import Contained
 from shardwise.data import scorers
 from shardwise.data.batch import Batch
-from shardwise.data.reward_row import RewardFunctionError, checked, describe, invoke, raised, short, where
+from shardwise.data.reward_row import RewardFunctionError, checked, describe, invoke, raised, row_info, short, where
 from shardwise.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, get_builtin_task
 from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry import activity
@@ -301,8 +301,8 @@ def _within(seconds: float | None, call: Callable[[], Any]) -> Any:
 def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_source=None,
           extra_info=None, timeout_s: float | None = None,
           timeout_key: str = "rl.reward.timeout_s", messages=None,
-          with_messages: bool = False) -> tuple[float, dict[str, float]]:
-    """``(reward, extra metrics)`` of one row, `fn` called in this process (with a copy of
+          with_messages: bool = False) -> tuple[float, dict[str, float], dict[str, Any]]:
+    """``(reward, extra metrics, row info)`` of one row (`checked`, `row_info`), `fn` called in this process (with a copy of
     `messages` when `with_messages`); RewardFunctionError naming the row otherwise (also
     when the call takes longer than `timeout_s`)."""
     at = where(row, prompt)
@@ -320,7 +320,7 @@ def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_s
                                   f"response {short(response)}; make it faster or raise {timeout_key}") from None
     except Exception as e:
         raise raised(describe(fn), e, at, response) from e
-    return checked(describe(fn), value, at)
+    return (*checked(describe(fn), value, at), row_info(value))
 
 
 class ContainedReward:
@@ -350,13 +350,13 @@ class ContainedReward:
 
     def __call__(self, prompt: str, response: str, ground_truth: str, data_source=None, extra_info=None,
                  messages=None) -> float:
-        """One row (as the function itself would be called, with the checks of `score_rows`)."""
+        """One row's reward (as the function itself would be called, with the checks of `score_rows`)."""
         return self.score_rows([(prompt, response, ground_truth, data_source, extra_info, messages)],
                                DEFAULT_TIMEOUT_S)[0][0]
 
     def score_rows(self, rows: list[tuple], timeout_s: float | None, timeout_key: str = "rl.reward.timeout_s",
-                   numbers: list[int] | None = None) -> list[tuple[float, dict[str, float]]]:
-        """``(reward, extra metrics)`` of each ``(prompt, response, ground_truth, data_source,
+                   numbers: list[int] | None = None) -> list[tuple[float, dict[str, float], dict[str, Any]]]:
+        """``(reward, extra metrics, row info)`` (`shardwise.data.reward_row.row_info`) of each ``(prompt, response, ground_truth, data_source,
         extra_info[, messages])`` row (`numbers`: the rows' numbers in the batch, for the
         messages; by default 0, 1, ...); RewardFunctionError naming the function and the
         first row that failed: it raised or returned a bad value, took longer than
@@ -389,7 +389,8 @@ class ContainedReward:
             value = outcome.value
             if "error" in value:
                 raise RewardFunctionError(value["error"])
-            out.append((float(value["score"]), {str(k): float(v) for k, v in value["extra"].items()}))
+            out.append((float(value["score"]), {str(k): float(v) for k, v in value["extra"].items()},
+                        dict(value.get("info") or {})))
         return out
 
 
@@ -469,7 +470,10 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: flo
     "reward/env_missing".
 
     Returns a batch with tensor ``token_level_scores`` ``(B, T)`` fp32 (the row's score
-    at its last ``response_mask`` token, 0 elsewhere), array ``response_text`` and
+    at its last ``response_mask`` token, 0 elsewhere), arrays ``response_text``, ``score``
+    (each row's reward, float; also for a row without a response token) and
+    ``reward_info`` (each row's dict of the keys a dict-returning function gave beside
+    "score", as plain JSON, `shardwise.data.reward_row.row_info`; {} otherwise), and
     ``meta["metrics"]``: "reward/score_mean", "reward/score_min", "reward/score_max" over
     all rows, and "reward/empty_responses", the rows without a response token (scored,
     but their score has no token to sit on); a dict-returning function's other keys as
@@ -505,7 +509,7 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: flo
         fixed = [0.0 if f is None else f for f in fixed]
     todo = [row for row in range(n) if fixed[row] is None]
     with_messages = fn is not None and not isinstance(fn, ContainedReward) and takes_messages(fn)
-    results: dict[int, tuple[float, dict[str, float]]] = {}
+    results: dict[int, tuple[float, dict[str, float], dict[str, Any]]] = {}
     if isinstance(fn, ContainedReward) and todo:  # one round trip to its process for the whole batch
         got = fn.score_rows([(str(prompts[r]), texts[r], str(truths[r]), sources[r], infos[r], messages[r])
                              for r in todo], timeout_s, timeout_key, numbers=todo)
@@ -515,10 +519,12 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: flo
                             timeout_key, messages[r], with_messages) for r in todo}
     scores = torch.zeros(ids.shape, dtype=torch.float32)
     row_scores = []
+    infos_out: list[dict[str, Any]] = []
     extras: dict[str, list[float]] = {}
     for row in range(n):
-        s, extra = results[row] if fixed[row] is None else (fixed[row], {})
+        s, extra, info = results[row] if fixed[row] is None else (fixed[row], {}, {})
         row_scores.append(s)
+        infos_out.append(info)
         for k, v in extra.items():
             extras.setdefault(k, []).append(v)
         if last[row] is not None:
@@ -531,4 +537,5 @@ def score_sequences(batch: Batch, tokenizer, fn: RewardFn | None, timeout_s: flo
                     "reward/score_min": min(row_scores), "reward/score_max": max(row_scores)}
     metrics |= {f"reward/{k}": sum(v) / len(v) for k, v in extras.items()}
     return Batch.from_dict(tensors={"token_level_scores": scores.to(batch.tensors["input_ids"].device)},
-                           arrays={"response_text": texts}, meta={"metrics": metrics})
+                           arrays={"response_text": texts, "score": row_scores, "reward_info": infos_out},
+                           meta={"metrics": metrics})

@@ -25,6 +25,13 @@ of ``infer.tools`` / the environment of ``infer.environment`` (run in worker pro
 ``num_turns``, ``tool_calls``, ``tool_errors``, ``truncated``, the final answer as its
 ``response``), scored by ``infer.reward`` and / or the environment's ``reward()``.
 
+Evaluation (`shardwise.engine.evaluate`): when there is something to score, the answers
+are counted as every job's evaluation counts them (``val/accuracy`` and ``val/reward_mean``
+greedy, else ``val/pass@k`` / ``maj@k`` / ``best@k`` / ``mean@k`` over the infer.n samples
+of a prompt, k from ``eval.k``, each per data_source too), into the summary and the
+printed table, and written one line per answer to ``run.dir/samples/step_0000000.jsonl``
+(the first ``eval.samples_logged`` rows also to the trackers that take tables).
+
 Sampling (``infer.temperature`` > 0) is seeded by ``run.seed``, the call and the rank: a
 run repeats exactly with the same world size and ``infer.batch_size``. Greedy output does
 not depend on either.
@@ -65,6 +72,7 @@ from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
 from shardwise.distributed.runtime import Runtime, env_world
 from shardwise.distributed.ulysses import train_only
 from shardwise.engine import vllm_engine
+from shardwise.engine.evaluate import EvalPlan, answer_row, eval_metrics, extract_fn, write_samples
 from shardwise.engine.generate import build_generator, prompt_batch
 from shardwise.engine.infer import InferEngine
 from shardwise.engine.weight_sync import WeightSync, bucket_bytes
@@ -75,6 +83,7 @@ from shardwise.jobs.inputs import (
     check_agents,
     check_causal_task,
     check_data,
+    check_eval,
     check_model,
     check_tokenizer,
     check_tokens,
@@ -108,6 +117,8 @@ class Prepared:
     """The meta model and its plan (used up by the engine that shards it)."""
     agents: Agents | None = None
     """infer.multi_turn's tools and environment (None: single-turn)."""
+    eval_plan: EvalPlan | None = None
+    """How the answers are evaluated (`check_eval`; None: nothing scores them)."""
 
 
 @dataclass(frozen=True)
@@ -168,9 +179,10 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     records = load_prompts(cfg, scored=name is not None)
     check_data_sources(fn, records, REWARD_KEY)
     check_output(cfg)
+    plan = check_eval(cfg, "infer", scored=name is not None or (agents is not None and agents.env_reward))
     fn = contain(fn, name)  # a user's function runs in a child of its own (started by run)
     planned = plan_for(cfg, spec)
-    return Prepared(cfg, spec, records, name, fn, planned, agents)
+    return Prepared(cfg, spec, records, name, fn, planned, agents, plan)
 
 
 GENERATION_KEYS = ("index", "sample", "prompt", "response")
@@ -258,8 +270,12 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
     # the trackers of run.loggers get the config and, from rank 0, the summary (no steps here)
     try:
         with open_metrics(cfg, enabled=runtime.is_main, after_step=None, jsonl=False) as trackers:
-            summary = _generate_all(prepared, runtime, engine, generator, tokenizer, runner)
+            summary, samples = _generate_all(prepared, runtime, engine, generator, tokenizer, runner)
             trackers.log_summary(summary)
+            plan = prepared.eval_plan
+            # helper S's MetricsWriter.log_samples (issue 29); absent on a branch without it
+            if plan is not None and plan.samples_logged and samples and hasattr(trackers, "log_samples"):
+                trackers.log_samples(0, samples[:plan.samples_logged])
     finally:
         if runner is not None:
             runner.close()
@@ -270,12 +286,16 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
 
 
 def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, generator, tokenizer,
-                  runner: ToolRunner | None = None) -> dict[str, Any]:
+                  runner: ToolRunner | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Generate, score and write; the summary (complete on rank 0) and the evaluation's rows
+    (rank 0; [] when nothing is evaluated)."""
     cfg = prepared.cfg
     icfg = cfg.infer
     fn = prepared.reward_fn
     agents = prepared.agents
     scored = fn is not None or (agents is not None and agents.env_reward)
+    plan = prepared.eval_plan
+    extract = extract_fn(prepared.reward_spec) if plan is not None else None
     records = prepared.records
     run_dir = Path(cfg.run.dir)
     vision = vision_inputs(cfg, tokenizer)  # a VL model: each prompt's image (prepare checked the files)
@@ -285,6 +305,7 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     mine = _my_prompts(len(records), runtime.rank, dp_size)
     calls = math.ceil(math.ceil(len(records) / dp_size) / icfg.batch_size)
     rows: list[dict[str, Any]] = []
+    answers: list[dict[str, Any]] = []  # the evaluation's rows (`answer_row`)
     tokens = 0
     bar = Progress(total=calls, enabled=runtime.is_main, desc="infer")
     t0 = time.perf_counter()
@@ -307,11 +328,11 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
                 out = generator.generate_sequences(batch)
                 texts, _ = decode_responses(out, tokenizer)
                 ended = (out.tensors["responses"] == tokenizer.eos_token_id).any(-1).tolist()
-            scores = None
+            scores = judged = None
             if scored and len(out):
-                scores = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s",
-                                         truncated_reward=icfg.multi_turn.truncated_reward
-                                         ).tensors["token_level_scores"].sum(-1).tolist()
+                judged = score_sequences(out, tokenizer, fn, icfg.reward_timeout_s, "infer.reward_timeout_s",
+                                         truncated_reward=icfg.multi_turn.truncated_reward)
+                scores = judged.tensors["token_level_scores"].sum(-1).tolist()
             lengths = out.tensors["response_mask"].sum(-1).tolist()  # the model's tokens (not the tools')
             tokens += int(sum(lengths))
             for j, text in enumerate(texts):
@@ -325,6 +346,11 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
                 if scores is not None:
                     row["score"] = float(scores[j])
                 rows.append(row)
+                if plan is not None and judged is not None:
+                    answers.append(answer_row(step=0, index=i, sample=j % icfg.n, greedy=plan.greedy,
+                                              record=records[i], response=text,
+                                              reward=float(judged.arrays["score"][j]),
+                                              info=judged.arrays["reward_info"][j], extract=extract))
             bar.update(1)
     finally:
         bar.close()
@@ -334,8 +360,9 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
 
     gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
     # Our own processes' plain dicts of str / int / float (never a file from outside).
-    dist.gather_object({"rows": rows, "tokens": tokens, "peak": peak_memory_bytes(runtime.device)},
+    dist.gather_object({"rows": rows, "answers": answers, "tokens": tokens, "peak": peak_memory_bytes(runtime.device)},
                        gathered, dst=0)
+    samples: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"prompts": len(records), "samples_per_prompt": icfg.n,
                                "greedy": icfg.temperature == 0, "world_size": runtime.world_size,
                                "seconds": seconds}
@@ -358,10 +385,15 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
             summary["score_mean"] = sum(r["score"] for r in all_rows) / len(all_rows)
             if prepared.reward_spec and prepared.reward_spec.startswith(BUILTIN_PREFIX):
                 summary["accuracy"] = sum(r["score"] >= 1.0 for r in all_rows) / len(all_rows)
+        if plan is not None:
+            samples = sorted((r for part in gathered for r in part["answers"]), key=lambda r: (r["index"], r["sample"]))
+            summary |= eval_metrics(samples, plan.ks, plan.greedy)
+            summary["time/eval"] = seconds
+            summary["samples"] = str(write_samples(run_dir, 0, samples))
         summary["output"] = str(_write_jsonl(output_path(cfg), all_rows))
         summary["summary"] = str(_write_json(run_dir / SUMMARY_FILE, summary))
     dist.barrier()
-    return summary
+    return summary, samples
 
 
 TRAJECTORY_KEYS = ("messages", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated", "env_reward")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shardwise.agents.tools import EnvironmentSpec, ToolSpec, all_schemas, load_environment, load_tools
 from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_complete
@@ -20,8 +20,15 @@ from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import example_loss_tokens
 from shardwise.data.encode import UNLIMITED, encode_record, encode_records
+from shardwise.data.rewards import check_data_sources, resolve_reward_fn
 from shardwise.data.sources import load_records
-from shardwise.data.tasks import task_needs_tools
+from shardwise.data.tasks import (
+    BUILTIN_PREFIX,
+    HELDOUT_PROMPTS,
+    HELDOUT_SEED_OFFSET,
+    get_builtin_task,
+    task_needs_tools,
+)
 from shardwise.data.tokenizer import (
     build_char_tokenizer,
     check_vocab,
@@ -29,7 +36,8 @@ from shardwise.data.tokenizer import (
     load_tokenizer,
     locate_tokenizer,
 )
-from shardwise.errors import ConfigError
+from shardwise.engine.evaluate import EvalPlan, metric_names
+from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.jobs.resume import check_same_job
 from shardwise.models.loading import check_task, check_weights_folder, load_hf_config
 from shardwise.models.vision import VisionInputs, is_vision_language, resolve_images
@@ -97,8 +105,11 @@ def ground_truth_key(cfg: Config) -> tuple[str, str]:
 
 def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
                num_builtin: int | None = None, heldout: bool = False, sft: bool = False,
-               scoring: bool = False, response_name: str = "data.response_key") -> list[dict[str, Any]]:
-    """The records of ``data.source`` (every read, parse and key problem raised here).
+               scoring: bool = False, response_name: str = "data.response_key",
+               source: str | None = None, source_key: str = "data.source") -> list[dict[str, Any]]:
+    """The records of ``data.source`` (every read, parse and key problem raised here);
+    of `source` instead when given (``eval.source``, read with the same data.* keys; its
+    messages name `source_key` where they would name data.source).
     A built-in task makes `num_builtin` examples (default: ``data.num_examples``) from `seed`
     (default ``run.seed``); `heldout`: its held-out examples (true answers). For a VL model
     every record also carries its image (``data.image_key``), checked readable.
@@ -113,19 +124,25 @@ def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
     error before anything starts.
     """
     d = cfg.data
+    src = d.source if source is None else source
     vl = vision_inputs(cfg) is not None
     extra = {}
     if scoring:
         extra = {"data_source": (d.data_source_key, "data.data_source_key", "data_source_key" in d.model_fields_set),
                  "extra_info": (d.extra_info_key, "data.extra_info_key", "extra_info_key" in d.model_fields_set)}
-    records = load_records(d.source, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
-                           num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
-                           image_key=("image" if d.source.startswith("builtin:") else d.image_key) if vl else None,
-                           key_names=("data.prompt_key", response_name),
-                           messages_key=d.messages_key if sft else None, fmt=d.format, conversations=sft,
-                           as_chat=text_prompts_as_chat(d), extra_keys=extra)
+    try:
+        records = load_records(src, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
+                               num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
+                               image_key=("image" if src.startswith("builtin:") else d.image_key) if vl else None,
+                               key_names=("data.prompt_key", response_name),
+                               messages_key=d.messages_key if sft else None, fmt=d.format, conversations=sft,
+                               as_chat=text_prompts_as_chat(d), extra_keys=extra)
+    except DataError as e:
+        if source_key == "data.source":
+            raise
+        raise DataError(str(e).replace("data.source", source_key)) from None
     if vl:
-        resolve_images(records, "image", d.source)
+        resolve_images(records, "image", src)
     if any("messages" in r or isinstance(r.get("prompt"), list) for r in records):
         check_chat(cfg, records, sft, vl)
     return records
@@ -257,3 +274,161 @@ def check_agents(cfg: Config, section: str) -> tuple[list[dict], list[ToolSpec],
     tools = load_tools(sec.tools, f"{section}.tools")
     env = load_environment(sec.environment, f"{section}.environment")
     return all_schemas(tools, env), tools, env
+
+
+# ---------------------------------------------------------------------- evaluation (issue 29)
+
+_EVAL_INFER_IGNORED = ("source", "every_steps", "num_prompts", "greedy", "n", "reward")
+"""``eval.*`` keys `shardwise infer` does not read: its prompts, sampling and scorer are infer.*'s."""
+
+
+def check_eval(cfg: Config, job: Literal["train", "rl", "infer"], scored: bool | None = None) -> EvalPlan | None:
+    """What `job` evaluates (`shardwise.engine.evaluate.EvalPlan`), resolved and checked
+    before launch, or None when there is nothing to evaluate; also the checks of
+    ``checkpoint.keep_best`` / ``checkpoint.export_from`` (`check_keep_best`).
+
+    - ``eval.source`` set: its records, read with the data.* keys (`check_data`; a missing
+      file, a missing key, a row without ground truth where a reward scores it: one line
+      naming eval.source / the key, the file and the row), the first ``eval.num_prompts``.
+      ``train`` reads SFT examples (conversations as in training) and generates nothing for
+      a file; ``rl`` reads prompts and ground truths.
+    - no ``eval.source`` and a built-in ``data.source`` (``rl``: with rl.heldout_eval): the
+      task's held-out prompts (`HELDOUT_PROMPTS`, or eval.num_prompts), scored by the task.
+    - ``infer``: the evaluation of infer's own answers (its prompts are infer's, read by the
+      job: `EvalPlan.records` is empty), when there is something to score (`scored`, by
+      default infer.reward or a built-in data.source): greedy when infer.temperature is 0,
+      else infer.n samples per prompt; only eval.k and eval.samples_logged apply.
+
+    Defaults: eval.n null -> rl.rollout.n in rl, 0 in train; eval.k null -> (1, n) without
+    repeats. The scorer (eval.reward, else the job's, else a built-in task's) is resolved
+    here, so a bad spec is one line before anything starts."""
+    if job == "infer":
+        plan = _infer_eval(cfg, scored)
+    else:
+        plan = _job_eval(cfg, job)
+    check_keep_best(cfg, job, plan)
+    return plan
+
+
+def _infer_eval(cfg: Config, scored: bool | None) -> EvalPlan | None:
+    e, icfg = cfg.eval, cfg.infer
+    ignored = [f"eval.{k}" for k in _EVAL_INFER_IGNORED if k in e.model_fields_set]
+    if ignored:
+        logging.getLogger(__name__).warning("%s: no effect in `shardwise infer`, which evaluates its own answers to "
+                                            "data.source (infer.n, infer.temperature, infer.reward)", ", ".join(ignored))
+    spec = icfg.reward if icfg.reward is not None else \
+        cfg.data.source if cfg.data.source.startswith(BUILTIN_PREFIX) else None
+    if not (scored if scored is not None else spec is not None):
+        return None
+    greedy = icfg.temperature == 0
+    n = 0 if greedy else icfg.n
+    ks = _eval_ks(e.k, n, "infer.n")
+    return EvalPlan(source=cfg.data.source, records=[], greedy=greedy, n=n, ks=ks, reward=spec, every_steps=0,
+                    samples_logged=e.samples_logged, max_new_tokens=None,
+                    builtin=cfg.data.source.startswith(BUILTIN_PREFIX))
+
+
+def _eval_ks(k: list[int] | None, n: int, n_key: str) -> tuple[int, ...]:
+    """eval.k (null: 1 and n), each checked against the `n` samples per prompt."""
+    if k is None:
+        return tuple(dict.fromkeys((1, n))) if n else ()
+    if not n:
+        raise ConfigError("eval.k", f"{list(k)}: pass@k / maj@k need sampled answers, and {n_key} is 0",
+                          f"set {n_key} to at least {max(k)}, or leave eval.k unset")
+    over = [x for x in k if x > n]
+    if over:
+        raise ConfigError("eval.k", f"{over[0]} is more than the {n} samples per prompt ({n_key}={n})",
+                          f"use k <= {n}, or raise {n_key} to {max(k)}")
+    return tuple(dict.fromkeys(int(x) for x in k))
+
+
+def _job_eval(cfg: Config, job: str) -> EvalPlan | None:
+    e = cfg.eval
+    builtin_data = cfg.data.source.startswith(BUILTIN_PREFIX)
+    if e.source is None:
+        if not builtin_data or (job == "rl" and not cfg.rl.heldout_eval) or cfg.model.task != "causal_lm":
+            return None
+    source = e.source if e.source is not None else cfg.data.source
+    builtin = source.startswith(BUILTIN_PREFIX)
+    if job == "train" and not builtin:  # SFT on a file: val/loss over its examples, no generation
+        records = check_data(cfg, cfg.data.response_key, sft=True, source=source, source_key="eval.source")
+        records = records[:e.num_prompts] if e.num_prompts else records
+        if e.n or e.k:
+            logging.getLogger(__name__).warning("eval.n / eval.k: no effect in `shardwise train` on a file "
+                                                "(validation loss only; answers are generated for builtin: sources)")
+        return EvalPlan(source=source, records=records, greedy=False, n=0, ks=(), reward=None,
+                        every_steps=e.every_steps, samples_logged=e.samples_logged, max_new_tokens=None, builtin=False)
+    n = e.n if e.n is not None else (cfg.rl.rollout.n if job == "rl" else 0)
+    n_key = "eval.n" if e.n is not None or job != "rl" else "rl.rollout.n"
+    ks = _eval_ks(e.k, n, n_key)
+    if job == "rl" and not e.greedy and not n:
+        raise ConfigError("eval.greedy", f"false and {n_key} is 0: the evaluation would generate no answer",
+                          "set eval.greedy=true, or eval.n > 0")
+    task = None
+    if builtin:
+        try:
+            task = get_builtin_task(source)
+        except DataError as err:
+            raise ConfigError("eval.source" if e.source is not None else "data.source", str(err)) from None
+        spec = e.reward if e.reward is not None else source
+        key = "eval.reward" if e.reward is not None else "eval.source"
+    else:
+        spec = e.reward if e.reward is not None else cfg.rl.reward.function
+        key = "eval.reward" if e.reward is not None else "rl.reward.function"
+    env_scores = job == "rl" and cfg.rl.multi_turn.enabled and cfg.rl.environment is not None
+    if spec is None and not env_scores:
+        raise ConfigError("eval.reward", f"nothing scores the answers to {source!r}: rl.reward.function is null",
+                          "set eval.reward to builtin:NAME or module:function")
+    fn = resolve_reward_fn(spec, key) if spec is not None else None
+    if task is not None:
+        num = e.num_prompts or HELDOUT_PROMPTS
+        # the very records the held-out figures were always counted on (no data.* key applies)
+        records = task.heldout_examples(num, cfg.run.seed + HELDOUT_SEED_OFFSET)
+        max_new = task.max_new_tokens
+    else:
+        truth, truth_name = ground_truth_key(cfg) if spec is not None else (None, "data.response_key")
+        records = check_data(cfg, truth, scoring=True, response_name=truth_name, source=source,
+                             source_key="eval.source")
+        records = records[:e.num_prompts] if e.num_prompts else records
+        max_new = None
+    check_data_sources(fn, records, key)
+    return EvalPlan(source=source, records=records, greedy=e.greedy, n=n, ks=ks, reward=spec,
+                    every_steps=e.every_steps, samples_logged=e.samples_logged, max_new_tokens=max_new,
+                    builtin=builtin)
+
+
+def eval_metric_names(job: str, plan: EvalPlan | None) -> list[str]:
+    """The ``val/*`` metrics `job`'s evaluation `plan` gives (what checkpoint.keep_best may
+    name): train: val/loss, val/ppl (and a built-in source's generation metrics); rl / infer:
+    `shardwise.engine.evaluate.metric_names` of the plan, per data_source too."""
+    if plan is None:
+        return []
+    sources = list(dict.fromkeys(str(r["data_source"]) for r in plan.records if r.get("data_source") is not None))
+    gen = metric_names(plan.greedy, plan.n, plan.ks, sources)
+    if job == "train":
+        return ["val/loss", "val/ppl", *(gen if plan.builtin else [])]
+    return gen
+
+
+def check_keep_best(cfg: Config, job: str, plan: EvalPlan | None) -> None:
+    """``checkpoint.keep_best`` names a metric of this job's evaluation (the nearest name
+    suggested), and ``checkpoint.export_from: best`` has one to go by. `shardwise infer`
+    keeps no checkpoints: nothing to check."""
+    if job == "infer":
+        return
+    c = cfg.checkpoint
+    if c.export_from == "best" and c.keep_best is None:
+        raise ConfigError("checkpoint.export_from", "best needs checkpoint.keep_best, the metric that picks the best "
+                          "checkpoint", "set checkpoint.keep_best (e.g. val/loss or val/accuracy), or export_from=last")
+    if c.keep_best is None:
+        return
+    if plan is None:
+        raise ConfigError("checkpoint.keep_best", f"{c.keep_best!r}: this job evaluates nothing, so no checkpoint "
+                          "is best", "set eval.source to validation data, or unset checkpoint.keep_best")
+    names = eval_metric_names(job, plan)
+    if c.keep_best not in names:
+        hint = did_you_mean(c.keep_best, names)
+        if c.keep_best.rpartition("/")[2] in ("loss", "ppl"):
+            hint = f"the validation loss is `shardwise train`'s; this job gives {', '.join(names[:6])}"
+        raise ConfigError("checkpoint.keep_best", f"{c.keep_best!r} is not a metric this job's evaluation gives",
+                          hint)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardwise.config.schema import Config
+from shardwise.engine.evaluate import eval_table
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.fsdp.projection import Hardware, Projection
 
@@ -180,7 +181,10 @@ def infer(cfg: Config, s: dict) -> None:
               f"{s['multi_turn/truncated']:.0%} truncated")
     print(f"  response length {s['response_length_mean']:.1f} tokens (mean), "
           f"{s['ended_with_eos']:.0%} ended with eos; {s['tokens_per_s']:.0f} tokens/s over {s['seconds']:.1f} s")
-    _print_paths(s, ("output", "summary"))
+    table = eval_table({k: v for k, v in s.items() if k.startswith("val/")})
+    if table:
+        print("\n".join("  " + line for line in table.splitlines()))
+    _print_paths(s, ("output", "summary", "samples"))
 
 
 def rl(cfg: Config, summary: dict) -> None:
