@@ -210,6 +210,8 @@ def test_validation_loss_is_the_unsharded_models_and_the_best_checkpoint_is_kept
         assert set(x) == {"step", "val/loss", "val/ppl", "time/eval", "time"}, x
         assert math.isclose(x["val/ppl"], math.exp(x["val/loss"]), rel_tol=1e-12)
     want = _unsharded_val_loss(tmp_path / "model", run_dir / "tokenizer", val, 24)
+    print(f"\nval/loss at step 0: {evals[0]['val/loss']!r}, unsharded {want!r}, relative "
+          f"{abs(evals[0]['val/loss'] - want) / want:.1e}")
     assert math.isclose(evals[0]["val/loss"], want, rel_tol=1e-5), (evals[0]["val/loss"], want)
     assert min(x["val/loss"] for x in evals[1:]) > evals[0]["val/loss"] + 1.0  # lr 1.0 wrecked it
     best = json.loads((run_dir / "checkpoints/best.json").read_text())

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,15 +210,19 @@ class SFTData:
 
     def micro_batches_of(self, mine: list[int]) -> list[dict[str, torch.Tensor]]:
         """The collated micro-batches of the examples `mine` (indices), split as training
-        splits a rank's share: train.micro_batch_size examples each, or by
-        train.max_tokens_per_micro_batch."""
+        splits a rank's share (`split`)."""
+        return [self.collate([self.examples[i] for i in mb]) for mb in self.split(mine)]
+
+    def split(self, mine: list[int]) -> list[list[int]]:
+        """The examples `mine` (indices) in micro-batches: train.micro_batch_size examples
+        each, or by train.max_tokens_per_micro_batch."""
         budget = self.cfg.train.max_tokens_per_micro_batch
         if budget is None:
             split = micro_batches(mine, self.cfg.train.micro_batch_size)
         else:
             split = token_budget_micro_batches(mine, [len(self.examples[i]["input_ids"]) for i in mine], budget,
                                                packed=self.cfg.data.packing)
-        return [self.collate([self.examples[i] for i in mb]) for mb in split]
+        return split
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
@@ -247,7 +252,22 @@ class ValidationSet(SFTData):
                             f"truncation to {cfg.data.max_length} tokens; raise data.max_length")
         per = -(-len(self.examples) // dp_size)
         mine = list(range(min(len(self.examples), dp_rank * per), min(len(self.examples), (dp_rank + 1) * per)))
-        self.micro_batches = self.micro_batches_of(mine) if mine else []
+        self.micro_batches = _Collated(self, self.split(mine) if mine else [])
+        """This rank's micro-batches, each collated when it is read (a packed one's
+        attention mask is (rows, 1, seq, seq): the whole set at once could be large)."""
+
+
+class _Collated(Sequence):
+    """Micro-batches of `data`'s examples by index lists, collated on access."""
+
+    def __init__(self, data: SFTData, split: list[list[int]]):
+        self.data, self.split = data, split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i):  # a Sequence of batches (no slices are taken)
+        return self.data.collate([self.data.examples[j] for j in self.split[i]])
 
 
 class Evaluation:
@@ -286,7 +306,7 @@ class Evaluation:
         main = self.runtime.is_main
         total = self.engine.eval_loss_sum(self.val.micro_batches, progress=main)
         loss = total / self.val.loss_tokens
-        out: dict[str, float] = {"val/loss": loss, "val/ppl": math.exp(loss) if loss < 700 else math.inf}
+        out: dict[str, float] = {"val/loss": loss, "val/ppl": math.inf if loss > 700 else math.exp(loss)}
         rows: list[dict] = []
         if self.generator is not None:
             res = evaluate(lambda batch: generate_on_ranks(self.generator, batch), self.tokenizer, self.plan,
