@@ -6,6 +6,8 @@ back, gives the figures the summary reports.
 - `eval_metrics` on hand-built rows: accuracy, reward_mean, pass@k, maj@k (the reward's
   ``pred``; a tie goes to the answer seen first; only the first k samples vote), best@k,
   mean@k, per data_source;
+- `evaluate` with a real HF generator: the greedy pass seeded 0, the samples keyed
+  "heldout-{i}/{j}" with the job's seed, in chunks; ``pred`` from an ``extract`` beside the reward;
 - the real CLI: `shardwise infer` on a jsonl with prompt / response / data_source (two
   sources), sampled, scored by a user's dict-returning reward with a ``pred``: the samples
   file's rows, and pass@k / maj@k recounted from it equal the summary's val/*;
@@ -18,15 +20,33 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, run_cli
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from shardwise.config.load import load_config
-from shardwise.engine.evaluate import eval_metrics, eval_table, is_eval_step, pass_at_k
+from shardwise.config.schema import InferConfig
+from shardwise.data.rewards import RewardFunctionError, resolve_reward_fn
+from shardwise.data.tokenizer import build_char_tokenizer
+from shardwise.distributed.runtime import Runtime
+from shardwise.engine.evaluate import (
+    EvalPlan,
+    answer_row,
+    bounded_extract,
+    eval_metrics,
+    eval_table,
+    evaluate,
+    extract_fn,
+    is_eval_step,
+    pass_at_k,
+)
+from shardwise.engine.generate import HFGenerator
 from shardwise.errors import ShardwiseError
 from shardwise.jobs.inputs import check_eval
 
@@ -177,3 +197,76 @@ def test_validation_data_are_checked_before_launch(tmp_path):
     plan = check_eval(load_config(EXAMPLE, [*base, "eval.num_prompts=5", "checkpoint.keep_best=val/pass@4"]), "rl")
     assert plan is not None and plan.builtin and len(plan.records) == 5 and plan.ks == (1, 4) and plan.n == 4
     assert check_eval(load_config(EXAMPLE, [*base, "rl.heldout_eval=false"]), "rl") is None
+
+
+EXTRACTING = '''
+def score(prompt, response, ground_truth):
+    return float(response[:1] == "a")
+
+def extract(response):
+    return response[:1].upper()
+'''
+
+
+def test_evaluate_asks_greedy_and_keyed_samples_and_counts_its_rows(tmp_path, monkeypatch):
+    """`evaluate` with a real HF generator on a tiny model: the greedy pass is seeded 0 and
+    greedy, the sampled one carries the job's seed and sample_key "heldout-{i}/{j}", both the
+    plan's max_new_tokens; its metrics are `eval_metrics` of its rows; ``pred`` comes from
+    the ``extract`` beside a module:function reward (`extract_fn`; none for a built-in)."""
+    (tmp_path / "my_extracting.py").write_text(EXTRACTING)
+    monkeypatch.chdir(tmp_path)
+    tok = build_char_tokenizer(str(tmp_path / "tok"))
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=8, vocab_size=len(tok),
+                                         max_position_embeddings=64))
+    gen = HFGenerator(model, InferConfig(temperature=1.0), Runtime(0, 1, 0, torch.device("cpu"), "gloo"),
+                      tok.pad_token_id, tok.eos_token_id)
+    asked = []
+
+    def generate(batch):
+        asked.append(batch)
+        return gen.generate_sequences(batch)
+
+    records = [{"prompt": f"{i}+1=", "response": str(i + 1), "data_source": "ab"[i % 2]} for i in range(3)]
+    plan = EvalPlan("val.jsonl", records, greedy=True, n=3, ks=(1, 3), reward="my_extracting:score", every_steps=0,
+                    samples_logged=2, max_new_tokens=4, builtin=False)
+    assert extract_fn("builtin:arithmetic") is None and extract_fn(None) is None
+    extract = extract_fn(plan.reward)
+    res = evaluate(generate, tok, plan, resolve_reward_fn(plan.reward), seed=7, max_length=16, step=5, timeout_s=10,
+                   timeout_key="rl.reward.timeout_s", extract=extract, progress=False, chunk_prompts=2)
+    assert [(b.meta["seed"], b.meta["greedy"], b.meta["max_new_tokens"], len(b)) for b in asked] == \
+        [(0, True, 4, 2), (0, True, 4, 1), (7, False, 4, 6), (7, False, 4, 3)]
+    assert [list(b.arrays["sample_key"]) for b in asked[2:]] == \
+        [[f"heldout-{i}/{j}" for i in (0, 1) for j in range(3)], [f"heldout-2/{j}" for j in range(3)]]
+    assert [(r["index"], r["sample"], r["greedy"]) for r in res.rows] == \
+        [(i, 0, True) for i in range(3)] + [(i, j, False) for i in range(3) for j in range(3)]
+    assert all(r["pred"] == r["response"][:1].upper() and r["step"] == 5 for r in res.rows)
+    assert all(r["reward"] == float(r["response"][:1] == "a") for r in res.rows)
+    metrics = dict(res.metrics)
+    assert metrics.pop("time/eval") >= 0 and metrics == eval_metrics(res.rows, (1, 3), greedy=True)
+    assert {"val/accuracy", "val/a/pass@3", "val/b/maj@1"} <= set(metrics)
+
+
+def test_a_user_extract_that_raises_or_hangs_is_contained():
+    """An ``extract`` that raises leaves that answer's pred unknown (said in the row) and the
+    evaluation goes on; one that does not return within the reward's timeout stops it with
+    one line naming the function and the setting."""
+    def broken(response):
+        raise KeyError(response)
+
+    def slow(response):
+        time.sleep(30)
+        return response  # had it not been stopped, a pred and no error
+
+    record = {"prompt": "1+1=", "response": "2"}
+    row = answer_row(step=0, index=0, sample=0, greedy=True, record=record, response=" 2 ", reward=1.0,
+                     extract=bounded_extract(broken, 5.0, "infer.reward_timeout_s"))
+    assert row["pred"] is None and row["extract_error"].startswith("KeyError")
+    assert answer_row(step=0, index=0, sample=0, greedy=True, record=record, response=" 2 ", reward=1.0,
+                      info={"pred": 2, "why": "x"})["pred"] == 2
+    assert answer_row(step=0, index=0, sample=0, greedy=True, record=record, response=" 2 ", reward=1.0)["pred"] == "2"
+    with pytest.raises(RewardFunctionError) as e:
+        answer_row(step=0, index=0, sample=0, greedy=True, record=record, response="2", reward=1.0,
+                   extract=bounded_extract(slow, 0.2, "infer.reward_timeout_s"))
+    assert "slow" in str(e.value) and "infer.reward_timeout_s" in str(e.value) and len(str(e.value).splitlines()) == 1

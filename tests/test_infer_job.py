@@ -108,6 +108,10 @@ def test_greedy_on_two_ranks_equals_plain_unsharded_generate(sft_demo_model, tmp
     # mostly copies the word (its demonstrations did 60% of the time), sometimes reverses it.
     assert 0.05 < accuracy < 0.95
     assert f"accuracy (builtin:reverse): {accuracy:.1%}" in res.stdout
+    # the evaluation every job counts (issue 29): the same figure, and one greedy row per prompt
+    samples = rows(run_dir / "samples" / "step_0000000.jsonl")
+    assert summary["val/accuracy"] == accuracy == sum(r["reward"] >= 1 for r in samples) / 200
+    assert [(r["index"], r["greedy"], r["response"]) for r in samples] == [(r["index"], True, r["response"]) for r in got]
     assert summary["world_size"] == 2 and summary["responses"] == 200
     assert "infer" in res.stderr  # the rank-0 progress bar
 

@@ -52,7 +52,7 @@ from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry import activity
 
 __all__ = ["BUILTIN_REWARDS", "ContainedReward", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
-           "MULTI_TURN_ARRAYS", "contain", "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences",
+           "MULTI_TURN_ARRAYS", "call_within", "contain", "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences",
            "takes_messages"]
 
 RewardFn = Callable[[str, str, str], float]
@@ -296,6 +296,16 @@ def _within(seconds: float | None, call: Callable[[], Any]) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def call_within(seconds: float | None, call: Callable[[], Any], late: str) -> Any:
+    """``call()`` (user code run in this process, e.g. the ``extract`` beside a reward), or
+    RewardFunctionError(`late`) once it has run `seconds` (None: no limit); bounded as the
+    built-in scorers are (`_within`)."""
+    try:
+        return _within(seconds, call)
+    except _Timeout:
+        raise RewardFunctionError(late) from None
 
 
 def _call(fn: RewardFn, prompt: str, response: str, truth: str, row: int, data_source=None,

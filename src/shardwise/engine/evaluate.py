@@ -46,20 +46,18 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.data.batch import Batch
-from shardwise.data.rewards import RewardFn, import_attribute, score_sequences
+from shardwise.data.reward_row import RewardFunctionError, describe, short
+from shardwise.data.rewards import RewardFn, call_within, import_attribute, score_sequences
 from shardwise.data.tasks import BUILTIN_PREFIX
 from shardwise.engine.generate import PromptBatchFn, prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import Progress
 
-__all__ = ["EvalPlan", "EvalResult", "METRIC_NAMES", "answer_row", "eval_metrics", "eval_table", "evaluate",
+__all__ = ["EvalPlan", "EvalResult", "answer_row", "bounded_extract", "eval_metrics", "eval_table", "evaluate",
            "extract_fn", "is_eval_step", "metric_names", "pass_at_k", "samples_path", "write_samples"]
 
 RIGHT = 1.0
 """A reward at least this is a right answer (accuracy, pass@k, maj@k)."""
-
-METRIC_NAMES = ("reward_mean", "accuracy", "pass", "maj", "best", "mean")
-"""The kinds of generation metrics (``val/pass@{k}`` and the like take a k)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +205,23 @@ def extract_fn(reward_spec: str | None) -> Callable[[str], Any] | None:
     return fn if callable(fn) else None
 
 
+def bounded_extract(extract: Callable[[str], Any] | None, timeout_s: float | None,
+                    timeout_key: str) -> Callable[[str], Any] | None:
+    """`extract` bounded by the reward's timeout: a call past `timeout_s` seconds stops the
+    job with one line naming the function, the response and `timeout_key` (a
+    `RewardFunctionError`, as a slow reward function does); a call that raises leaves the
+    answer unknown (`answer_row`)."""
+    if extract is None:
+        return None
+    name = describe(extract)
+
+    def bounded(response: str) -> Any:
+        return call_within(timeout_s, lambda: extract(response),
+                           f"extract function {name} did not return within {timeout_s:g} s on the response "
+                           f"{short(response)}; make it faster or raise {timeout_key}")
+    return bounded
+
+
 def answer_row(*, step: int, index: int, sample: int, greedy: bool, record: dict, response: str, reward: float,
                info: dict | None = None, extract: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """One row of the samples file: ``step``, ``index`` (the prompt's), ``sample`` (0..n-1;
@@ -220,6 +235,8 @@ def answer_row(*, step: int, index: int, sample: int, greedy: bool, record: dict
     elif extract is not None:
         try:
             pred = extract(response)
+        except RewardFunctionError:  # it did not return in time (`bounded_extract`): the job stops
+            raise
         except Exception as e:  # user code: the answer is then unknown, said in the row
             pred, info["extract_error"] = None, f"{type(e).__name__}: {e}"
     else:
@@ -250,10 +267,12 @@ def evaluate(generate: Callable[[Batch], Batch], tokenizer, plan: EvalPlan, scor
     `generate` maps a prompt batch (`prompt_batch`, or `batch_fn` ``(records, uids)``: a
     multi-turn job's) to its sequences; `scorer` scores them (None: an environment's reward
     only, `score_sequences`) within `timeout_s` per call (`timeout_key` names the setting).
-    `chat`: text prompts are asked as one user turn. Prompts go in chunks of `chunk_prompts`
+    `extract` (`extract_fn`) gives each answer's ``pred``, bounded by `timeout_s` too
+    (`bounded_extract`). `chat`: text prompts are asked as one user turn. Prompts go in chunks of `chunk_prompts`
     (None: all in one call), under a progress bar ``eval`` when `progress`. Not collective
     itself (`generate` may be: every rank then calls this alike); writes nothing."""
     t0 = time.perf_counter()
+    extract = bounded_extract(extract, timeout_s, timeout_key)
     records = list(plan.records)
     asked = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} if chat and isinstance(r["prompt"], str)
              else r for r in records]

@@ -72,7 +72,14 @@ from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
 from shardwise.distributed.runtime import Runtime, env_world
 from shardwise.distributed.ulysses import train_only
 from shardwise.engine import vllm_engine
-from shardwise.engine.evaluate import EvalPlan, answer_row, eval_metrics, extract_fn, write_samples
+from shardwise.engine.evaluate import (
+    EvalPlan,
+    answer_row,
+    bounded_extract,
+    eval_metrics,
+    extract_fn,
+    write_samples,
+)
 from shardwise.engine.generate import build_generator, prompt_batch
 from shardwise.engine.infer import InferEngine
 from shardwise.engine.weight_sync import WeightSync, bucket_bytes
@@ -295,7 +302,8 @@ def _generate_all(prepared: Prepared, runtime: Runtime, engine: InferEngine, gen
     agents = prepared.agents
     scored = fn is not None or (agents is not None and agents.env_reward)
     plan = prepared.eval_plan
-    extract = extract_fn(prepared.reward_spec) if plan is not None else None
+    extract = bounded_extract(extract_fn(prepared.reward_spec), icfg.reward_timeout_s, "infer.reward_timeout_s") \
+        if plan is not None else None
     records = prepared.records
     run_dir = Path(cfg.run.dir)
     vision = vision_inputs(cfg, tokenizer)  # a VL model: each prompt's image (prepare checked the files)

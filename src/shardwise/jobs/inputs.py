@@ -321,6 +321,9 @@ def _infer_eval(cfg: Config, scored: bool | None) -> EvalPlan | None:
     if not (scored if scored is not None else spec is not None):
         return None
     greedy = icfg.temperature == 0
+    if greedy and e.k is not None:
+        raise ConfigError("eval.k", f"{list(e.k)}: pass@k / maj@k need sampled answers, and infer.temperature is 0 "
+                          "(greedy)", f"set infer.temperature > 0 and infer.n >= {max(e.k)}, or leave eval.k unset")
     n = 0 if greedy else icfg.n
     ks = _eval_ks(e.k, n, "infer.n")
     return EvalPlan(source=cfg.data.source, records=[], greedy=greedy, n=n, ks=ks, reward=spec, every_steps=0,
