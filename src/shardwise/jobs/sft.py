@@ -16,9 +16,9 @@ and micro-batched as training does) and ``val/ppl`` = exp(val/loss); for a built
 (eval.source builtin:*, or no eval.source and a built-in data.source) also the answers the
 model generates, scored (`shardwise.engine.evaluate.evaluate`: ``val/accuracy``, ...,
 ``run.dir/samples/step_XXXXXXX.jsonl``). Each evaluation is its own metrics line (with
-``time/eval``). Without eval.source, a built-in data.source's held-out examples are
-evaluated at the end only (the held-out accuracy this job always reported), unless
-eval.every_steps or checkpoint.keep_best asks for more. ``checkpoint.keep_best``: every
+``time/eval``). The held-out examples of the built-in data.source itself (no eval.source,
+or eval.source naming the same task) with eval.every_steps 0 and no keep_best are evaluated
+at the end only: the held-out accuracy this job always reported. ``checkpoint.keep_best``: every
 evaluated step is checkpointed and the best recorded (`shardwise.checkpoint.best`);
 ``checkpoint.export_from: best`` exports that checkpoint.
 """
