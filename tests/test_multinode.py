@@ -64,7 +64,7 @@ def run_nodes(nodes: int, nproc: int, run_dir: Path, *overrides: str, c10d: bool
 
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # not the evaluation's lines
 
 
 # ------------------------------------------------------------ same losses, resume

@@ -31,11 +31,17 @@ def test_train_cli_writes_metrics_checkpoint_export_plot_and_resumes(tmp_path):
     res = run_cli([*args, "train.max_steps=6"], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     metrics_lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    lines = [json.loads(x) for x in metrics_lines]
+    lines = [json.loads(x) for x in metrics_lines if "loss" in json.loads(x)]  # the training steps'
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
     for x in lines:
         for key in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_bytes"):
             assert isinstance(x[key], (int, float)) and math.isfinite(x[key]), (key, x)
+    # no eval.source: the built-in task's held-out examples at the end only, as the accuracy always was
+    (held_out,) = [json.loads(x) for x in metrics_lines if "val/loss" in json.loads(x)]
+    assert held_out["step"] == 6 and 0 <= held_out["val/accuracy"] <= 1 and held_out["val/loss"] > 0
+    samples = [json.loads(x) for x in (run_dir / "samples/step_0000006.jsonl").read_text().splitlines()]
+    assert len(samples) == 200 and sum(r["reward"] >= 1 for r in samples) / 200 == held_out["val/accuracy"]
+    assert f"held-out accuracy (greedy): {held_out['val/accuracy']:.1%}" in res.stdout
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step_00000002", "step_00000004", "step_00000006"]
     assert (run_dir / "checkpoints/step_00000006/COMMITTED").is_file()
@@ -56,7 +62,7 @@ def test_train_cli_writes_metrics_checkpoint_export_plot_and_resumes(tmp_path):
     res2 = run_cli([*args, "train.max_steps=8"], timeout=300)
     assert res2.returncode == 0, res2.stderr[-3000:]
     again = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in again] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [json.loads(x)["step"] for x in again] == [1, 2, 3, 4, 5, 6, 7, 8, 8]  # 8 twice: trained, evaluated
     assert again[:4] == metrics_lines[:4]
     assert "4/8 [" in res2.stderr, res2.stderr[-3000:]
 
@@ -125,3 +131,98 @@ def test_cpu_offload_trains_checkpoints_resumes_and_exports(tmp_path):
     assert exported.keys() == again.keys()
     for k in exported:
         assert torch.equal(exported[k], again[k]), k
+
+
+def _validation_file(path: Path, rows: int = 13) -> Path:
+    """A user's validation file: `rows` two-turn conversations (JSON lines with "messages"),
+    an odd count that splits over neither 2 ranks nor the micro-batches evenly."""
+    import random
+
+    rng = random.Random(3)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            a, b, c, d = (rng.randrange(100) for _ in range(4))
+            turns = [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)},
+                     {"role": "user", "content": f"{c}+{d}="}, {"role": "assistant", "content": str(c + d)}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+def _unsharded_val_loss(model_dir: Path, tokenizer_dir: Path, val: Path, max_length: int) -> float:
+    """The reference: plain transformers on the saved model, one example at a time, the
+    examples encoded as training encodes them (conversations: the assistant turns are
+    trained); sum of token losses / trained tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardwise.data.encode import encode_records
+    from shardwise.data.sources import load_records
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    records = load_records(str(val), "prompt", "response", seed=0, num_builtin=0, messages_key="messages",
+                           conversations=True, fmt="auto")
+    total, count = 0.0, 0
+    for enc in encode_records(tokenizer, records, max_length, "assistant"):
+        ids = torch.tensor([enc.ids])
+        target = ids[0, 1:]
+        trained = torch.tensor(enc.loss_mask[1:], dtype=torch.bool)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].double()
+        losses = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        total += float(losses[trained].sum())
+        count += int(trained.sum())
+    assert count > 50
+    return total / count
+
+
+def test_validation_loss_is_the_unsharded_models_and_the_best_checkpoint_is_kept_and_exported(tmp_path):
+    """`eval.source` (a user's conversations file) in a 2-rank packed run: val/loss at step 0
+    equals plain transformers' loss of the saved model on the same rows (1e-5 relative:
+    fp32, only the order of the sums differs); each evaluation is its own metrics line at
+    0, every eval.every_steps and the end. keep_best val/loss with keep_last 1: lr 1.0
+    (constant, AdamW: every weight moves by ~1 at the first step, weights of std ~0.02)
+    wrecks the model, so step 0 is the best; its checkpoint (saved because the step was
+    evaluated) outlives keep_last, and export_from: best exports it: the saved model's
+    weights exactly."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=64,
+                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(shape).save_pretrained(tmp_path / "model")
+    val = _validation_file(tmp_path / "val.jsonl")
+    run_dir = tmp_path / "run"
+    res = run_cli(["train", str(REPO / "examples/sft_arithmetic.yaml"), "--nproc", "2", f"run.dir={run_dir}",
+                   "model.config=null", f"model.path={tmp_path / 'model'}", "train.global_batch_size=8",
+                   "train.micro_batch_size=2", "data.max_length=24", "data.packing=true", "train.max_steps=3",
+                   "train.log_every=1", "checkpoint.every_steps=0", "checkpoint.async=false", "checkpoint.keep_last=1",
+                   "checkpoint.keep_best=val/loss", "checkpoint.export_from=best", f"eval.source={val}",
+                   "eval.every_steps=2", "train.optimizer={lr: 1.0, weight_decay: 0.0}",
+                   "train.scheduler={name: constant, warmup_steps: 0}"], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3]
+    evals = [x for x in lines if "val/loss" in x]
+    assert [x["step"] for x in evals] == [0, 2, 3]
+    for x in evals:
+        assert set(x) == {"step", "val/loss", "val/ppl", "time/eval", "time"}, x
+        assert math.isclose(x["val/ppl"], math.exp(x["val/loss"]), rel_tol=1e-12)
+    want = _unsharded_val_loss(tmp_path / "model", run_dir / "tokenizer", val, 24)
+    print(f"\nval/loss at step 0: {evals[0]['val/loss']!r}, unsharded {want!r}, relative "
+          f"{abs(evals[0]['val/loss'] - want) / want:.1e}")
+    assert math.isclose(evals[0]["val/loss"], want, rel_tol=1e-5), (evals[0]["val/loss"], want)
+    assert min(x["val/loss"] for x in evals[1:]) > evals[0]["val/loss"] + 1.0  # lr 1.0 wrecked it
+    best = json.loads((run_dir / "checkpoints/best.json").read_text())
+    assert (best["metric"], best["mode"], best["step"]) == ("val/loss", "min", 0)
+    assert [h[0] for h in best["history"]] == [0, 2, 3]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+        ["best.json", "step_00000000", "step_00000003"]  # keep_last 1, and the best
+    assert "exported the best checkpoint by val/loss: step 0" in res.stdout, res.stdout
+    assert "eval" in res.stderr and "val" not in res.stdout.split("eval", 1)[0]  # the eval bar; the table after
+    exported = load_file(str(run_dir / "hf" / "model.safetensors"))
+    saved = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert exported.keys() == saved.keys()
+    for k in saved:
+        assert torch.equal(exported[k], saved[k]), k

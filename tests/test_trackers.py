@@ -21,7 +21,15 @@ from dist.launcher import REPO_ROOT, run_cli
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.telemetry import MetricsWriter, Tracker, read_metrics
-from shardwise.telemetry.trackers import IDS_FILE, TensorBoardTracker, TrackerRun, flatten, open_trackers
+from shardwise.telemetry.trackers import (
+    IDS_FILE,
+    TensorBoardTracker,
+    TrackerRun,
+    _markdown_table,
+    flatten,
+    open_trackers,
+    sample_table,
+)
 
 for _module, _extra in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"),
                         ("sqlalchemy", "mlflow")]:  # make test installs them all (SHARDWISE_REQUIRED_MODULES)
@@ -102,6 +110,11 @@ def _series(records, key):
     return [(r["step"], r[key]) for r in records if key in r]
 
 
+def _trained(records):
+    """The training steps' lines (each evaluation has a line of its own)."""
+    return [r for r in records if "loss" in r]
+
+
 # --- a real run through every tracker ------------------------------------------------------
 
 ARGV = ["train", str(REPO_ROOT / "examples" / "sft_arithmetic.yaml"), TINY_QWEN3, "train.global_batch_size=8",
@@ -114,7 +127,8 @@ METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "skipped", 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
     """3 SFT steps with every tracker, then resumed to 4: (run_dir, metrics after 3 steps,
-    metrics after 4)."""
+    metrics after 4). Each run ends with the held-out evaluation of builtin:arithmetic (its
+    metrics line, and its first 16 samples to every tracker), at steps 3 and 4."""
     from shardwise.cli import main
 
     run_dir = tmp_path_factory.mktemp("tracked") / "sft_tiny"
@@ -144,6 +158,14 @@ def test_tensorboard_holds_every_scalar_of_metrics_jsonl(tracked_run):
     config = texts["config/text_summary"][-1].tensor_proto.string_val[0].decode()
     summary = texts["summary/text_summary"][-1].tensor_proto.string_val[0].decode()
     assert '"max_steps": 4' in config and '"steps": 4' in summary
+    # the held-out evaluations' samples: a Markdown table at each step that evaluated
+    tables = acc.Tensors("samples/text_summary")
+    assert [t.step for t in tables] == [3, 4]
+    rows = tables[-1].tensor_proto.string_val[0].decode().splitlines()
+    assert rows[0].startswith("| step | index | sample | greedy | prompt | response | ground_truth | reward |")
+    assert len(rows) == 2 + 16  # eval.samples_logged rows
+    assert [(e.step, e.value) for e in acc.Scalars("val/accuracy")] == \
+        [(r["step"], pytest.approx(r["val/accuracy"])) for r in records if "val/accuracy" in r]
 
 
 def test_wandb_offline_run_holds_the_metrics_config_and_summary_and_resumes_by_id(tracked_run):
@@ -151,15 +173,19 @@ def test_wandb_offline_run_holds_the_metrics_config_and_summary_and_resumes_by_i
     runs = _wandb_run(run_dir)
     assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"] == ids["wandb"]["id"]
     before, after = runs
-    for step, metrics in [(r["step"], r) for r in first]:
-        assert set(before["history"][step]) == set(METRICS)
+    for step, metrics in [(r["step"], r) for r in _trained(first)]:
+        logged = set(before["history"][step])
+        assert logged == set(METRICS) if step < 3 else set(METRICS) < logged  # 3: the evaluation's too
         for key in METRICS:
             assert math.isclose(before["history"][step][key], metrics[key], rel_tol=1e-9), (step, key)
+    (held_out,) = [r for r in first if "val/accuracy" in r]
+    assert before["history"][3]["val/accuracy"] == held_out["val/accuracy"]
+    assert before["history"][3]["samples/_type"] == "table-file" and before["history"][3]["samples/nrows"] == 16
     assert sorted(after["history"]) == [4]  # the resumed job logs only its own steps
-    assert math.isclose(after["history"][4]["loss"], records[-1]["loss"], rel_tol=1e-9)
+    assert math.isclose(after["history"][4]["loss"], _trained(records)[-1]["loss"], rel_tol=1e-9)
     assert before["config"]["train"]["max_steps"] == 3 and after["config"]["train"]["max_steps"] == 4
     assert before["config"]["run"]["loggers"] == ["jsonl", "tensorboard", "wandb", "mlflow"]
-    assert after["summary"]["steps"] == 4 and math.isclose(after["summary"]["final/loss"], records[-1]["loss"])
+    assert after["summary"]["steps"] == 4 and math.isclose(after["summary"]["final/loss"], _trained(records)[-1]["loss"])
     assert "accuracy" in after["summary"]
 
 
@@ -185,7 +211,11 @@ def test_mlflow_run_holds_the_metrics_params_and_summary_and_resumes_by_id(track
     assert json.loads(config_json.read_text())["train"]["max_steps"] == 4
     summary = json.loads(summary_json.read_text())
     assert summary["steps"] == 4 and run.data.metrics["summary/steps"] == 4
-    assert math.isclose(run.data.metrics["summary/final/loss"], records[-1]["loss"], rel_tol=1e-9)
+    assert math.isclose(run.data.metrics["summary/final/loss"], _trained(records)[-1]["loss"], rel_tol=1e-9)
+    for step in (3, 4):  # each held-out evaluation's first 16 samples, as in run.dir/samples
+        (artifact,) = artifacts.rglob(f"samples/step_{step:07d}.json")
+        on_disk = [json.loads(x) for x in (run_dir / f"samples/step_{step:07d}.jsonl").read_text().splitlines()]
+        assert json.loads(artifact.read_text()) == on_disk[:16]
 
 
 def test_the_rl_controller_sends_its_steps_and_summary_to_the_trackers(tmp_path):
@@ -231,36 +261,35 @@ SAMPLE_ROWS = [
 ]
 
 
-def test_every_tracker_takes_an_evaluations_samples(tmp_path, monkeypatch):
-    """`MetricsWriter.log_samples`: TensorBoard a Markdown table (text panel ``samples``),
-    wandb a Table ``samples``, MLflow the artifact samples/step_0000003.json, each at the step."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    trackers = open_trackers(["tensorboard", "wandb", "mlflow"], TrackerRun(tmp_path, "r", None, 0))
-    with MetricsWriter(tmp_path, enabled=True, trackers=trackers) as writer:
-        writer.log(3, {"val/accuracy": 0.5})
+def test_sample_rows_become_a_table_of_one_type_per_column_and_go_to_every_tracker(tmp_path):
+    """What `Tracker.log_samples` gets (the real trackers' tables and artifacts: `tracked_run`'s
+    tests): `sample_table` unifies a column's types (wandb refuses a column of numbers and
+    text), the Markdown table escapes | and line breaks, and `MetricsWriter.log_samples`
+    fans the rows out at their step (a tracker without tables: the no-op default)."""
+    columns, data = sample_table(SAMPLE_ROWS)
+    assert columns == [*SAMPLE_ROWS[0], "format_ok"]
+    assert json.loads(data[0][columns.index("prompt")]) == SAMPLE_ROWS[0]["prompt"]  # a chat prompt: its JSON
+    assert [r[columns.index("pred")] for r in data] == ["15", None] and data[0][-1] is None
+    mixed = sample_table([{"pred": 15}, {"pred": "x"}, {"pred": True}, {}])[1]
+    assert mixed == [["15"], ["x"], ["True"], [None]]
+    table = _markdown_table(SAMPLE_ROWS).splitlines()
+    assert len(table) == 2 + len(SAMPLE_ROWS) and table[0].endswith("| format_ok |")
+    assert r'"12+3\|4\\n="' in table[2] and "| 7+8= | 16 | 15 | 0.0 |  | arithmetic | 1 |" in table[3]
+
+    class Samples(_Recording):
+        def __init__(self):
+            super().__init__()
+            self.samples = []
+
+        def log_samples(self, step, rows):
+            self.samples.append((step, list(rows)))
+
+    taker, plain = Samples(), Tracker()
+    with MetricsWriter(tmp_path, enabled=True, trackers=[taker, plain]) as writer:
         writer.log_samples(3, SAMPLE_ROWS)
         writer.log_samples(4, [])  # nothing to send
-        assert [t.name for t in writer.trackers] == ["tensorboard", "wandb", "mlflow"]  # none failed
-    (text,) = _tensorboard(tmp_path).Tensors("samples/text_summary")
-    table = text.tensor_proto.string_val[0].decode().splitlines()
-    assert text.step == 3 and len(table) == 2 + len(SAMPLE_ROWS)
-    assert table[0].split(" | ")[:3] == ["| step", "index", "sample"] and table[0].endswith("| format_ok |")
-    # | and \ escaped (the prompt's JSON text holds "\n"), one line a row
-    assert r'"12+3\|4\\n="' in table[2] and "| 7+8= | 16 | 15 | 0.0 |" in table[3]
-    (run,) = _wandb_run(tmp_path)
-    logged = run["history"][3]
-    assert logged["val/accuracy"] == 0.5 and logged["samples/_type"] == "table-file" and logged["samples/nrows"] == 2
-    (folder,) = (tmp_path / "wandb").glob("offline-run-*")
-    saved = json.loads((folder / "files" / logged["samples/path"]).read_text())
-    assert saved["columns"] == [*SAMPLE_ROWS[0], "format_ok"]
-    assert saved["data"][1][saved["columns"].index("response")] == "16"
-    assert json.loads(saved["data"][0][saved["columns"].index("prompt")]) == SAMPLE_ROWS[0]["prompt"]
-    (artifact,) = (tmp_path / "mlartifacts").rglob("step_0000003.json")
-    assert artifact.parent.name == "samples" and json.loads(artifact.read_text()) == SAMPLE_ROWS
-    assert not list((tmp_path / "mlartifacts").rglob("step_0000004.json"))
+    assert taker.samples == [(3, SAMPLE_ROWS)] and writer.trackers == []
+    MetricsWriter(tmp_path / "off", enabled=False).log_samples(3, SAMPLE_ROWS)  # other ranks: nothing
 
 
 # --- failures -----------------------------------------------------------------------------

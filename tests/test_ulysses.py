@@ -94,11 +94,16 @@ def test_train_cli_with_ulysses_logs_the_losses_of_one_process(tmp_path):
                                       timeout=300))
     assert one.returncode == 0 and sp.returncode == 0, (one.stderr[-2000:], sp.stderr[-2000:])
 
-    def losses(d):
-        return [json.loads(x)["loss"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    def losses(d, key="loss"):
+        return [json.loads(x)[key] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+                if f'"{key}"' in x]
 
     # measured: equal to ~5e-8 relative (fp32 sums in another order)
     torch.testing.assert_close(torch.tensor(losses("sp")), torch.tensor(losses("one")), rtol=1e-5, atol=0)
+    # the validation loss at the end (the built-in task's held-out examples) through the sp ranks' slices
+    assert len(losses("sp", "val/loss")) == 1
+    torch.testing.assert_close(torch.tensor(losses("sp", "val/loss")), torch.tensor(losses("one", "val/loss")),
+                               rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("argv,key,fragment", [

@@ -18,6 +18,11 @@ Ranks with fewer micro-batches: every forward all-gathers parameters and the las
 reduce-scatters gradients, so a rank with fewer micro-batches than the busiest one runs
 throw-away forwards and backwards (one `dummy_inputs` row, loss x 0) up to that count:
 the training twin of `shardwise.engine.infer.forward_by_micro_batch`.
+
+Validation loss (`TrainEngine.eval_loss_sum`): the same loss function over this rank's
+share of the validation micro-batches, forward only (no_grad, eval mode), the ranks agreeing
+on the count and padding with throw-away forwards as above; the sums are added over all
+ranks, so the caller divides by the validation set's loss tokens: the unsharded mean.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from shardwise.fsdp.build import build_sharded_model
 from shardwise.fsdp.plan import ShardingPlan
 from shardwise.models import chunked_head, vision
 from shardwise.models.chunked_head import per_token_log_probs
+from shardwise.telemetry import Progress
 
 log = logging.getLogger(__name__)
 
@@ -193,21 +199,59 @@ class TrainEngine:
         """A forward and backward with zero gradients: its all-gathers and reduce-scatter
         pair with those of the ranks that still have micro-batches (a VL model's row
         carries an image, so its vision units gather too)."""
+        self._throw_away_forward(seq).mul(0.0).backward()
+
+    def _throw_away_forward(self, seq: int) -> torch.Tensor:
+        """The forward of `_throw_away_pass` on one dummy row of `seq` tokens; returns the sum
+        of its outputs (0-d), for a backward to follow or not."""
         inputs = dummy_inputs(seq, self.runtime.device)
         if self._vl_config is not None:
             inputs = vision.dummy_image(self._vl_config, seq, self.runtime.device)
         if self.chunk_tokens is not None:
             # Chunked like the real passes: a long dummy row must not form (seq x vocab) logits.
-            out = per_token_log_probs(self.model, torch.zeros_like(inputs["input_ids"]), self.chunk_tokens,
-                                      **inputs)["log_probs"]
-            out.sum().mul(0.0).backward()
-            return
+            return per_token_log_probs(self.model, torch.zeros_like(inputs["input_ids"]), self.chunk_tokens,
+                                       **inputs)["log_probs"].sum()
         with warnings.catch_warnings():
             # A token-classification head returns a view; FSDP2 warns that an in-place op on
             # it would skip the pre-backward all-gather. Only out-of-place ops touch it here.
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             out = self.model(**inputs, use_cache=False)
-        out.logits.sum().mul(0.0).backward()
+        return out.logits.sum()
+
+    def eval_loss_sum(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None,
+                      progress: bool = False) -> float:
+        """The sum of `loss_fn` (default `lm_loss`, the training loss: summed token losses;
+        Ulysses: each sp rank's slice, as in `train_step`) over this rank's micro-batches,
+        added over ALL ranks: forward only, under no_grad with the model in eval mode (its
+        train mode restored). Collective: every rank calls it; the ranks agree on the most
+        micro-batches any holds (one all-reduce) and a rank with fewer runs throw-away
+        forwards, so the all-gathers of every forward pair up (a rank may hold none).
+        `progress`: a bar ``eval`` over the forwards (rank 0). Divide by the loss tokens of
+        all ranks' micro-batches for the mean token loss."""
+        if self.sp_group is not None:
+            loss_fn = self._ulysses_loss_fn(loss_fn)
+        elif loss_fn is None:
+            loss_fn = self.lm_loss
+        device = self.runtime.device
+        n_local = len(micro_batches)
+        n_all = agreed_micro_batches(n_local, device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        was_training = self.model.training
+        bar = Progress(total=n_all, enabled=progress, desc="eval")
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for i in range(n_all):
+                    if i < n_local:
+                        total += loss_fn(self.model, self._to_device(micro_batches[i])).double()
+                    else:
+                        self._throw_away_forward(1)
+                    bar.update(1)
+        finally:
+            self.model.train(was_training)
+            bar.close()
+        dist.all_reduce(total)  # every rank summed distinct tokens (or distinct slices of them)
+        return float(total.item())
 
     def train_step(self, micro_batches: Sequence[Batch], global_loss_tokens: int,
                    loss_fn: LossFn | None = None, agree: bool = False) -> StepResult:

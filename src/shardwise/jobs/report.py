@@ -165,7 +165,12 @@ def train(cfg: Config, summary: dict) -> None:
         print(f"done: nothing left to train at step {summary['steps']}")
     if "accuracy" in summary:
         print(f"  held-out accuracy (greedy): {summary['accuracy']:.1%}")
-    _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "plot"))
+    table = eval_table(summary.get("val") or {})
+    if table:  # the last evaluation (val/loss, val/ppl, ...)
+        print("\n".join("  " + line for line in table.splitlines()))
+    if cfg.checkpoint.export_from == "best" and "exported_step" in summary:
+        print(f"  exported the best checkpoint by {cfg.checkpoint.keep_best}: step {summary['exported_step']}")
+    _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "samples", "plot"))
 
 
 def infer(cfg: Config, s: dict) -> None:

@@ -46,10 +46,13 @@ _BY_SOURCE = ("loss", "ppl", "accuracy", "reward_mean")
 """The metrics drawn per data source (one panel each) when the rows have several."""
 
 
-def _k_order(name: str) -> tuple[str, int]:
-    """pass@2 before pass@16: the metric name, then k as a number."""
+_KINDS = ("accuracy", "reward_mean", "pass", "best", "maj", "mean")
+
+
+def _k_order(name: str) -> tuple[int, str, int]:
+    """accuracy, then pass@k (pass@2 before pass@16), then maj@k; reward_mean, best@k, mean@k."""
     head, _, k = name.partition("@")
-    return head, int(k) if k.isdigit() else -1
+    return _KINDS.index(head) if head in _KINDS else len(_KINDS), head, int(k) if k.isdigit() else -1
 
 
 def val_panels(records: Sequence[dict[str, Any]]) -> list[tuple[str, list[str]]]:
