@@ -140,6 +140,23 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+def test_the_summary_reads_the_first_and_last_evaluation():
+    from shardwise.rl.trainer import heldout_summary
+
+    first = {"val/accuracy": 0.25, "val/pass@8": 0.75, "val/pass@1": 0.5, "val/a/pass@1": 0.1, "time/eval": 1.0}
+    last = {"val/accuracy": 0.5, "val/pass@1": 0.6, "val/pass@8": 0.9, "time/eval": 2.0}
+    tools = {"greedy": {"tools/share": 0.5}}
+    s = heldout_summary([(3, first, tools), (5, {"val/accuracy": 0.0}, {}), (8, last, {})])
+    assert (s["accuracy_before"], s["accuracy_after"]) == (0.25, 0.5)
+    assert list(s["sampled_before"].items()) == [("pass@1", 0.5), ("pass@8", 0.75)]  # k ascending, no per-source
+    assert s["sampled_after"] == {"pass@1": 0.6, "pass@8": 0.9}
+    assert s["heldout_tools_before"] == tools and s["heldout_tools_after"] is None
+    assert s["eval"] == last and s["eval_step"] == 8
+    one = heldout_summary([(0, {"val/reward_mean": 0.3}, {})])  # no greedy pass, no samples
+    assert one["accuracy_before"] is one["sampled_after"] is None and one["eval_step"] == 0
+    assert all(v is None for v in heldout_summary([]).values())
+
+
 def check_best_export(run_dir: Path) -> None:
     """run.dir/hf holds the weights of the best checkpoint (step 0, exported again here in
     this process), not the last one's."""

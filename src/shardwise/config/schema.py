@@ -730,7 +730,8 @@ class RLConfig(Section):
     """GAE lambda."""
     heldout_eval: bool = True
     """Built-in tasks: score the policy on the task's 200 held-out prompts before and after
-    RL (greedy accuracy; pass@1 and pass@n sampled at the rollout temperature)."""
+    RL (greedy accuracy; pass@1 and pass@n sampled at the rollout temperature): the
+    evaluation when eval.source is null (also every eval.every_steps; `eval`)."""
     packing: bool | None = None
     """Padding-free forwards (verl's use_remove_padding): every forward that scores tokens
     (old log-probs, reference, values, the actor and critic updates) runs on its
