@@ -9,8 +9,8 @@ generator_ranks) and what the asynchronous run does not do yet is refused (`chec
 `shardwise.rl.async_trainer.AsyncController`) from what was prepared, starts the worker
 groups, resumes, evaluates the policy (``eval``: step 0, every ``eval.every_steps``, the
 end; a built-in task's held-out accuracy by default), trains, exports the actor (with
-``checkpoint.export_from: best`` the best evaluation's checkpoint) and plots the metrics. The controller writes
-``run.dir/metrics.jsonl`` and the trackers of ``run.loggers`` (each step's scalars, the
+``checkpoint.export_from: best`` the best evaluation's checkpoint) and plots the metrics.
+The controller writes ``run.dir/metrics.jsonl`` and the trackers of ``run.loggers`` (each step's scalars, the
 config, the summary without the per-step history).
 """
 
@@ -314,7 +314,7 @@ def _run(prepared: Prepared) -> dict[str, Any]:
         summary["history"] = history
         summary["timing"] = mean_timing(history)
         summary.update(heldout_summary(ctl.evaluations))
-        if cfg.checkpoint.export_from == "best" and (cfg.checkpoint.export_hf or cfg.model.lora.enabled):
+        if cfg.checkpoint.export_from == "best" and cfg.checkpoint.export_hf:
             summary["exported_step"] = load_best(ctl)
         if cfg.checkpoint.export_hf and cfg.model.lora.enabled:
             summary["adapter"] = ctl.group.export_adapter(str(ctl.run_dir / "adapter"))

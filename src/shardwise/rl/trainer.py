@@ -67,7 +67,8 @@ from typing import Any
 import torch
 
 from shardwise.agents.loop import agent_prompt_batch, trajectory_metrics
-from shardwise.checkpoint.best import forget_best_after, record_best
+from shardwise.checkpoint.best import BEST_FILE, forget_best_after, record_best
+from shardwise.checkpoint.layout import CHECKPOINTS_DIR
 from shardwise.config.schema import Config
 from shardwise.config.validate import mesh_spec, rl_update_groups
 from shardwise.data.batch import Batch
@@ -252,6 +253,8 @@ class Controller:
             raise RuntimeError(f"the worker groups' checkpoints are at different steps {steps}; "
                                "set checkpoint.resume to one step's folder or never")
         if extras["rl"] is None:
+            for folder in self._checkpoint_roots():  # a fresh start: an earlier run's record is not this run's
+                (folder / CHECKPOINTS_DIR / BEST_FILE).unlink(missing_ok=True)
             return False
         self.load_state_dict(extras["rl"])
         if self.cfg.checkpoint.keep_best is not None:  # a best found after this step is gone with its step
