@@ -142,6 +142,7 @@ def run_train(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     if res.returncode != 0:
         return {"error": (res.stderr.strip().splitlines() or ["?"])[-1]}
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "loss" in m]  # the training steps (the held-out evaluation has a line of its own)
     tps = [m["tokens_per_s"] for m in steps[args.sft_warmup:]]
     q = statistics.quantiles(tps, n=4, method="inclusive") if len(tps) > 1 else [tps[0]] * 3
     return {"tokens_per_s": statistics.fmean(tps), "tokens_per_s_p25": q[0], "tokens_per_s_p75": q[2],
