@@ -212,9 +212,11 @@ def rl(cfg: Config, summary: dict) -> None:
                   for kind in ("greedy", "sampled") if kind in tb and kind in ta]
         if shares:  # rl.multi_turn: how the answers were reached
             print("  held-out trajectories calling a tool: " + ", ".join(shares))
-    if summary.get("eval") and cfg.eval.source is not None:  # the user's validation data: every figure
-        print(f"  evaluation at step {summary['eval_step']} on {cfg.eval.source}:")
-        print(textwrap.indent(eval_table(summary["eval"]), "    "))
+    table = eval_table(summary.get("eval") or {})
+    if table:  # the last evaluation's every figure (per data_source too)
+        source = cfg.eval.source if cfg.eval.source is not None else f"{cfg.data.source}'s held-out prompts"
+        print(f"  evaluation at step {summary['eval_step']} on {source}:")
+        print(textwrap.indent(table, "    "))
     exported = summary.get("exported_step")
     if exported is not None:  # checkpoint.export_from: best
         print(f"  exported the best checkpoint by {cfg.checkpoint.keep_best}: step {exported}")
