@@ -139,6 +139,8 @@ class Controller:
         """rl.multi_turn: the tools' schemas; prompts are chats rendered with them
         (`shardwise.agents.loop.agent_prompt_batch`) and the workers roll out trajectories."""
         self.eval_plan, self.eval_scorer = eval_plan, eval_scorer
+        self.eval_extract = extract_fn(eval_plan.reward) if eval_plan is not None else None
+        """The answer maj@k votes on: an ``extract`` beside a module:function reward."""
         self.evaluations: list[tuple[int, dict[str, float], dict[str, dict[str, float]]]] = []
         """Every evaluation of this process so far: (step, its ``val/*`` and ``time/eval``,
         its `heldout_tools`), oldest first (`heldout_summary` reads the first and last)."""
@@ -531,7 +533,7 @@ class Controller:
         result = evaluate(self._eval_generate(), self.tokenizer, plan, self.eval_scorer, seed=self.cfg.run.seed,
                           max_length=self.cfg.data.max_length, step=self.step, timeout_s=self.cfg.rl.reward.timeout_s,
                           timeout_key="rl.reward.timeout_s", batch_fn=self._eval_batch_fn(), vision=self.vision,
-                          chat=text_prompts_as_chat(self.cfg.data), extract=extract_fn(plan.reward))
+                          chat=text_prompts_as_chat(self.cfg.data), extract=self.eval_extract)
         self.evaluations.append((self.step, dict(result.metrics), dict(self.heldout_tools)))
         if not record:
             return result.metrics
