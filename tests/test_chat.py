@@ -373,14 +373,18 @@ def test_grpo_from_verl_parquet_with_a_verl_reward_function(sft_demo_model, tmp_
 def test_heldout_prompts_follow_the_jobs_chat_setting(builtin, tmp_path):
     from shardwise.config import load_config
     from shardwise.data.chat import text_prompts_as_chat
-    from shardwise.engine.generate import _heldout_batch
+    from shardwise.data.tasks import get_builtin_task
+    from shardwise.engine.evaluate import asked_records
+    from shardwise.engine.generate import prompt_batch
 
     (tmp_path / "t.jinja").write_text("x")
     assert not text_prompts_as_chat(load_config(None, []).data)
     assert text_prompts_as_chat(load_config(None, ["data.format=messages"]).data)
     assert text_prompts_as_chat(load_config(None, [f"data.chat_template={tmp_path / 't.jinja'}"]).data)
-    _, plain = _heldout_batch(builtin, "builtin:reverse", 0, 32, 3)
-    _, chatted = _heldout_batch(builtin, "builtin:reverse", 0, 32, 3, chat=True)
+    records = get_builtin_task("builtin:reverse").heldout_examples(3, 0)
+    uids = [f"heldout-{i}" for i in range(3)]
+    plain = prompt_batch(builtin, asked_records(records, False), 32, uids)
+    chatted = prompt_batch(builtin, asked_records(records, True), 32, uids)
     for text, asked in zip(plain.arrays["prompt"], chatted.arrays["prompt"]):
         assert asked == f"<bos><|user|>{text}\n<|assistant|>"
     ids = chatted.tensors["prompt_ids"][0][chatted.tensors["prompt_mask"][0].bool()].tolist()

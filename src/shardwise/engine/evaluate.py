@@ -53,7 +53,7 @@ from shardwise.engine.generate import PromptBatchFn, prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import Progress
 
-__all__ = ["EvalPlan", "EvalResult", "answer_row", "bounded_extract", "eval_metrics", "eval_table", "evaluate",
+__all__ = ["EvalPlan", "EvalResult", "answer_row", "asked_records", "bounded_extract", "eval_metrics", "eval_table", "evaluate",
            "extract_fn", "is_eval_step", "metric_names", "pass_at_k", "samples_path", "write_samples"]
 
 RIGHT = 1.0
@@ -257,6 +257,13 @@ def _plain(value: Any) -> Any:
 # ---------------------------------------------------------------- evaluate
 
 
+def asked_records(records: list[dict], chat: bool) -> list[dict]:
+    """`records` as they are asked: with `chat` (the job's chat setting,
+    `shardwise.data.chat.text_prompts_as_chat`) a text prompt becomes one user turn."""
+    return [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} if chat and isinstance(r["prompt"], str)
+            else r for r in records]
+
+
 def evaluate(generate: Callable[[Batch], Batch], tokenizer, plan: EvalPlan, scorer: RewardFn | None, *,
              seed: int, max_length: int, step: int, timeout_s: float | None, timeout_key: str,
              batch_fn: PromptBatchFn | None = None, vision: VisionInputs | None = None, chat: bool = False,
@@ -274,8 +281,7 @@ def evaluate(generate: Callable[[Batch], Batch], tokenizer, plan: EvalPlan, scor
     t0 = time.perf_counter()
     extract = bounded_extract(extract, timeout_s, timeout_key)
     records = list(plan.records)
-    asked = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} if chat and isinstance(r["prompt"], str)
-             else r for r in records]
+    asked = asked_records(records, chat)
     uids = [f"heldout-{i}" for i in range(len(records))]
     per = max(1, chunk_prompts or len(records) or 1)
     chunks = [range(a, min(a + per, len(records))) for a in range(0, len(records), per)]

@@ -1,5 +1,5 @@
 """Generation: prompts in, sampled responses (and their log-probs) out, by an engine chosen
-by name (``hf``, ``vllm``; `GENERATORS`), and the held-out accuracy every job reports.
+by name (``hf``, ``vllm``; `GENERATORS`); the evaluation every job runs builds on it (`shardwise.engine.evaluate`).
 
 Used by `shardwise infer`, the held-out evaluation of every job, and the RL rollout.
 
@@ -60,13 +60,6 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from shardwise.config.schema import SamplingConfig
 from shardwise.data.batch import Batch
 from shardwise.data.encode import encode_prompt, prompt_text
-from shardwise.data.rewards import RewardFn, score_sequences
-from shardwise.data.tasks import (
-    BUILTIN_PREFIX,
-    HELDOUT_PROMPTS,
-    HELDOUT_SEED_OFFSET,
-    get_builtin_task,
-)
 from shardwise.data.tokenizer import pad_token_id
 from shardwise.distributed import ulysses
 from shardwise.distributed.runtime import Runtime
@@ -77,8 +70,8 @@ from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
 __all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "RowSampler", "SamplingCall", "assemble_sequences",
-           "build_generator", "generate_on_ranks", "heldout_accuracy", "left_pad", "prompt_batch", "row_seed",
-           "sample_keys", "sampling_call", "sampling_seed", "score_accuracy"]
+           "build_generator", "generate_on_ranks", "left_pad", "prompt_batch", "row_seed",
+           "sample_keys", "sampling_call", "sampling_seed"]
 
 
 class GenerationEngine(abc.ABC):
@@ -551,69 +544,6 @@ def generate_on_ranks(generator: GenerationEngine, prompts: Batch) -> Batch:
     return Batch.concat([b for b in batches if len(b)]) if any(len(b) for b in batches) else out
 
 
-def score_accuracy(sequences: Batch, tokenizer, scorer: RewardFn) -> float:
-    """Share of rows whose response `scorer` rates fully right (score >= 1)."""
-    if not len(sequences):
-        return float("nan")
-    scores = score_sequences(sequences, tokenizer, scorer).tensors["token_level_scores"].sum(-1)
-    return float((scores >= 1.0).float().mean())
-
-
 PromptBatchFn = Callable[[list[dict[str, Any]], list[str]], Batch]
 """(records, uids) -> the prompt batch of those records (default: `prompt_batch`; a
 multi-turn rollout's prompts are rendered with the tools, `shardwise.agents.loop`)."""
-
-
-def heldout_accuracy(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
-                     n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None, chat: bool = False,
-                     batch_fn: PromptBatchFn | None = None) -> float | None:
-    """Greedy accuracy on the held-out prompts of a built-in task: the figure `shardwise
-    train`, `shardwise rl` and `shardwise infer` all print (None for a file source).
-
-    The prompts are `n` examples of the task generated from ``seed`` + `HELDOUT_SEED_OFFSET`
-    (never trained on), answered greedily with the task's `BuiltinTask.max_new_tokens`
-    and scored by the task's own scorer. `generate` maps a prompt batch (see
-    `prompt_batch`) to its sequences: `generate_on_ranks` inside a job's ranks, a worker
-    group's ``generate_sequences`` in the RL controller.
-    """
-    if not source.startswith(BUILTIN_PREFIX):
-        return None
-    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision, chat, batch_fn)
-    batch.meta.update(seed=0, greedy=True, max_new_tokens=task.max_new_tokens)
-    return score_accuracy(generate(batch), tokenizer, task.score)
-
-
-def _heldout_batch(tokenizer, source: str, seed: int, max_length: int, n: int,
-                   vision: VisionInputs | None = None, chat: bool = False,
-                   batch_fn: PromptBatchFn | None = None) -> tuple[Any, Batch]:
-    """The built-in task of `source` and the prompt batch of its `n` held-out examples
-    (with `chat`, each prompt one user turn of a chat; `batch_fn` builds the batch)."""
-    task = get_builtin_task(source)
-    records = task.heldout_examples(n, seed + HELDOUT_SEED_OFFSET)
-    if chat:
-        records = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in records]
-    uids = [f"heldout-{i}" for i in range(n)]
-    if batch_fn is not None:
-        return task, batch_fn(records, uids)
-    return task, prompt_batch(tokenizer, records, max_length, uids, vision)
-
-
-def heldout_pass_at_k(generate: Callable[[Batch], Batch], tokenizer, source: str, seed: int, max_length: int,
-                      k: int, n: int = HELDOUT_PROMPTS, vision: VisionInputs | None = None,
-                      chat: bool = False, batch_fn: PromptBatchFn | None = None) -> dict[str, float] | None:
-    """Sampled accuracy on the held-out prompts of `heldout_accuracy` (None for a file
-    source): `k` samples per prompt at the engine's temperature (seeded with `seed` and each
-    row's ``sample_key`` ``"heldout-{i}/{j}"``, so whichever ranks generate them), and
-    ``{"pass@1": share of samples right, "pass@k": share of prompts with at least one
-    right sample}``. pass@k well above the greedy accuracy is what RL can turn into
-    greedy accuracy."""
-    if not source.startswith(BUILTIN_PREFIX):
-        return None
-    task, batch = _heldout_batch(tokenizer, source, seed, max_length, n, vision, chat, batch_fn)
-    batch = batch.repeat(k, interleave=True)
-    batch = batch.union(Batch.from_dict(arrays={"sample_key": sample_keys(list(batch.arrays["uid"][::k]), k)}))
-    batch.meta.update(seed=seed, greedy=False, max_new_tokens=task.max_new_tokens)
-    out = generate(batch)
-    scores = score_sequences(out, tokenizer, task.score).tensors["token_level_scores"].sum(-1)
-    right = (scores >= 1.0).view(n, k)
-    return {"pass@1": float(right.float().mean()), f"pass@{k}": float(right.any(-1).float().mean())}

@@ -88,12 +88,15 @@ RESUME_RULES: dict[str, Rule] = {
                   "config's after a load"),
     "data": Rule(APPLIES, "read at each step from the resumed position of the data order"),
     "checkpoint": Rule(APPLIES, "read at each save"),
+    "checkpoint.keep_best": Rule(APPLIES, "read at each evaluation; another metric starts a new best record "
+                                 "(run.dir/checkpoints/best.json)"),
     "checkpoint.resume": Rule(APPLIES, "which checkpoint to resume, not a setting of the run", listed=False),
     "rl": Rule(APPLIES, "read at each step"),
     "rl.algorithm": Rule(REFUSED, "the checkpoint holds a critic's state or none (ppo trains one, grpo not)"),
     "rl.critic.enabled": Rule(REFUSED, "the checkpoint holds a critic's state or none"),
     "rl.kl_in_reward": Rule(APPLIES, "read at each step; a changed coef restarts the KL controller there"),
     "infer": Rule(APPLIES, "read at each generation"),
+    "eval": Rule(APPLIES, "read at each evaluation (the resumed step's evaluation uses the new settings)"),
 }
 """The rule of every config key on resume (see the module docstring): the longest entry
 that is the key or a section above it decides (`rule_for`)."""
