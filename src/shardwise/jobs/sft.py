@@ -179,13 +179,19 @@ class SFTData:
 
     def __init__(self, cfg: Config, records: list[dict[str, Any]], tokenizer, dp_rank: int, dp_size: int,
                  vision: VisionInputs | None = None):
+        self._encode(cfg, records, tokenizer, dp_rank, dp_size, vision, "data")
+        self.sampler = GlobalBatchSampler(len(self.examples), cfg.train.global_batch_size, cfg.run.seed)
+        self._it = iter(self.sampler)
+
+    def _encode(self, cfg: Config, records: list[dict[str, Any]], tokenizer, dp_rank: int, dp_size: int,
+                vision: VisionInputs | None, what: str) -> None:
+        """The examples of `records` (`encode_examples`; `what` names them in its notes) and
+        what collating them needs."""
         self.vision = vision
-        self.examples = encode_examples(cfg, records, tokenizer, vision, "data")
+        self.examples = encode_examples(cfg, records, tokenizer, vision, what)
         self.pad_id = pad_token_id(tokenizer)
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.sampler = GlobalBatchSampler(len(self.examples), cfg.train.global_batch_size, cfg.run.seed)
-        self._it = iter(self.sampler)
 
     def collate(self, examples: list) -> dict[str, torch.Tensor]:
         if self.cfg.data.packing:
@@ -240,11 +246,7 @@ class ValidationSet(SFTData):
 
     def __init__(self, cfg: Config, records: list[dict[str, Any]], tokenizer, dp_rank: int, dp_size: int,
                  vision: VisionInputs | None = None):
-        self.vision = vision
-        self.examples = encode_examples(cfg, records, tokenizer, vision, "eval")
-        self.pad_id = pad_token_id(tokenizer)
-        self.cfg = cfg
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._encode(cfg, records, tokenizer, dp_rank, dp_size, vision, "eval")
         self.loss_tokens = sum(example_loss_tokens(ex) for ex in self.examples)
         """Trained tokens of the whole set (every rank's): val/loss's denominator."""
         if self.loss_tokens == 0:
