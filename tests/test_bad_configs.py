@@ -200,6 +200,16 @@ ROWS = [
                  id="max-length-keeps-no-response-token"),
     pytest.param(Bad(("model.config.vocab_size=1",), "model.config.vocab_size", "set vocab_size >= 60",
                      command="train"), id="vocab-smaller-than-tokenizer"),
+    # ---- evaluation (issue 29): the validation data and the best checkpoint, in `prepare`
+    pytest.param(Bad(("eval.source={tmp}/nope.jsonl",), "eval.source", "does not exist", command="train"),
+                 id="eval-source-missing"),
+    pytest.param(Bad(("eval.source={tmp}/val.jsonl",), "data.response_key", "val.jsonl' line 2",
+                     files=(("val.jsonl", '{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="}\n'),),
+                     command="train"), id="eval-row-without-ground-truth"),
+    pytest.param(Bad(("checkpoint.keep_best=val/los",), "checkpoint.keep_best", "did you mean val/loss?",
+                     command="train"), id="keep-best-unknown-metric"),
+    pytest.param(Bad(("checkpoint.export_from=best",), "checkpoint.export_from", "needs checkpoint.keep_best",
+                     command="train"), id="export-best-without-keep-best"),
     # ---- the config file and the command line
     pytest.param(Bad(key="{cfg}", hint="does not exist", config="missing.yaml"), id="config-file-missing"),
     pytest.param(Bad(key="{cfg}", hint="must hold a mapping of sections, got list", yaml="- a\n- b\n"),
