@@ -58,6 +58,12 @@ def test_infer_with_vllm_answers_like_hf(tmp_path):
     assert [r["index"] for r in vl] == [r["index"] for r in hf] == list(range(PROMPTS))
     same = sum(a["response"] == b["response"] for a, b in zip(hf, vl))
     assert same >= PROMPTS - 2, [(a["response"], b["response"]) for a, b in zip(hf, vl)]
+    # the evaluation's figures, engine by engine: counted from each run's samples file
+    for run_dir, rows in ((tmp_path / "hf", hf), (tmp_path / "vllm_tp2", vl)):
+        summary = json.loads((run_dir / "infer_summary.json").read_text())
+        samples = sample_rows(run_dir, 0)
+        assert [r["response"] for r in samples] == [r["response"] for r in rows]
+        assert summary["val/accuracy"] == count_val(samples, [])["accuracy"] == summary["accuracy"]
 
 
 def _processes_naming(run_dir: Path) -> list[str]:
