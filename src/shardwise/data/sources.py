@@ -75,6 +75,7 @@ def load_records(
     conversations: bool = False,
     as_chat: bool = False,
     extra_keys: dict[str, tuple[str, str, bool]] | None = None,
+    source_key: str = "data.source",
 ) -> list[dict[str, Any]]:
     """The records of `source`, in file order (or the task's order), as plain dicts.
 
@@ -90,7 +91,8 @@ def load_records(
     Raises `DataError` (a ValueError), with a one-line message, for every problem listed
     in the module docstring; all rows are read and checked before anything is returned.
     Messages name the config keys `key_names` (those that set `prompt_key` and
-    `response_key`; the encoder tasks read ``data.text_key`` / ``data.label_key``).
+    `response_key`; the encoder tasks read ``data.text_key`` / ``data.label_key``) and
+    `source_key` (the key that named `source`: ``data.source``, ``eval.source``).
     `image_key` (VL models): each record also keeps ``"image"``, the row's value of that
     column as it is (a path, or a built-in task's in-memory image; `shardwise.models.vision`
     checks it).
@@ -115,7 +117,7 @@ def load_records(
         columns = list(examples[0]) if examples else ["prompt", "response"]
         found = _Rows(examples, [f"row {i}" for i in range(len(examples))], columns)
     else:
-        found = _read_file(source)
+        found = _read_file(source, source_key)
     if fmt not in FORMATS:
         raise _error(f"data.format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if messages_key == "messages" and not _has_key("messages", found.columns) and "conversations" in found.columns:
@@ -147,7 +149,7 @@ def load_records(
                              "there is nothing to train on; add one or remove the row")
             record: dict[str, Any] = {"messages": turns}
             if isinstance(row, dict) and row.get("tools") is not None:  # the schemas its template gets
-                record["tools"] = check_tools(row["tools"], f"data.source '{source}' {where}")
+                record["tools"] = check_tools(row["tools"], f"{source_key} '{source}' {where}")
         else:
             record = {"prompt": _prompt(row, prompt_key, source, where, pkey, fmt, as_chat),
                       "response": None}
@@ -164,7 +166,7 @@ def load_records(
             if conversations and isinstance(record["prompt"], list):  # SFT reads a response: the assistant's turn
                 record = {"messages": record["prompt"] + [{"role": "assistant", "content": record["response"]}]}
         if "messages" in record or isinstance(record.get("prompt"), list):  # for render errors later
-            record["where"] = f"data.source '{source}' {where}"
+            record["where"] = f"{source_key} '{source}' {where}"
         for field, (key, config_key, _) in extra_keys.items():
             record[field] = _json_value(_value(row, key, source, where, config_key), source, where, config_key) \
                 if present[field] else None
@@ -207,7 +209,7 @@ def _json_value(value: Any, source: str, where: str, config_key: str) -> Any:
 # ---------------------------------------------------------------- files
 
 
-def _read_file(source: str) -> _Rows:
+def _read_file(source: str, key: str) -> _Rows:
     """The rows of the local file `source`, after the checks on the path itself."""
     path = Path(source).expanduser()
     if path.is_dir():
@@ -217,7 +219,7 @@ def _read_file(source: str) -> _Rows:
             inside = []
         has = f" (it holds {_names(inside)})" if inside else f" (it holds no {', '.join(FILE_FORMATS)} file)"
         raise _error(
-            f"data.source: '{source}' is a directory{has}; point data.source at one "
+            f"{key}: '{source}' is a directory{has}; point {key} at one "
             f"{', '.join(FILE_FORMATS)} file"
         )
     suffix = path.suffix.lower()
@@ -225,33 +227,33 @@ def _read_file(source: str) -> _Rows:
         what = f"unsupported extension '{path.suffix}'" if path.suffix else "no file extension"
         tasks = ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_TASKS)
         raise _error(
-            f"data.source: '{source}' has {what}: use a file ending in "
+            f"{key}: '{source}' has {what}: use a file ending in "
             f"{', '.join(FILE_FORMATS)}, or builtin:NAME ({tasks})"
         )
     if not path.is_file():
         raise _error(
-            f"data.source: file '{source}' does not exist (resolved path {path.resolve()}); "
-            "fix data.source (a relative path is read from the working directory)"
+            f"{key}: file '{source}' does not exist (resolved path {path.resolve()}); "
+            f"fix {key} (a relative path is read from the working directory)"
         )
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise _error(f"data.source: cannot read '{source}': {e.strerror or e}; check its permissions") from None
+        raise _error(f"{key}: cannot read '{source}': {e.strerror or e}; check its permissions") from None
 
     if suffix == ".parquet":
-        found = _read_parquet(path, source)
+        found = _read_parquet(path, source, key)
     else:
-        found = _read_json(_decode(data, source), source)
+        found = _read_json(_decode(data, source, key), source, key)
     if not found.rows:
         fix = {".json": "make it a JSON array of objects", ".parquet": "write at least one row into it"}
         raise _error(
-            f"data.source: '{source}' holds no records; "
+            f"{key}: '{source}' holds no records; "
             f"{fix.get(suffix, 'write one JSON object per line into it')}"
         )
     return found
 
 
-def _decode(data: bytes, source: str) -> str:
+def _decode(data: bytes, source: str, key: str) -> str:
     """`data` as text: strict UTF-8, a leading byte-order mark dropped."""
     try:
         text = data.decode("utf-8")
@@ -259,13 +261,13 @@ def _decode(data: bytes, source: str) -> str:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1)
         raise _error(
-            f"data.source: '{source}' is not UTF-8: line {line} has byte 0x{data[e.start]:02x} at "
+            f"{key}: '{source}' is not UTF-8: line {line} has byte 0x{data[e.start]:02x} at "
             f"byte offset {column} of the line (offset {e.start} in the file); save the file as UTF-8"
         ) from None
     return text.removeprefix("\ufeff")
 
 
-def _read_json(text: str, source: str) -> _Rows:
+def _read_json(text: str, source: str, key: str) -> _Rows:
     """Rows of a JSON array of objects, or of JSON Lines.
 
     A document that starts with ``[`` is an array; anything else is read as JSON Lines,
@@ -276,21 +278,21 @@ def _read_json(text: str, source: str) -> _Rows:
             items = json.loads(text)
         except json.JSONDecodeError as e:
             raise _error(
-                f"data.source: '{source}' is not valid JSON: {e.msg} (line {e.lineno}, column "
+                f"{key}: '{source}' is not valid JSON: {e.msg} (line {e.lineno}, column "
                 f"{e.colno}); fix the file (a .json file is one array of objects, or JSON Lines)"
             ) from None
         except RecursionError:
-            raise _error(f"data.source: '{source}' is nested too deeply to read as JSON") from None
+            raise _error(f"{key}: '{source}' is nested too deeply to read as JSON") from None
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise _error(
-                    f"data.source: '{source}' element [{i}] is {_describe(item)}, not an object; "
+                    f"{key}: '{source}' element [{i}] is {_describe(item)}, not an object; "
                     'every element of the array must be an object like {"prompt": ..., "response": ...}'
                 )
         return _Rows(items, [f"row {i}" for i in range(len(items))], _columns(items))
 
     try:
-        return _read_json_lines(text, source)
+        return _read_json_lines(text, source, key)
     except DataError:
         if text.lstrip().startswith("{"):
             try:
@@ -302,7 +304,7 @@ def _read_json(text: str, source: str) -> _Rows:
         raise
 
 
-def _read_json_lines(text: str, source: str) -> _Rows:
+def _read_json_lines(text: str, source: str, key: str) -> _Rows:
     rows, where = [], []
     # Split on "\n" only: str.splitlines also splits on U+2028 and friends, which JSON
     # allows raw inside strings.
@@ -313,14 +315,14 @@ def _read_json_lines(text: str, source: str) -> _Rows:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise _error(
-                f"data.source: '{source}' line {number} is not valid JSON: {e.msg} (column {e.colno}); "
+                f"{key}: '{source}' line {number} is not valid JSON: {e.msg} (column {e.colno}); "
                 "fix or remove that line (JSON Lines: one object per line)"
             ) from None
         except RecursionError:
-            raise _error(f"data.source: '{source}' line {number} is nested too deeply to read as JSON") from None
+            raise _error(f"{key}: '{source}' line {number} is nested too deeply to read as JSON") from None
         if not isinstance(row, dict):
             raise _error(
-                f"data.source: '{source}' line {number} is {_describe(row)}, not an object; "
+                f"{key}: '{source}' line {number} is {_describe(row)}, not an object; "
                 'write one object per line, like {"prompt": ..., "response": ...}'
             )
         where.append(f"line {number}, row {len(rows)}")
@@ -328,13 +330,13 @@ def _read_json_lines(text: str, source: str) -> _Rows:
     return _Rows(rows, where, _columns(rows))
 
 
-def _read_parquet(path: Path, source: str) -> _Rows:
+def _read_parquet(path: Path, source: str, key: str) -> _Rows:
     try:
         import pyarrow
         import pyarrow.parquet as pq
     except ImportError:
         raise _error(
-            f"data.source: reading '{source}' needs pyarrow, which is not installed; "
+            f"{key}: reading '{source}' needs pyarrow, which is not installed; "
             "pip install pyarrow, or convert the file to .jsonl"
         ) from None
     try:
@@ -342,7 +344,7 @@ def _read_parquet(path: Path, source: str) -> _Rows:
     except (pyarrow.ArrowException, OSError, ValueError) as e:
         why = re.sub(r"^Could not open Parquet input source '.*?': ", "", str(e).strip().splitlines()[0])
         raise _error(
-            f"data.source: '{source}' is not a readable Parquet file ({_shorten(why, 120)}); "
+            f"{key}: '{source}' is not a readable Parquet file ({_shorten(why, 120)}); "
             "rewrite it (e.g. pyarrow.parquet.write_table) or use a .jsonl file"
         ) from None
     rows = [_plain(row) for row in table.to_pylist()]

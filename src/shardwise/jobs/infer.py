@@ -280,8 +280,7 @@ def run(prepared: Prepared, runtime: Runtime) -> dict[str, Any]:
             summary, samples = _generate_all(prepared, runtime, engine, generator, tokenizer, runner)
             trackers.log_summary(summary)
             plan = prepared.eval_plan
-            # helper S's MetricsWriter.log_samples (issue 29); absent on a branch without it
-            if plan is not None and plan.samples_logged and samples and hasattr(trackers, "log_samples"):
+            if plan is not None and plan.samples_logged and samples:
                 trackers.log_samples(0, samples[:plan.samples_logged])
     finally:
         if runner is not None:

@@ -130,17 +130,12 @@ def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
     if scoring:
         extra = {"data_source": (d.data_source_key, "data.data_source_key", "data_source_key" in d.model_fields_set),
                  "extra_info": (d.extra_info_key, "data.extra_info_key", "extra_info_key" in d.model_fields_set)}
-    try:
-        records = load_records(src, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
-                               num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
-                               image_key=("image" if src.startswith("builtin:") else d.image_key) if vl else None,
-                               key_names=("data.prompt_key", response_name),
-                               messages_key=d.messages_key if sft else None, fmt=d.format, conversations=sft,
-                               as_chat=text_prompts_as_chat(d), extra_keys=extra)
-    except DataError as e:
-        if source_key == "data.source":
-            raise
-        raise DataError(str(e).replace("data.source", source_key)) from None
+    records = load_records(src, d.prompt_key, response_key, seed=cfg.run.seed if seed is None else seed,
+                           num_builtin=d.num_examples if num_builtin is None else num_builtin, heldout=heldout,
+                           image_key=("image" if src.startswith("builtin:") else d.image_key) if vl else None,
+                           key_names=("data.prompt_key", response_name),
+                           messages_key=d.messages_key if sft else None, fmt=d.format, conversations=sft,
+                           as_chat=text_prompts_as_chat(d), extra_keys=extra, source_key=source_key)
     if vl:
         resolve_images(records, "image", src)
     if any("messages" in r or isinstance(r.get("prompt"), list) for r in records):

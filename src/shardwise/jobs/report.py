@@ -165,12 +165,21 @@ def train(cfg: Config, summary: dict) -> None:
         print(f"done: nothing left to train at step {summary['steps']}")
     if "accuracy" in summary:
         print(f"  held-out accuracy (greedy): {summary['accuracy']:.1%}")
-    table = eval_table(summary.get("val") or {})
-    if table:  # the last evaluation (val/loss, val/ppl, ...)
-        print("\n".join("  " + line for line in table.splitlines()))
+    _print_eval(summary.get("val") or {})  # the last evaluation (val/loss, val/ppl, ...)
     if cfg.checkpoint.export_from == "best" and "exported_step" in summary:
         print(f"  exported the best checkpoint by {cfg.checkpoint.keep_best}: step {summary['exported_step']}")
     _print_paths(summary, ("metrics", "checkpoint", "adapter", "hf", "samples", "plot"))
+
+
+def _print_eval(metrics: dict, title: str | None = None) -> None:
+    """The evaluation's table (`eval_table`) under the summary's lines, indented; under
+    `title` when given. Nothing without ``val/*`` figures."""
+    table = eval_table(metrics)
+    if not table:
+        return
+    if title is not None:
+        print(f"  {title}")
+    print(textwrap.indent(table, "    " if title is not None else "  "))
 
 
 def infer(cfg: Config, s: dict) -> None:
@@ -187,9 +196,7 @@ def infer(cfg: Config, s: dict) -> None:
               f"{s['multi_turn/truncated']:.0%} truncated")
     print(f"  response length {s['response_length_mean']:.1f} tokens (mean), "
           f"{s['ended_with_eos']:.0%} ended with eos; {s['tokens_per_s']:.0f} tokens/s over {s['seconds']:.1f} s")
-    table = eval_table({k: v for k, v in s.items() if k.startswith("val/")})
-    if table:
-        print("\n".join("  " + line for line in table.splitlines()))
+    _print_eval({k: v for k, v in s.items() if k.startswith("val/")})
     _print_paths(s, ("output", "summary", "samples"))
 
 
@@ -212,11 +219,9 @@ def rl(cfg: Config, summary: dict) -> None:
                   for kind in ("greedy", "sampled") if kind in tb and kind in ta]
         if shares:  # rl.multi_turn: how the answers were reached
             print("  held-out trajectories calling a tool: " + ", ".join(shares))
-    table = eval_table(summary.get("eval") or {})
-    if table:  # the last evaluation's every figure (per data_source too)
+    if summary.get("eval"):  # the last evaluation's every figure (per data_source too)
         source = cfg.eval.source if cfg.eval.source is not None else f"{cfg.data.source}'s held-out prompts"
-        print(f"  evaluation at step {summary['eval_step']} on {source}:")
-        print(textwrap.indent(table, "    "))
+        _print_eval(summary["eval"], f"evaluation at step {summary['eval_step']} on {source}:")
     exported = summary.get("exported_step")
     if exported is not None:  # checkpoint.export_from: best
         print(f"  exported the best checkpoint by {cfg.checkpoint.keep_best}: step {exported}")
