@@ -10,7 +10,9 @@ import importlib
 import json
 import logging
 import math
+import os
 import shutil
+import socket
 import struct
 import sys
 
@@ -21,6 +23,7 @@ from dist.launcher import REPO_ROOT, run_cli
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.telemetry import MetricsWriter, Tracker, read_metrics
+from shardwise.telemetry import trackers as trackers_module
 from shardwise.telemetry.trackers import (
     IDS_FILE,
     TensorBoardTracker,
@@ -464,3 +467,21 @@ def test_the_cli_refuses_an_uninstalled_logger_in_one_line_with_exit_2(tmp_path,
     assert code == 2 and len(err) == 1, err
     assert "run.loggers" in err[0] and "pip install 'shardwise[wandb]'" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_an_mlflow_server_that_is_down_is_left_out_in_one_line_at_once(tmp_path, monkeypatch, caplog):
+    # MLflow's client retried a refused server for 4 min 20 s before the first step (7
+    # retries with backoff); the tracker tries one connection itself first.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    for key in trackers_module.MLFLOW_HTTP_BOUNDS:
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert open_trackers(["mlflow"], TrackerRun(tmp_path / "run", "r", None, 0)) == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"mlflow could not start (ConnectionError: its server 127.0.0.1:{port} "), warnings
+    assert "the run goes on without it" in warnings[0]
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # set only for a tracker that started

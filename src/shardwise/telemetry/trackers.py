@@ -19,7 +19,9 @@ controller in RL) only:
 Where they write, with nothing set: ``run.dir/tensorboard/``; ``run.dir/wandb/`` (online
 when wandb has credentials, ``WANDB_API_KEY`` or ``wandb login``; offline otherwise, or as
 ``WANDB_MODE`` says); MLflow ``sqlite:///<run.dir>/mlflow.db`` with artifacts in
-``run.dir/mlartifacts/``, or the server / store of ``MLFLOW_TRACKING_URI``. A resumed job
+``run.dir/mlartifacts/``, or the server / store of ``MLFLOW_TRACKING_URI`` (a server that
+does not accept a connection within `SERVER_PROBE_S` leaves MLflow out at once, and MLflow's
+retries during the run are bounded: `MLFLOW_HTTP_BOUNDS`). A resumed job
 continues the same wandb and MLflow runs: their ids are kept in ``run.dir/trackers.json``.
 """
 
@@ -33,6 +35,7 @@ import json
 import logging
 import os
 import re
+import socket
 import tempfile
 import time
 import urllib.parse
@@ -365,6 +368,34 @@ def _check_local_store(uri: str) -> None:
         raise PermissionError(f"its store {store} cannot be written ({e.strerror or e})") from None
 
 
+SERVER_PROBE_S = 5.0
+"""How long the MLflow tracker waits for its server to accept a connection before it is left
+out (MLflow's own client retries a server that is down for minutes: 4 min 20 s was seen)."""
+
+MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+"""MLflow's HTTP retries and per-request timeout during the run, unless the environment sets
+them (MLflow's defaults, 7 retries with backoff and 120 s per request, hold a training step
+for minutes when the server goes away mid-run): a call gives up within about a minute and
+the tracker is switched off with one warning."""
+
+
+def _check_server(uri: str, timeout_s: float = SERVER_PROBE_S) -> None:
+    """Raise ConnectionError at once when the server of an ``http(s)://`` MLflow tracking URI
+    does not accept a connection within `timeout_s` seconds (refused, unreachable, a host
+    name that does not resolve); other URIs are not checked here."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        reason = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e) or type(e).__name__)
+        raise ConnectionError(f"its server {parsed.hostname}:{port} ({uri}) did not accept a connection "
+                              f"within {timeout_s:g} s: {reason}") from None
+
+
 @TRACKERS.register("mlflow", missing=_mlflow_missing, extra="mlflow")
 class MlflowTracker(Tracker):
     """An MLflow run, in ``MLFLOW_TRACKING_URI`` or a SQLite store in run.dir."""
@@ -375,6 +406,9 @@ class MlflowTracker(Tracker):
         env_uri = os.environ.get("MLFLOW_TRACKING_URI")
         self.tracking_uri = env_uri or f"sqlite:///{(run.run_dir / 'mlflow.db').resolve()}"
         _check_local_store(self.tracking_uri)  # before mlflow's import, which takes seconds
+        _check_server(self.tracking_uri)
+        for key, value in MLFLOW_HTTP_BOUNDS.items():
+            os.environ.setdefault(key, value)
 
         from mlflow.tracking import MlflowClient
 
