@@ -18,7 +18,8 @@ import pytest
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, run_cli
 
-from shardwise.config.paths import resolve_dots
+from shardwise.config import load_config
+from shardwise.config.paths import out_path, resolve_dots
 
 INFER = str(REPO_ROOT / "examples" / "infer_arithmetic.yaml")
 GRPO = str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml")
@@ -45,6 +46,16 @@ def _other_model(root: Path) -> Path:
 def test_resolve_dots(text, expected, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_dots(text) == expected
+
+
+def test_a_written_path_starting_with_a_tilde_is_in_the_home_folder(tmp_path, monkeypatch):
+    # the shell leaves `run.dir=~/x` as it is: the job wrote into a folder named "~"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert out_path("~/runs/x") == str(tmp_path / "home" / "runs" / "x")
+    assert out_path("~/runs/new/../x") == str(tmp_path / "home" / "runs" / "x")
+    assert load_config(None, ["run.dir=~/runs/x"]).run.dir == str(tmp_path / "home" / "runs" / "x")
+    assert out_path("runs/~x") == "runs/~x"
 
 
 def test_export_through_dotdot_is_refused_like_the_folder_itself_and_force_writes_there(tiny_sft_run, tmp_path,

@@ -5,7 +5,9 @@
 writer then creates ``runs/new`` (``mkdir(parents=True)``) and writes into ``runs/other``,
 another model's or another run's folder, which the same check refuses when it is named
 directly. So a path with a ``..`` part is resolved before it is checked and used
-(`resolve_dots`), and the check and the writes see the same folder.
+(`resolve_dots`), and the check and the writes see the same folder. A leading ``~`` is the
+home folder, as for every path a job reads (`out_path`): ``run.dir=~/runs/x`` on a command
+line, where the shell does not expand it, wrote into a folder literally named ``~``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["resolve_dots"]
+__all__ = ["out_path", "resolve_dots"]
 
 
 def resolve_dots(path: str | os.PathLike[str]) -> str:
@@ -32,3 +34,9 @@ def resolve_dots(path: str | os.PathLike[str]) -> str:
         return str(real.relative_to(Path.cwd().resolve())) or "."
     except ValueError:
         return str(real)
+
+
+def out_path(path: str | os.PathLike[str]) -> str:
+    """A folder or file a job writes (run.dir, infer.output): ``~`` expanded, then
+    `resolve_dots`."""
+    return resolve_dots(os.path.expanduser(os.fspath(path)))

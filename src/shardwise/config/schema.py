@@ -23,14 +23,14 @@ from pydantic import (
 )
 
 from shardwise.config.dtypes import canonical_dtype
-from shardwise.config.paths import resolve_dots
+from shardwise.config.paths import out_path
 from shardwise.errors import ConfigError, did_you_mean
 from shardwise.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, TRACKERS
 
 DType = Annotated[str, BeforeValidator(canonical_dtype)]
 """A dtype name (fp32/float32, bf16/bfloat16, fp16/float16/half, torch names), stored canonical."""
 
-OutPath = Annotated[str, AfterValidator(resolve_dots)]
+OutPath = Annotated[str, AfterValidator(out_path)]
 """A path a job writes to: one with a ``..`` part is resolved first (`shardwise.config.paths`)."""
 
 NonNeg = Annotated[int, Field(ge=0, strict=True)]
