@@ -16,6 +16,7 @@ from shardwise.config.validate import check_sft_batch, mesh_spec
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.comm import step_comm
+from shardwise.jobs import plan as plan_job
 
 QWEN_LAYERS = ["model.layers.0", "model.layers.1"]
 QWEN_LAYER_PARAMS = 9296   # q 32x32 + k,v 16x32 + o 32x32 + q/k norm 8 + gate/up/down 64x32 + 2 norms 32
@@ -500,3 +501,13 @@ def test_lora_json_and_table_line() -> None:
                            f"parameters ({2 * LORA_LAYER / total:.1%}); per-rank memory with LoRA "), line
     assert line.endswith(f" without (saves {1 - w / wo:.0%})"), line
     assert not any(ln.startswith("LoRA") for ln in format_plan(plan_of(world=2)[1]).splitlines())
+
+
+def test_a_config_with_an_rl_section_is_planned_with_the_rl_batch_rules(capsys) -> None:
+    # `shardwise plan examples/grpo_reverse.yaml` refused the config by SFT's batch rule (32
+    # prompts is no multiple of 128 rows x 2 ranks) unless --rl was given
+    rl_rows = ["rl.rollout.n=8", "train.global_batch_size=32", "train.micro_batch_size=128"]
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        check_sft_batch(load_config(None, [TINY_QWEN3, *rl_rows]).train, 2)
+    plan_job.show(load_config(None, [TINY_QWEN3, *rl_rows]), 2)
+    assert "world size 2" in capsys.readouterr().out

@@ -33,7 +33,10 @@ def show(cfg: Config, world_size: int | None = None, config_ranks: int | None = 
     config's file, `config_ranks`, else torchrun's WORLD_SIZE, else 1) as a table, or JSON
     with `as_json`; projected on the `hardware` profile (a name of `profiles()` or a profile
     file) when one is given. `scan`: comma-separated world sizes, one projected row each,
-    instead. `rl`: `cfg` is for `shardwise rl` (its batch rules; no step to project)."""
+    instead. `rl`: `cfg` is for `shardwise rl` (its batch rules; no step to project); a
+    config that sets any ``rl`` key is taken as one without it (the SFT rules refused every
+    example RL config: global_batch_size counts prompts there)."""
+    rl = rl or "rl" in cfg.model_fields_set
     hw = load_hardware(hardware) if hardware is not None else None
     if mfu is not None and not 0 < mfu <= 1:
         raise ConfigError("--mfu", f"{mfu} is not a fraction in (0, 1]", "e.g. --mfu 0.35")
