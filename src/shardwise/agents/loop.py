@@ -42,6 +42,15 @@ turns of each trajectory:
   key (`shardwise.engine.generate.row_seed`): a trajectory's samples depend neither on its
   rank nor on which other trajectories are still going. Without it a row is seeded by its
   rank and position in the turn's call, as in a single-turn rollout.
+- **Tools while generating.** A row's calls go to the `ToolRunner` as soon as its turn
+  ends: with an engine that `reports_ended_rows` (HF, vLLM), from inside the turn's
+  ``generate_sequences``, when the engine reports the row's EOS (``on_row_end``), while the
+  longer rows still decode; otherwise after the call. Each row's calls are sent once, from
+  the same ids, counted against ``max_tool_calls`` in the same order, and the results are
+  appended after the call returned, in row order, each row's in its calls' order: the
+  trajectories are the same whichever way the calls went out; only the time differs. (What
+  can differ is which calls share a tool process at once, which matters only when one of
+  them times out or crashes and an environment kept in that process is lost.)
 - **Collective.** The engines' ``generate_sequences`` is collective (the HF engine gathers
   the sharded model once per call), so every rank makes the same number of calls: a rank
   whose trajectories are all done calls with 0 rows until no rank has one going (one
@@ -52,7 +61,12 @@ turns of each trajectory:
 Per-row arrays added: ``final_answer`` (str), ``messages`` (the conversation, OpenAI
 format), ``num_turns``, ``tool_calls``, ``tool_errors``, ``tool_timeouts`` (int),
 ``truncated``, ``retokenize_mismatch`` (bool), ``env_reward`` (float or None); and
-``meta["metrics"]`` (`trajectory_metrics`, plus ``time/tools``).
+``meta["metrics"]`` (`trajectory_metrics`, plus ``time/tools``: the seconds of wall time
+this rank's rollout spent blocked in the tool runner, waiting for it, outside generation:
+the environments' reset, reward and end, sending the calls of rows the engine did not
+report, and collecting each turn's results after its generate call returned. It is not the
+tools' own run time: calls that were answered while the engine was still generating cost
+nothing here, and sending a reported row's calls counts in the generate call).
 """
 
 from __future__ import annotations
@@ -293,7 +307,6 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                 out = engine.generate_sequences(call, on_row_end=row_ended)
             else:
                 out = engine.generate_sequences(call)
-            clock = time.perf_counter()
             width = turn_ids.shape[1]
             waiting: list[_Sent] = []
             for i, t in enumerate(active):
@@ -304,7 +317,9 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                 text = tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
                 parsed = parse(text)
                 if ended and parsed.calls and i not in sent:  # not reported by the engine: sent now
+                    clock = time.perf_counter()
                     sent[i] = _send_calls(t, parsed.calls, gen, runner, cfg)
+                    tool_seconds += time.perf_counter() - clock
                 t.append(gen, True, lps)
                 t.messages.append(tool_call_message(parsed))
                 t.num_turns += 1
@@ -322,10 +337,10 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                     if turn == cfg.max_turns - 1:  # its calls still run (an environment's last move counts)
                         t.truncated = True
             for s in waiting:  # results appended in row order, each row's in its calls' order
-                _append_results(s, runner.collect(s.submitted), tokenizer, cfg, tools, eos, budget)
-            # the rows' bookkeeping between generate and here is small beside a tool call; the
-            # tools' share of it is what they kept the rollout waiting
-            tool_seconds += time.perf_counter() - clock
+                clock = time.perf_counter()
+                results = runner.collect(s.submitted)  # at once for calls already answered
+                tool_seconds += time.perf_counter() - clock
+                _append_results(s, results, tokenizer, cfg, tools, eos, budget)
 
     for t in trajs:
         if not t.done:
