@@ -336,6 +336,7 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                     waiting.append(sent[i])
                     if turn == cfg.max_turns - 1:  # its calls still run (an environment's last move counts)
                         t.truncated = True
+            assert len(waiting) == len(sent), "calls were sent for a row whose returned turn has none"
             for s in waiting:  # results appended in row order, each row's in its calls' order
                 clock = time.perf_counter()
                 results = runner.collect(s.submitted)  # at once for calls already answered
