@@ -72,7 +72,8 @@ s / step, start-up and whole-run wall time, rollout tokens / s (model-generated 
 the whole job over the generation time less the tool time: HF generate on TRL's side and
 shardwise's hf engine, vLLM on shardwise's vllm engine), the tools' share of a step
 (``time/tools`` / step time: the issue's target < 10% with a tool that sleeps 50 ms,
-``--sleep-tool``), tool calls per trajectory, and the padding share of the multi-turn
+``--sleep-tool``; shardwise's ``time/tools`` is the time its rollout waited on the tools,
+whose calls run while the engine still generates the turn's other rows), tool calls per trajectory, and the padding share of the multi-turn
 update forwards (shardwise: its recorded batches laid out as its update lays them out,
 packed; TRL: counted in its loss forwards; target < 15% with packing).
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -42,6 +43,18 @@ def add(a: int, b: int) -> str:
     return str(a + b)
 
 
+def stamp(name: str) -> str:
+    """Leave a file behind.
+
+    Args:
+        name: the file's name
+    """
+    import pathlib
+
+    pathlib.Path(name).write_text("started")
+    return "stamped"
+
+
 def shout(text: str) -> str:
     """A long answer.
 
@@ -71,14 +84,15 @@ def tools(tmp_path, monkeypatch):
     (tmp_path / "loop_tools.py").write_text(textwrap.dedent(TOOLS))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    specs = load_tools(["loop_tools:add", "loop_tools:shout"])
+    specs = load_tools(["loop_tools:add", "loop_tools:shout", "loop_tools:stamp"])
     with ToolRunner(specs, None, timeout_s=20, workers=2) as runner:
         yield runner, all_schemas(specs, None)
 
 
 class ScriptedEngine(GenerationEngine):
     """Turn k of every row (k: the assistant markers in its text, minus one) is `turns[k]`
-    and EOS, cut to ``max_new_tokens``; the log-probs are the model's for those tokens."""
+    and EOS, cut to ``max_new_tokens``; the log-probs are the model's for those tokens.
+    A dict `turns[k]` gives the turn of a row by the first of its keys in the row's text."""
 
     shares_model_parameters = True
 
@@ -99,8 +113,11 @@ class ScriptedEngine(GenerationEngine):
         produced = torch.zeros((len(ids), r), dtype=torch.bool)
         for i in range(len(ids)):
             real = ids[i][mask[i].bool()].tolist()
-            k = self.tok.decode(real).count(self.marker) - 1
-            gen = (self.tok(self.turns[k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:r]
+            text = self.tok.decode(real)
+            turn = self.turns[text.count(self.marker) - 1]
+            if isinstance(turn, dict):
+                turn = next(v for key, v in turn.items() if key in text)
+            gen = (self.tok(turn, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:r]
             full = torch.tensor([real + gen])
             lp = compute_log_probs(self.model, full, torch.ones_like(full))["log_probs"][0, len(real):]
             responses[i, :len(gen)] = torch.tensor(gen)
@@ -177,6 +194,88 @@ def test_a_trajectory_with_a_call_is_token_in_token_out(tok, model, tools):
     assert m["multi_turn/turns_mean"] == 2 and m["tools/calls_per_trajectory"] == 1 and m["tools/errors"] == 0
     assert m["multi_turn/truncated"] == 0 and m["multi_turn/retokenize_mismatch"] == 0 and m["time/tools"] > 0
     Batch.from_bytes(out.to_bytes())  # everything it carries crosses processes
+
+
+def test_hf_engine_reports_each_row_as_it_ends(tok, model):
+    """`RowEnds`: the HF engine tells of each row from inside ``generate`` as it writes its
+    EOS (so the shorter rows first), with the row's ids through that EOS exactly as the call
+    returns them; a row cut by max_new_tokens is not reported; the output is the same as
+    without the hook (it stops and changes nothing)."""
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    engine = HFGenerator(model, RolloutConfig(temperature=1.0), runtime, pad_id=0, eos_id=tok.eos_token_id)
+    batch = agent_prompt_batch(tok, [{"prompt": f"{i}+3="} for i in range(8)], 32, [str(i) for i in range(8)], [])
+    batch.meta.update(seed=1, max_new_tokens=48)
+    reported: list[tuple[int, list[int]]] = []
+    out = engine.generate_sequences(batch, on_row_end=lambda i, ids: reported.append((i, ids)))
+    plain = engine.generate_sequences(batch)
+    assert all(torch.equal(out.tensors[k], plain.tensors[k]) for k in plain.tensors)
+    p, eos = batch.tensors["prompt_ids"].shape[1], tok.eos_token_id
+    ended = [i for i in range(8) if eos in out.tensors["responses"][i].tolist()]
+    assert sorted(i for i, _ in reported) == ended and 2 <= len(ended) < 8  # some end early, some are cut
+    for i, ids in reported:
+        n = int(out.tensors["response_mask"][i].sum())
+        assert ids == out.tensors["input_ids"][i, p:p + n].tolist() and ids[-1] == eos
+    lengths = [len(ids) for _, ids in reported]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+
+
+class EndingEngine(ScriptedEngine):
+    """`ScriptedEngine` that reports its rows as they end (`reports_ended_rows`), shortest
+    first, like a real engine decoding them together; after reporting the first it waits
+    (20 s at most) for the file `stamped` to appear and notes whether it did, before going
+    on: a tool called by that row ran while the call was still generating the others."""
+
+    reports_ended_rows = True
+
+    def __init__(self, model, tok, turns, stamped):
+        super().__init__(model, tok, turns)
+        self.stamped = stamped
+        self.seen: list[bool] = []
+
+    def generate_sequences(self, prompts: Batch, on_row_end=None) -> Batch:
+        out = super().generate_sequences(prompts)
+        if on_row_end is None:
+            return out
+        p = prompts.tensors["prompt_ids"].shape[1]
+        lengths = out.tensors["response_mask"].sum(1).tolist()
+        for k, i in enumerate(sorted(range(len(out)), key=lambda i: lengths[i])):
+            on_row_end(i, out.tensors["input_ids"][i, p:p + lengths[i]].tolist())
+            if k == 0:
+                deadline = time.monotonic() + 20
+                while not self.stamped.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.seen.append(self.stamped.exists())
+        return out
+
+
+def test_tool_calls_run_while_the_other_rows_generate(tok, model, tools, tmp_path):
+    """A row's calls go to the tool runner as soon as the engine reports the row ended,
+    while the engine still generates the others: the short row's stamp tool has run before
+    the turn's generate returns. The trajectories are exactly those of the engine that
+    reports nothing (calls sent after generate): ids, masks, log-probs, messages, counts,
+    the max_tool_calls refusal, the order of the results."""
+    runner, schemas = tools
+    stamp = '<tool_call>{"name": "stamp", "arguments": {"name": "a"}}</tool_call>'
+    long = CALL + ' and ' + '<tool_call>{"name": "shout", "arguments": {"text": "ab"}}</tool_call>' + CALL
+    turns = [{"2+3=": stamp, "3+3=": long}, {"2+3=": "5", "3+3=": "6"}]
+    cfg = MultiTurnConfig(enabled=True, max_tool_calls=2, max_response_tokens=300, max_tool_response_tokens=8)
+    engine = EndingEngine(model, tok, turns, tmp_path / "a")
+    out = run_multi_turn(engine, _prompts(tok, schemas, max_new_tokens=200), tok, runner, cfg, schemas)
+    assert engine.seen[0]  # turn 0: row 0's call ran while row 1 was being generated
+    (tmp_path / "a").unlink()
+    after = EndingEngine(model, tok, turns, tmp_path / "a")
+    after.reports_ended_rows = False
+    ref = run_multi_turn(after, _prompts(tok, schemas, max_new_tokens=200), tok, runner, cfg, schemas)
+    assert after.seen == [] and (tmp_path / "a").exists()
+    for k in ref.tensors:
+        assert torch.equal(out.tensors[k], ref.tensors[k]), k
+    for k in ("messages", "final_answer", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated"):
+        assert list(out.arrays[k]) == list(ref.arrays[k]), k
+    assert {k: v for k, v in out.meta["metrics"].items() if k != "time/tools"} == \
+        {k: v for k, v in ref.meta["metrics"].items() if k != "time/tools"}
+    tool_turns = [[m["content"] for m in msgs if m["role"] == "tool"] for msgs in out.arrays["messages"]]
+    assert tool_turns[0] == ["stamped"] and tool_turns[1][0] == "5" and tool_turns[1][2].startswith("error: m")
+    assert list(out.arrays["tool_calls"]) == [1, 3] and list(out.arrays["tool_errors"]) == [0, 1]
 
 
 def test_turns_budget_and_call_limits_truncate(tok, model, tools):

@@ -348,6 +348,31 @@ def test_environments_keep_state_per_trajectory(runner):
     runner.end(["b"])
 
 
+def test_submitted_calls_keep_their_order_and_are_collected_in_any_order(runner):
+    """`ToolRunner.submit` sends calls and returns; a trajectory's environment calls sent
+    later run after those sent earlier (one thread per process, in the order sent), and
+    `collect` gives each submission its own results whatever the order of collecting."""
+    assert runner.reset(["s"], [{"start": 0}]) == ["at 0"]
+    first = runner.submit([("s", ToolCall("add", {"k": 1}), {}), ("t", ToolCall("calculator", {"expression": "1+1"}), {}),
+                           ("s", ToolCall("nope", {}), {})])
+    second = runner.submit([("s", ToolCall("add", {"k": 2}), {})])
+    assert [r.text for r in runner.collect(second)] == ["3"]
+    got = runner.collect(first)
+    assert [r.text for r in got[:2]] == ["1", "2"] and got[2].text.startswith("error: unknown tool 'nope'")
+    assert runner.reward(["s"]) == [3.0]
+    runner.end(["s"])
+
+
+def test_close_ends_calls_submitted_and_not_collected(mod):
+    """A call still running when the runner closes (sent, never collected) is cut short:
+    its process is killed and none is started after."""
+    before = set(descendants(os.getpid()))
+    r = ToolRunner(load_tools([f"{mod}:hangs"]), None, timeout_s=60, workers=1)
+    r.submit([("t", ToolCall("hangs", {"x": 1}), {})])
+    r.close()
+    assert not set(alive(descendants(os.getpid()))) - before
+
+
 def test_an_environment_that_cannot_start_answers_why(mod):
     env = load_environment(f"{mod}:Broken")
     with ToolRunner([], env, timeout_s=5, workers=1) as r:

@@ -5,7 +5,9 @@ batched generate) and with vLLM (a request per trajectory, continued after each 
 gives the same trajectories: the ids and masks token for token (prompt, model turns, tool
 turns and glue), the same messages and counts, and the engines' log-probs of the model's
 tokens within 1e-4 (fp32 on both sides, other kernels; as tests/test_vllm_engine.py). One
-rank; prompts of different lengths (left padding in the HF batch).
+rank; prompts of different lengths (left padding in the HF batch). vLLM's calls inside
+the loop are stepped request by request (`on_row_end`, each finished request reported as it
+comes, its calls sent then); the same batch called directly gives what ``LLM.generate`` gives.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ def both_engines(rank: int, world: int, folder: str) -> dict:
             batch = agent_prompt_batch(tok, records, 64, ["0", "1"], schemas)
             batch.meta.update(seed=0, greedy=True, max_new_tokens=8)
             got = run_multi_turn(gen, batch, tok, runner, mt, schemas)
+            if name == "vllm":  # the stepped call reports each row with its ids, and changes nothing
+                reported = []
+                stepped = gen.generate_sequences(batch, on_row_end=lambda i, ids, got=reported: got.append((i, ids)))
+                plain = gen.generate_sequences(batch)
+                out["reported"] = reported
+                out["stepped"] = {k: stepped.tensors[k] for k in (*KEYS, "rollout_log_probs")}
+                out["plain"] = {k: plain.tensors[k] for k in (*KEYS, "rollout_log_probs")}
             out[name] = {"tensors": {k: got.tensors[k] for k in (*KEYS, "rollout_log_probs")},
                          "arrays": {k: [x.item() if hasattr(x, "item") else x for x in got.arrays[k]]
                                     for k in ARRAYS}}
@@ -73,6 +82,11 @@ def test_greedy_trajectories_equal_on_hf_and_vllm(tmp_path):
     assert hf["arrays"]["tool_errors"] == [0, 0] and hf["arrays"]["retokenize_mismatch"] == [False, False]
     mask = hf["tensors"]["response_mask"].bool()
     assert int(mask.sum()) == 2 * 3 * 4 and not mask.all()  # 4 model tokens a turn, tool turns between
+    assert all(out["stepped"][k].equal(out["plain"][k]) for k in out["plain"])
+    p = out["plain"]["input_ids"].shape[1] - out["plain"]["responses"].shape[1]
+    assert sorted(i for i, _ in out["reported"]) == [0, 1]
+    for i, ids in out["reported"]:  # <tool_call> CALL </tool_call> <eos>, as returned
+        assert len(ids) == 4 and ids == out["plain"]["input_ids"][i, p:p + 4].tolist()
     diff = (hf["tensors"]["rollout_log_probs"] - vl["tensors"]["rollout_log_probs"]).abs().max()
     assert float(diff) < 1e-4, float(diff)
     assert float(hf["tensors"]["rollout_log_probs"][mask].abs().min()) > 0  # real log-probs, not zeros

@@ -13,7 +13,14 @@ An environment is constructed once per trajectory, in the child the trajectory i
 to (by a hash of its id), where it stays across the trajectory's calls. When that child
 ends (a call in it hung or crashed), the environments it held are lost: their later calls
 are answered ``"error: the environment of this trajectory was lost (its process ended)"``
-and their reward is None. Plain tool calls go to the least loaded child.
+and their reward is None. Plain tool calls go to the least loaded child (the one with the
+fewest calls queued or running).
+
+Calls can be sent while the caller does something else: `ToolRunner.submit` queues them
+and returns at once, `ToolRunner.collect` waits for their results (`ToolRunner.call` is
+both). Each child has one thread of its own that runs what was sent to it in the order
+sent, so calls submitted at different times never share a child at once, and a
+trajectory's environment calls run in the order they were submitted.
 
 Texts are cut to their first ``max_chars`` characters (the head is kept: a tool's output
 usually says what matters first); the loop cuts them again to tokens.
@@ -25,6 +32,8 @@ import concurrent.futures
 import json
 import os
 import subprocess
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +43,7 @@ from shardwise.agents.tools import EnvironmentSpec, ToolSpec, check_names
 from shardwise.contained import Contained, Outcome
 from shardwise.errors import did_you_mean
 
-__all__ = ["ToolResult", "ToolRunner"]
+__all__ = ["Submitted", "ToolResult", "ToolRunner"]
 
 _TARGET = "shardwise.agents.host:serve"
 _STATUSES = ("ok", "error", "timeout", "crash")
@@ -54,6 +63,34 @@ class ToolResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+@dataclass
+class _Jobs:
+    """Payloads sent to the children by one `ToolRunner._submit`."""
+
+    futures: dict[int, concurrent.futures.Future]
+    """child -> its thread's answer to its payloads (their outcomes, in order)."""
+    groups: dict[int, list[int]]
+    """child -> the indices of its payloads among the submitted ones."""
+    count: int
+    bound_s: float
+    """How long the answers may take from submission (a runner bug past it)."""
+    deadline: float
+    """``time.monotonic()`` at which `bound_s` runs out."""
+
+
+@dataclass
+class Submitted:
+    """Calls sent by `ToolRunner.submit`, running or done: `ToolRunner.collect` gives
+    their results."""
+
+    calls: list[tuple[str, ToolCall, dict]]
+    early: list[ToolResult | None]
+    """Results known at submission (a refused call), None for the calls sent to a child."""
+    where: list[int]
+    """Index into `calls` of each payload sent, in the order sent."""
+    jobs: _Jobs
 
 
 def _plain(value: Any) -> Any:
@@ -76,7 +113,7 @@ class ToolRunner:
     the tools print: None (nowhere, ``subprocess.DEVNULL``), a path (appended to) or a file
     descriptor / file object. Extra keyword arguments from the data are merged over the
     model's arguments, those the function takes (all for a ``**kwargs`` function). One caller
-    (not thread-safe); `close` leaves no process.
+    (not thread-safe: submit, collect and the rest from one thread); `close` leaves no process.
     """
 
     def __init__(self, tools: list[ToolSpec], environment: EnvironmentSpec | None, *, timeout_s: float,
@@ -104,7 +141,12 @@ class ToolRunner:
                                     max_result_bytes=max(1 << 20, 16 * self.max_chars + 4096))
                           for _ in range(workers)]
         self._loaded = [False] * workers
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shardwise-tools")
+        # one thread per child: what is sent to a child runs in the order sent, never two at once
+        self._lanes = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"shardwise-tools-{i}")
+                       for i in range(workers)]
+        self._queued = [0] * workers
+        """Payloads sent to each child and not yet answered (the load plain calls are placed by)."""
+        self._lock = threading.Lock()
         self._envs: set[str] = set()
         """Trajectories whose environment was constructed and reset."""
         self._failed: dict[str, str] = {}
@@ -146,15 +188,22 @@ class ToolRunner:
     def call(self, calls: list[tuple[str, ToolCall, dict]]) -> list[ToolResult]:
         """The results of `calls`, ``(trajectory id, call, extra keyword arguments from the
         data)`` each, in order; run concurrently over the children, each bounded by
-        ``timeout_s``. A trajectory's calls of its environment run in the order given."""
-        results: list[ToolResult | None] = [None] * len(calls)
+        ``timeout_s``. A trajectory's calls of its environment run in the order given.
+        `collect` of `submit`."""
+        return self.collect(self.submit(calls))
+
+    def submit(self, calls: list[tuple[str, ToolCall, dict]]) -> Submitted:
+        """Send `calls` (as `call` takes them) to the children and return at once; their
+        results come from `collect`. Calls submitted earlier that are still queued run
+        first in the children they went to."""
+        early: list[ToolResult | None] = [None] * len(calls)
         jobs: list[tuple[int, dict]] = []
         where: list[int] = []
         plain: list[tuple[int, dict]] = []
         for i, (traj, call, extra) in enumerate(calls):
-            early = self._refuse(traj, call)
-            if early is not None:
-                results[i] = early
+            refused = self._refuse(traj, call)
+            if refused is not None:
+                early[i] = refused
                 continue
             payload = {"arguments": _plain(call.arguments), "extra": _plain(extra) if extra else {},
                        "max_chars": self.max_chars}
@@ -163,7 +212,8 @@ class ToolRunner:
             else:
                 jobs.append((self._pin(traj), {"op": "env_call", "traj": traj, "method": call.name, **payload}))
                 where.append(i)
-        load = [0] * len(self._children)
+        with self._lock:
+            load = list(self._queued)
         for worker, _ in jobs:
             load[worker] += 1
         for i, payload in plain:
@@ -171,8 +221,14 @@ class ToolRunner:
             load[worker] += 1
             jobs.append((worker, payload))
             where.append(i)
-        for i, outcome in zip(where, self._run(jobs), strict=True):
-            results[i] = _answer(outcome, calls[i][1].name, self.timeout_s, self.max_chars)
+        return Submitted(list(calls), early, where, self._submit(jobs))
+
+    def collect(self, submitted: Submitted) -> list[ToolResult]:
+        """The results of the calls `submitted` (`submit`), in their order: waits for those
+        still running (each bounded by ``timeout_s`` in its child)."""
+        results = list(submitted.early)
+        for i, outcome in zip(submitted.where, self._collect(submitted.jobs), strict=True):
+            results[i] = _answer(outcome, submitted.calls[i][1].name, self.timeout_s, self.max_chars)
         return results  # type: ignore[return-value]
 
     def reward(self, traj_ids: list[str]) -> list[float | None]:
@@ -208,11 +264,17 @@ class ToolRunner:
         self._run(jobs)
 
     def close(self) -> None:
-        """Kill every child with what it started; safe to call twice."""
+        """Kill every child with what it started; safe to call twice. Calls submitted and
+        not collected are cut short (their children are killed)."""
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for lane in self._lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
+        for child in self._children:  # a call still running ends with its child...
+            child.close()
+        for lane in self._lanes:  # ...so its thread ends (and starts no child: _serve checks _closed)
+            lane.shutdown(wait=True)
         for child in self._children:
             child.close()
         if self._own_output is not None:
@@ -251,35 +313,56 @@ class ToolRunner:
 
     def _run(self, jobs: list[tuple[int, dict]]) -> list[Outcome]:
         """The outcomes of `jobs` (``(child, payload)``), in order: each child's payloads in
-        one thread, in order."""
-        if not jobs:
-            return []
-        if self._closed:
+        its thread, in order."""
+        return self._collect(self._submit(jobs))
+
+    def _submit(self, jobs: list[tuple[int, dict]]) -> _Jobs:
+        """`jobs` (``(child, payload)``) queued on their children's threads."""
+        if jobs and self._closed:
             raise RuntimeError("the ToolRunner is closed")
         groups: dict[int, list[int]] = {}
         for j, (worker, _) in enumerate(jobs):
             groups.setdefault(worker, []).append(j)
-        futures = {worker: self._pool.submit(self._serve, worker, [jobs[j][1] for j in idx])
-                   for worker, idx in groups.items()}
+        with self._lock:
+            ahead = {w: self._queued[w] + len(idx) for w, idx in groups.items()}
+            for w, idx in groups.items():
+                self._queued[w] += len(idx)
+        futures = {w: self._lanes[w].submit(self._serve_counted, w, [jobs[j][1] for j in idx])
+                   for w, idx in groups.items()}
         # Each payload is bounded by the children (timeout_s after the previous answer, a
-        # start by start_timeout_s); this bound only catches a runner bug.
-        bound = max(len(idx) for idx in groups.values()) * (self.timeout_s + self.start_timeout_s + 10) + 30
+        # start by start_timeout_s), those queued before it in its child included; this
+        # bound only catches a runner bug.
+        bound = max(ahead.values(), default=0) * (self.timeout_s + self.start_timeout_s + 10) + 30
+        return _Jobs(futures, groups, len(jobs), bound, time.monotonic() + bound)
+
+    def _collect(self, sent: _Jobs) -> list[Outcome]:
+        """The outcomes of the payloads `sent`, in the order submitted, once all are answered."""
+        if not sent.count:
+            return []
         try:
-            _, pending = concurrent.futures.wait(futures.values(), timeout=bound)
+            _, pending = concurrent.futures.wait(sent.futures.values(),
+                                                 timeout=max(0.0, sent.deadline - time.monotonic()))
         except BaseException:  # an interrupt (Ctrl-C): the children are killed, their threads wake and end
             for child in self._children:
                 child.close()
             raise
         if pending:
-            stuck = [w for w, f in futures.items() if f in pending]
+            stuck = [w for w, f in sent.futures.items() if f in pending]
             for w in stuck:
                 self._children[w].close()
-            raise RuntimeError(f"tool worker(s) {stuck} did not answer within {bound:g} s")
-        out: list[Outcome | None] = [None] * len(jobs)
-        for worker, idx in groups.items():
-            for j, outcome in zip(idx, futures[worker].result(), strict=True):
+            raise RuntimeError(f"tool worker(s) {stuck} did not answer within {sent.bound_s:g} s")
+        out: list[Outcome | None] = [None] * sent.count
+        for worker, idx in sent.groups.items():
+            for j, outcome in zip(idx, sent.futures[worker].result(), strict=True):
                 out[j] = outcome
         return out  # type: ignore[return-value]
+
+    def _serve_counted(self, worker: int, payloads: list[dict]) -> list[Outcome]:
+        try:
+            return self._serve(worker, payloads)
+        finally:
+            with self._lock:
+                self._queued[worker] -= len(payloads)
 
     def _serve(self, worker: int, payloads: list[dict]) -> list[Outcome]:
         """`payloads` run in child `worker`, in order. A payload that timed out or crashed
@@ -288,6 +371,8 @@ class ToolRunner:
         child = self._children[worker]
         out: list[Outcome] = []
         while len(out) < len(payloads):
+            if self._closed:  # closed while this ran: no fresh child
+                return out + [Outcome("crash", reason="the tool runner was closed")] * (len(payloads) - len(out))
             if not self._loaded[worker]:
                 started = child.call({"op": "load", "specs": self._specs}, self.start_timeout_s)
                 if not started.ok:  # the user's modules' import hung or ended the process (their errors are the calls')

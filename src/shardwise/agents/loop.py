@@ -42,6 +42,15 @@ turns of each trajectory:
   key (`shardwise.engine.generate.row_seed`): a trajectory's samples depend neither on its
   rank nor on which other trajectories are still going. Without it a row is seeded by its
   rank and position in the turn's call, as in a single-turn rollout.
+- **Tools while generating.** A row's calls go to the `ToolRunner` as soon as its turn
+  ends: with an engine that `reports_ended_rows` (HF, vLLM), from inside the turn's
+  ``generate_sequences``, when the engine reports the row's EOS (``on_row_end``), while the
+  longer rows still decode; otherwise after the call. Each row's calls are sent once, from
+  the same ids, counted against ``max_tool_calls`` in the same order, and the results are
+  appended after the call returned, in row order, each row's in its calls' order: the
+  trajectories are the same whichever way the calls went out; only the time differs. (What
+  can differ is which calls share a tool process at once, which matters only when one of
+  them times out or crashes and an environment kept in that process is lost.)
 - **Collective.** The engines' ``generate_sequences`` is collective (the HF engine gathers
   the sharded model once per call), so every rank makes the same number of calls: a rank
   whose trajectories are all done calls with 0 rows until no rank has one going (one
@@ -52,7 +61,12 @@ turns of each trajectory:
 Per-row arrays added: ``final_answer`` (str), ``messages`` (the conversation, OpenAI
 format), ``num_turns``, ``tool_calls``, ``tool_errors``, ``tool_timeouts`` (int),
 ``truncated``, ``retokenize_mismatch`` (bool), ``env_reward`` (float or None); and
-``meta["metrics"]`` (`trajectory_metrics`, plus ``time/tools``).
+``meta["metrics"]`` (`trajectory_metrics`, plus ``time/tools``: the seconds of wall time
+this rank's rollout spent blocked in the tool runner, waiting for it, outside generation:
+the environments' reset, reward and end, sending the calls of rows the engine did not
+report, and collecting each turn's results after its generate call returned. It is not the
+tools' own run time: calls that were answered while the engine was still generating cost
+nothing here, and sending a reported row's calls counts in the generate call).
 """
 
 from __future__ import annotations
@@ -70,7 +84,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardwise.agents.execute import ToolResult, ToolRunner
+from shardwise.agents.execute import Submitted, ToolResult, ToolRunner
 from shardwise.agents.parsers import TOOL_PARSERS, ToolCall, tool_call_message
 from shardwise.config.schema import MultiTurnConfig
 from shardwise.data import chat
@@ -275,17 +289,38 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
             call = Batch.from_dict({"prompt_ids": turn_ids, "prompt_mask": turn_mask}, keyed,
                                    meta={"seed": turn_seed(seed, turn), "max_new_tokens": max(1, min(per_turn, room)),
                                          **({"greedy": prompts.meta["greedy"]} if "greedy" in prompts.meta else {})})
-            out = engine.generate_sequences(call)
+            # Calls go out as soon as their row's turn ends: from inside the engine's call
+            # (an engine that reports rows as they end) while the other rows still generate,
+            # else after it. Either way the same calls with the same arguments, sent once.
+            sent: dict[int, _Sent] = {}
+
+            def row_ended(i: int, tokens: list[int], active=active, sent=sent) -> None:
+                t = active[i]
+                gen = list(tokens)[:budget - len(t.ids)]
+                if i in sent or not (gen and eos is not None and gen[-1] == eos):
+                    return
+                parsed = parse(tokenizer.decode(gen[:-1], skip_special_tokens=False))
+                if parsed.calls:
+                    sent[i] = _send_calls(t, parsed.calls, gen, runner, cfg)
+
+            if getattr(engine, "reports_ended_rows", False):
+                out = engine.generate_sequences(call, on_row_end=row_ended)
+            else:
+                out = engine.generate_sequences(call)
             width = turn_ids.shape[1]
-            calls: list[tuple[Trajectory, ToolCall]] = []
+            waiting: list[_Sent] = []
             for i, t in enumerate(active):
                 n = int(out.tensors["response_mask"][i, width:].sum())
                 gen = out.tensors["input_ids"][i, width:width + n].tolist()[:budget - len(t.ids)]
                 lps = out.tensors["rollout_log_probs"][i, width:width + len(gen)].tolist()
-                t.append(gen, True, lps)
                 ended = bool(gen) and eos is not None and gen[-1] == eos
                 text = tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
                 parsed = parse(text)
+                if ended and parsed.calls and i not in sent:  # not reported by the engine: sent now
+                    clock = time.perf_counter()
+                    sent[i] = _send_calls(t, parsed.calls, gen, runner, cfg)
+                    tool_seconds += time.perf_counter() - clock
+                t.append(gen, True, lps)
                 t.messages.append(tool_call_message(parsed))
                 t.num_turns += 1
                 # what the reward reads: the turn's text without special tokens (the template's
@@ -297,11 +332,16 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                 elif not parsed.calls:
                     t.finish(truncated=False)
                 else:
-                    calls.extend((t, c) for c in parsed.calls)
+                    assert sent[i].tokens == gen, "the engine reported a row's turn other than it returned"
+                    waiting.append(sent[i])
                     if turn == cfg.max_turns - 1:  # its calls still run (an environment's last move counts)
                         t.truncated = True
-            if calls:
-                tool_seconds += _run_calls(calls, runner, tokenizer, cfg, tools, eos, budget)
+            assert len(waiting) == len(sent), "calls were sent for a row whose returned turn has none"
+            for s in waiting:  # results appended in row order, each row's in its calls' order
+                clock = time.perf_counter()
+                results = runner.collect(s.submitted)  # at once for calls already answered
+                tool_seconds += time.perf_counter() - clock
+                _append_results(s, results, tokenizer, cfg, tools, eos, budget)
 
     for t in trajs:
         if not t.done:
@@ -333,13 +373,26 @@ def _start(prompts: Batch, tokenizer, tools: list[dict] | None) -> list[Trajecto
     return out
 
 
-def _run_calls(calls: list[tuple[Trajectory, ToolCall]], runner: ToolRunner, tokenizer, cfg: MultiTurnConfig,
-               tools: list[dict] | None, eos: int | None, budget: int) -> float:
-    """Run this turn's calls of every trajectory in one `ToolRunner.call` (concurrently),
-    then append each trajectory's tool turn; returns the seconds the runner took."""
+@dataclass
+class _Sent:
+    """One trajectory's calls of one turn, sent to the tool runner."""
+
+    traj: Trajectory
+    calls: list[ToolCall]
+    where: list[int | None]
+    """Per call: its index among the calls sent, or None (refused: over max_tool_calls)."""
+    tokens: list[int]
+    """The turn's generated ids the calls were parsed from."""
+    submitted: Submitted
+
+
+def _send_calls(t: Trajectory, calls: list[ToolCall], tokens: list[int], runner: ToolRunner,
+                cfg: MultiTurnConfig) -> _Sent:
+    """Count `calls` (one turn's, of `t`) against ``max_tool_calls`` and submit those
+    allowed to `runner` (`ToolRunner.submit`: they run while the caller goes on)."""
     todo: list[tuple[str, ToolCall, dict]] = []
-    where: list[int | None] = []  # index into todo, or None: refused (over max_tool_calls)
-    for t, c in calls:
+    where: list[int | None] = []
+    for c in calls:
         t.tool_calls += 1
         if t.tool_calls > cfg.max_tool_calls:
             where.append(None)
@@ -348,32 +401,32 @@ def _run_calls(calls: list[tuple[Trajectory, ToolCall]], runner: ToolRunner, tok
         extra = kwargs.get(c.name) if isinstance(kwargs, dict) else None
         where.append(len(todo))
         todo.append((t.traj_id, c, dict(extra) if isinstance(extra, dict) else {}))
-    clock = time.perf_counter()
-    results = runner.call(todo) if todo else []
-    seconds = time.perf_counter() - clock
+    return _Sent(t, list(calls), where, list(tokens), runner.submit(todo))
+
+
+def _append_results(sent: _Sent, results: list[ToolResult], tokenizer, cfg: MultiTurnConfig,
+                    tools: list[dict] | None, eos: int | None, budget: int) -> None:
+    """Append the tool turn of `sent`'s trajectory: its calls' `results` (refused calls
+    answered with an error), cut to ``max_tool_response_tokens`` each, as the template's delta."""
+    t = sent.traj
     refused = ToolResult(f"error: more than rl.multi_turn.max_tool_calls={cfg.max_tool_calls} tool calls in "
                          "this conversation; this call was not run", "error")
-    answers: dict[int, list[dict]] = {}
-    owners: dict[int, Trajectory] = {}
-    for (t, c), w in zip(calls, where):
+    msgs: list[dict] = []
+    for c, w in zip(sent.calls, sent.where, strict=True):
         res = refused if w is None else results[w]
         t.tool_errors += res.status in ("error", "crash")
         t.tool_timeouts += res.status == "timeout"
         text = _cut_tokens(tokenizer, res.text, cfg.max_tool_response_tokens)
-        answers.setdefault(id(t), []).append({"role": "tool", "name": c.name, "content": text})
-        owners[id(t)] = t
-    for key, msgs in answers.items():
-        t = owners[key]
-        delta, prefix = tool_turn_ids(tokenizer, t.messages, msgs, tools, eos)
-        t.prefix_fallbacks += not prefix
-        if len(t.ids) + len(delta) > budget:  # no room for the results: the trajectory ends here
-            t.finish(truncated=True)
-            continue
-        t.messages.extend(msgs)
-        t.append(delta, False)
-        if t.truncated:  # calls made in the last turn: nothing more is asked
-            t.finish(truncated=True)
-    return seconds
+        msgs.append({"role": "tool", "name": c.name, "content": text})
+    delta, prefix = tool_turn_ids(tokenizer, t.messages, msgs, tools, eos)
+    t.prefix_fallbacks += not prefix
+    if len(t.ids) + len(delta) > budget:  # no room for the results: the trajectory ends here
+        t.finish(truncated=True)
+        return
+    t.messages.extend(msgs)
+    t.append(delta, False)
+    if t.truncated:  # calls made in the last turn: nothing more is asked
+        t.finish(truncated=True)
 
 
 def _cut_tokens(tokenizer, text: str, limit: int) -> str:

@@ -650,8 +650,9 @@ class MultiTurnConfig(Section):
     """The reward of a truncated trajectory (turns or tokens exhausted before a final
     answer), e.g. 0; null: scored like any other."""
     tool_workers: Pos = 8
-    """Processes per rank that run the tool calls: a turn's calls (of every trajectory)
-    are spread over them and run concurrently; a call that hangs holds its process until
+    """Processes per rank that run the tool calls: a turn's calls (of every trajectory,
+    each sent as its turn ends) are spread over them and run concurrently, beside the
+    generation of the turn's longer rows; a call that hangs holds its process until
     the tool timeout. Each is a small Python process that imports the tools' modules."""
     tools_kwargs_key: str = "extra_info.tools_kwargs"
     """A dotted key of the data record holding per-row tool arguments,

@@ -37,6 +37,13 @@ change). The HF engine draws each row's token itself (`RowSampler`: temperature,
 one uniform per row and step by inverse CDF) and HF ``generate`` runs greedy on the token
 so forced; vLLM gets the row's seed as the request's seed. Without ``sample_key`` a call is
 seeded per rank (`sampling_seed`), as before.
+
+Rows that end early: an engine that `reports_ended_rows` takes ``on_row_end(i, tokens)``
+in ``generate_sequences`` and calls it, from inside the call, as soon as row i has written
+its EOS (`tokens`: its generated ids through that EOS, exactly the row's response), while
+the other rows still generate; a multi-turn rollout sends that row's tool calls then. The
+HF engine calls it from a stopping criterion that never stops anything (`RowEnds`), vLLM
+as each request finishes. It changes no token and no log-prob.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from shardwise.config.schema import SamplingConfig
 from shardwise.data.batch import Batch
@@ -69,9 +76,14 @@ from shardwise.fsdp.gather import fsdp_hooks_skipped, gathered_for_generation
 from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
-__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "RowSampler", "SamplingCall", "assemble_sequences",
+__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "RowEnd", "RowEnds", "RowSampler", "SamplingCall", "assemble_sequences",
            "build_generator", "generate_on_ranks", "left_pad", "prompt_batch", "row_seed",
            "sample_keys", "sampling_call", "sampling_seed"]
+
+
+RowEnd = Callable[[int, list[int]], None]
+"""``on_row_end(i, tokens)``: row i of a ``generate_sequences`` call wrote its EOS; `tokens`
+are its generated ids through it (see the module docstring)."""
 
 
 class GenerationEngine(abc.ABC):
@@ -79,6 +91,11 @@ class GenerationEngine(abc.ABC):
 
     Both methods are collective: every rank calls them, each with its own rows.
     """
+
+    reports_ended_rows: bool = False
+    """True for an engine whose ``generate_sequences(prompts, on_row_end=...)`` calls
+    `on_row_end` (a `RowEnd`) for each row as soon as it wrote its EOS, while the others
+    still generate (at most once per row; not for a row cut by ``max_new_tokens``)."""
 
     shares_model_parameters: bool = False
     """True for an engine that generates with the actor's own parameters (nothing to sync)."""
@@ -185,6 +202,27 @@ def sample_keys(uids: Sequence[str], n: int) -> list[str]:
     """``arrays["sample_key"]`` of a batch whose rows are `uids` each repeated `n` times
     (interleaved, `Batch.repeat`): ``"{uid}/{j}"``, j the sample's index in its group."""
     return [f"{u}/{j}" for u in uids for j in range(n)]
+
+
+class RowEnds(StoppingCriteria):
+    """HF stopping criterion that stops nothing: after each decoding step it calls
+    `on_row_end(i, tokens)` for every row i whose new token is its first EOS, `tokens` the
+    row's generated ids through it (`prompt_width`: the prompt columns of ``input_ids``).
+    HF pads a finished row (with a pad id that may be the EOS), so each row is reported once."""
+
+    def __init__(self, on_row_end: RowEnd, eos_id: int, prompt_width: int, rows: int):
+        self.on_row_end = on_row_end
+        self.eos_id = int(eos_id)
+        self.prompt_width = int(prompt_width)
+        self.reported = torch.zeros(rows, dtype=torch.bool)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        ended = (input_ids[:, -1] == self.eos_id).cpu() & ~self.reported
+        if input_ids.shape[1] > self.prompt_width and ended.any():
+            self.reported |= ended
+            for i in ended.nonzero().flatten().tolist():
+                self.on_row_end(i, input_ids[i, self.prompt_width:].tolist())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class RowSampler(LogitsProcessor):
@@ -328,6 +366,7 @@ class HFGenerator(GenerationEngine):
     """
 
     shares_model_parameters = True
+    reports_ended_rows = True
 
     def __init__(self, model: nn.Module, cfg: SamplingConfig, runtime: Runtime, pad_id: int, eos_id: int):
         self.model = model
@@ -362,8 +401,9 @@ class HFGenerator(GenerationEngine):
         del named_tensors
 
     @torch.no_grad()
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """See `GenerationEngine.generate_sequences`.
+    def generate_sequences(self, prompts: Batch, on_row_end: RowEnd | None = None) -> Batch:
+        """See `GenerationEngine.generate_sequences`; `on_row_end` (a `RowEnd`) is called
+        for each row as it writes its EOS, from inside HF ``generate`` (`RowEnds`).
 
         Sampling follows the engine's settings: temperature (0, or ``meta["greedy"]``:
         greedy), top_p, no top-k, exactly ``max_new_tokens`` (or ``meta["max_new_tokens"]``)
@@ -391,7 +431,8 @@ class HFGenerator(GenerationEngine):
             if len(ids):
                 images = forward_kwargs(prompts.tensors)
                 keys = None if greedy else call.keys
-                seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images, keys)
+                seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images, keys,
+                                                 on_row_end)
             else:  # nothing to generate; the gather above still matched the other ranks'
                 seqs = torch.empty((0, r), dtype=torch.long)
                 log_probs = torch.empty((0, r), dtype=torch.float32)
@@ -400,11 +441,13 @@ class HFGenerator(GenerationEngine):
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, greedy: bool, temperature: float,
                   seed: int, max_new_tokens: int,
                   images: dict[str, torch.Tensor] | None = None,
-                  keys: Sequence[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  keys: Sequence[str] | None = None,
+                  on_row_end: RowEnd | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated tokens ``(B, L)`` (L <= R: HF stops when every row has hit EOS) and
         their log-probs ``(B, L)`` fp32 under logits / temperature, both on CPU. `images`:
         a VL prompt batch's ``pixel_values`` / ``image_grid_thw`` (`forward_kwargs`).
-        `keys` (sampling only): each row drawn by `RowSampler` with `row_seed` ``(seed, key)``."""
+        `keys` (sampling only): each row drawn by `RowSampler` with `row_seed` ``(seed, key)``.
+        `on_row_end`: told of each row as it ends (`RowEnds`)."""
         cfg = self.cfg
         device = self.runtime.device
         # HF's default top_k=50 would truncate what the rollout claims to sample: 0 turns it off.
@@ -443,6 +486,8 @@ class HFGenerator(GenerationEngine):
             out = self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device),
                 generation_config=gen_cfg, synced_gpus=False, logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList(
+                    [RowEnds(on_row_end, self.eos_id, ids.shape[1], len(ids))] if on_row_end is not None else []),
                 **vision.with_token_types(self.model, ids.to(device), {k: v.to(device) for k, v in (images or {}).items()}),
             )
         p = ids.shape[1]

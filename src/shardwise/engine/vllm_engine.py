@@ -79,6 +79,7 @@ from shardwise.distributed.launch import debug_enabled
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.generate import (
     GenerationEngine,
+    RowEnd,
     assemble_sequences,
     row_seed,
     sampling_call,
@@ -550,6 +551,7 @@ class VLLMGenerator(GenerationEngine):
     """
 
     shares_model_parameters = False
+    reports_ended_rows = True
 
     def __init__(self, model: nn.Module, cfg: Any, runtime: Runtime, pad_id: int, eos_id: int):
         self.cfg = cfg
@@ -773,9 +775,11 @@ class VLLMGenerator(GenerationEngine):
     # -------------------------------------------------------------- generation
 
     @torch.no_grad()
-    def generate_sequences(self, prompts: Batch) -> Batch:
+    def generate_sequences(self, prompts: Batch, on_row_end: RowEnd | None = None) -> Batch:
         """See `GenerationEngine.generate_sequences`; the same sampling settings and layout
-        as `HFGenerator`: greedy when ``temperature`` is 0 or ``meta["greedy"]``, else
+        as `HFGenerator`; `on_row_end` (a `RowEnd`) is called for each of this rank's rows
+        whose request finished at its EOS, as vLLM reports it finished (`_generate`).
+        The same greedy when ``temperature`` is 0 or ``meta["greedy"]``, else
         temperature / top_p with top-k off; R = ``meta.get("max_new_tokens",
         max_new_tokens)`` response columns, the first EOS kept, then the pad id.
 
@@ -808,8 +812,15 @@ class VLLMGenerator(GenerationEngine):
         first = sum(len(p) for p in parts[:self.tp_rank])
         requests = [q for p in parts for q in p]
 
+        on_done = None
+        if on_row_end is not None:
+            def on_done(i: int, out: Any) -> None:
+                toks = list(out.outputs[0].token_ids)
+                if first <= i < first + len(mine) and self.eos_id in toks:
+                    on_row_end(i - first, toks[:toks.index(self.eos_id) + 1])
+
         start = time.perf_counter()
-        outputs = self._generate(requests) if requests else []
+        outputs = self._generate(requests, on_done) if requests else []
         self.last_generate_seconds = time.perf_counter() - start
         tokens, log_probs = [], []
         for out in outputs[first:first + len(mine)]:
@@ -819,7 +830,12 @@ class VLLMGenerator(GenerationEngine):
             log_probs.append([float(c.logprobs[j][t].logprob) for j, t in enumerate(toks)])
         return self._assemble(prompts, ids, mask, tokens, log_probs, r)
 
-    def _generate(self, requests: list[dict[str, Any]]) -> list[Any]:
+    def _generate(self, requests: list[dict[str, Any]], on_done: Any = None) -> list[Any]:
+        """vLLM's outputs of `requests`, in order. With `on_done` (``on_done(i, output)``),
+        what ``LLM.generate`` does, spelled out in vLLM's public API: the requests queued
+        in order (``LLM.enqueue``), then the engine stepped (``LLMEngine.step``) until none
+        is left, each finished request handed to `on_done` as it comes; the same requests,
+        scheduled the same way, so the same tokens."""
         from vllm import SamplingParams
 
         if not self._weights_current:
@@ -833,12 +849,39 @@ class VLLMGenerator(GenerationEngine):
             params.append(SamplingParams(n=1, max_tokens=q["max_tokens"], logprobs=0, stop_token_ids=[self.eos_id],
                                          detokenize=False, **sampling))
         self._wake(["weights", "kv_cache"])
+        prompts = [{"prompt_token_ids": q["tokens"]} for q in requests]
         try:
             with _kept_rng_states():
-                return self.llm.generate([{"prompt_token_ids": q["tokens"]} for q in requests], params,
-                                         use_tqdm=False, lora_request=self._lora_request())
+                if on_done is None:
+                    return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+                return self._stepped(prompts, params, on_done)
         finally:
             self._sleep()
+
+    def _stepped(self, prompts: list[dict[str, Any]], params: list[Any], on_done: Any) -> list[Any]:
+        """``LLM.generate(prompts, params)`` with `on_done(i, output)` called as request i finishes."""
+        ids = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+        # enqueue returns the engine's ids ("<n>-<random>"); outputs carry the caller's ("<n>")
+        where = {}
+        for i, rid in enumerate(ids):
+            where[rid] = where[rid.split("-")[0]] = i
+        outputs: list[Any] = [None] * len(ids)
+        engine = self.llm.llm_engine
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        i = where[out.request_id]
+                        outputs[i] = out
+                        on_done(i, out)
+        except BaseException:
+            with contextlib.suppress(Exception):  # leave no request behind for the next call
+                engine.abort_request([r for r, o in zip(ids, outputs) if o is None], internal=True)
+            raise
+        missing = [i for i, o in enumerate(outputs) if o is None]
+        if missing:
+            raise RuntimeError(f"vllm: requests {missing[:5]} ended without an output")
+        return outputs
 
     def _lora_request(self):
         """The request for the engine's adapter (None: the base alone, or no LoRA)."""
