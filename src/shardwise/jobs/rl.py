@@ -53,6 +53,7 @@ from shardwise.jobs.inputs import (
     vision_inputs,
     wants_tools_tokenizer,
 )
+from shardwise.jobs.report import rl as report
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
@@ -67,7 +68,7 @@ from shardwise.telemetry.startup import StartupClock, launched_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Prepared", "eval_scorer", "load_best", "plot_panels", "prepare", "run"]
+__all__ = ["Prepared", "eval_scorer", "load_best", "plot_panels", "prepare", "report", "run"]
 
 
 @dataclass
@@ -93,11 +94,12 @@ class Prepared:
     ``prepare``); `run` goes on with it to the first step."""
 
 
-def prepare(cfg: Config, world_size: int) -> Prepared:
+def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> Prepared:
     """Every check that can fail on the user's input; raises a ShardwiseError, starts
     nothing, writes nothing. The workers build their own models; the meta model and plan
-    built here only check the plan."""
-    clock = StartupClock(launched_at())
+    built here only check the plan. `clock`: the start-up's timeline so far (default: one
+    from the command's launch)."""
+    clock = clock or StartupClock(launched_at())
     clock.lap("launch")  # the interpreter, imports, the config and the command's own checks
     train_ranks = rl_train_ranks(cfg, world_size)  # rl.async: the generator group takes the rest
     spec = mesh_spec(cfg.parallel, train_ranks)
