@@ -35,7 +35,6 @@ from shardwise.data.encode import truncation_note
 from shardwise.data.rewards import RewardFn, check_data_sources, contain, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
-from shardwise.engine import vllm_engine
 from shardwise.engine.evaluate import EvalPlan
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
@@ -49,6 +48,7 @@ from shardwise.jobs.inputs import (
     check_resume,
     check_tokenizer,
     check_tokens,
+    check_vllm_engine,
     ground_truth_key,
     vision_inputs,
     wants_tools_tokenizer,
@@ -112,7 +112,7 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     check_rl_async(cfg)
     schemas = check_rl_agents(cfg)
     if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
-        vllm_engine.check_supported(load_hf_config(cfg.model), "rl.rollout", "model.config")
+        check_vllm_engine(load_hf_config(cfg.model), "rl.rollout", "model.config")
     check_rl_ulysses(cfg, spec.ulysses)
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
