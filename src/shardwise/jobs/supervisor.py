@@ -21,8 +21,10 @@ into this parent and the controller child:
   without its line, it prints one line naming how the child ended and what it was doing,
   and exits with the child's status (`abrupt_status`).
 
-`control` is the controller's side of the same ends: after the job's checks, it runs the
-RL job holding the run folder's lock, with SIGTERM taken as Ctrl-C, and stops Ray on the way out however the run
+`control` is the controller's side of the same ends: it imports the job (with ``ahead``,
+while Ray's head starts beside the imports: `shardwise.rl.cluster.init_ray_while`; no Ray
+worker starts before the checks pass, and a failed check stops Ray before its line), and
+after the job's checks runs the RL job holding the run folder's lock, with SIGTERM taken as Ctrl-C, and stops Ray on the way out however the run
 ends (`shardwise.rl.cluster.shutdown_ray`). An interrupt prints one line naming the signal
 and the last committed checkpoint (exit 130 / 143); a worker's failure names the
 checkpoint too; the traceback of a bug or of a worker is kept in the run folder.
@@ -32,17 +34,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
-from typing import Any
 
-from shardwise.checkpoint.dcp import resume_line
+from shardwise.checkpoint.layout import resume_line
 from shardwise.config.schema import Config
 from shardwise.contained import kill_left_under
 from shardwise.data.reward_row import RewardFunctionError
@@ -50,8 +54,10 @@ from shardwise.distributed.capacity import check_plan
 from shardwise.distributed.launch import describe_exit, kill_tree
 from shardwise.errors import ShardwiseError
 from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
-from shardwise.rl.cluster import WorkerError, _is_ray_process, shutdown_ray
+from shardwise.rl.cluster import WorkerError, _is_ray_process, init_ray_while, ray_cpus, shutdown_ray
 from shardwise.telemetry import activity
+from shardwise.telemetry.logs import ThirdPartyToFile
+from shardwise.telemetry.startup import StartupClock, launched_at
 
 __all__ = ["abrupt_status", "control", "record_said", "record_run_dir", "supervise"]
 
@@ -114,20 +120,37 @@ def record_said(status: int) -> None:
         record.finish(status)
 
 
-def control(job: ModuleType, cfg: Config, nproc: int, report: Callable[[Config, dict[str, Any]], None]) -> int:
+def control(job_name: str, cfg: Config, nproc: int, ahead: bool = False) -> int:
     """`shardwise rl` in this process, the single controller over `nproc` Ray workers: the
-    job's ``prepare(cfg, nproc)`` (input errors exit 2 here, before Ray starts), the capacity
-    line, then ``run(prepared)`` as the module docstring says; `report(cfg, summary)` prints
-    the summary of a run that ended, after Ray stopped and the run folder's lock was
-    released. Returns the exit status."""
+    job module `job_name` (``shardwise.jobs.rl``, imported here: torch, transformers and the
+    workers' code; with `ahead` and no ``RAY_ADDRESS``, while a local Ray's head starts
+    beside the imports), its ``prepare(cfg, nproc, clock)`` (input errors exit 2 here, before
+    any Ray worker starts; Ray's head, when started ahead, is stopped first), the capacity
+    line, then ``run(prepared)`` as the module docstring says; the job's ``report(cfg,
+    summary)`` prints the summary of a run that ended, after Ray stopped and the run
+    folder's lock was released. Returns the exit status."""
     run_dir = cfg.run.dir
     check_run_dir(run_dir)
     RunDirLock(run_dir, command_line()).check_free()
     record_run_dir(run_dir)  # for a supervising parent's line, should this process end abruptly
-    prepared = job.prepare(cfg, nproc)
+    clock = StartupClock(launched_at())
+    ahead = ahead and not os.environ.get("RAY_ADDRESS")  # a cluster is joined after the checks
+    held = _held_log() if ahead else None
+    try:
+        with ThirdPartyToFile(held) if held else contextlib.nullcontext():
+            job = _import_job(job_name, cfg, nproc, ahead, clock)
+        prepared = job.prepare(cfg, nproc, clock)
+    except BaseException:
+        if ahead:  # nothing of Ray's is left when a check fails
+            shutdown_ray()
+        if held:
+            held.unlink(missing_ok=True)
+        raise
     print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
     with RunDirLock(run_dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
+        if held:
+            _keep_log(held, Path(run_dir) / "logs" / "controller.log")
         try:
             summary = job.run(prepared)
         except KeyboardInterrupt:
@@ -147,8 +170,42 @@ def control(job: ModuleType, cfg: Config, nproc: int, report: Callable[[Config, 
                 resume.error_file = e.error_file
                 raise resume from e
             raise
-    report(cfg, summary)
+    job.report(cfg, summary)
     return 0
+
+
+def _held_log() -> Path:
+    """A file outside the run folder for the libraries' log lines and warnings while Ray
+    starts ahead (Ray's start-up notes: the console shows only the checks' line, and nothing
+    of the run is written before the checks pass); kept with the run's once they passed."""
+    fd, path = tempfile.mkstemp(prefix="shardwise-startup-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+def _keep_log(held: Path, log: Path) -> None:
+    """`held` appended to `log` (``run.dir/logs/controller.log``, where the rest of the
+    controller's third-party lines go) and removed."""
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(held.read_text(encoding="utf-8", errors="replace"))
+    except OSError:  # the lines are notes, the run goes on without them
+        pass
+    held.unlink(missing_ok=True)
+
+
+def _import_job(name: str, cfg: Config, nproc: int, ahead: bool, clock: StartupClock) -> ModuleType:
+    """The job module `name`; with `ahead` imported while a local Ray's head starts, the
+    seconds Ray took beyond the imports charged to the start-up part ``ray`` (the imports
+    and what came before are ``launch``)."""
+    if not ahead:
+        return importlib.import_module(name)
+    cpus = ray_cpus(cfg, nproc)  # a config error here is the job's first check's: before Ray starts
+    job, ray_past_imports = init_ray_while(lambda: importlib.import_module(name), cpus)
+    clock.lap("launch")
+    clock.split("launch", {"ray": ray_past_imports})
+    return job
 
 
 @contextlib.contextmanager

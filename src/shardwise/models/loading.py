@@ -310,8 +310,3 @@ def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     return frozen
 
 
-def local_files_only() -> None:
-    """No model hub: make HF libraries fail fast instead of trying the network."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -22,18 +22,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shardwise.config.schema import LoraSettings
 from shardwise.errors import ConfigError, PatternError, nearest
 from shardwise.models.patterns import match_pattern
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 __all__ = ["ADAPTER", "adapter_key", "adapter_state", "adapters_disabled", "hf_name", "inject", "is_lora_key",
            "lora_config", "lora_modules", "merge", "merge_sources", "read_adapter", "resolve_targets",
@@ -93,6 +96,8 @@ def resolve_targets(model: nn.Module, lora: LoraSettings) -> list[str]:
 def lora_config(model: nn.Module, lora: LoraSettings) -> LoraConfig:
     """peft's LoraConfig for `lora` on `model`: an adapter folder's own (``path``) or one
     built from the settings, with the targets and modules to save as exact paths."""
+    from peft import LoraConfig  # peft (0.3 s of imports) only for a run that uses LoRA
+
     if lora.path is not None:
         return _folder_config(lora.path)
     saved = _resolve(lora.modules_to_save, model, "model.lora.modules_to_save") if lora.modules_to_save else None
@@ -101,6 +106,8 @@ def lora_config(model: nn.Module, lora: LoraSettings) -> LoraConfig:
 
 
 def _folder_config(path: str) -> LoraConfig:
+    from peft import LoraConfig
+
     folder = Path(path).expanduser()
     cfg_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not (cfg_file.is_file() and weights.is_file()):
@@ -130,6 +137,8 @@ def inject(model: nn.Module, lora: LoraSettings, seed: int | None = None) -> Lor
     save, which are trained in place (not wrapped as peft would)."""
     if not lora.enabled:
         return None
+    from peft import inject_adapter_in_model
+
     config = lora_config(model, lora)
     device = next(model.parameters()).device
     saved = tuple(config.modules_to_save or ())
@@ -168,8 +177,18 @@ def is_lora_key(name: str) -> bool:
 
 def lora_modules(model: nn.Module) -> dict[str, float]:
     """``{module path: scale}`` of every adapter layer (scale = alpha / r)."""
-    return {path: float(m.scaling[ADAPTER]) for path, m in model.named_modules()
-            if isinstance(m, LoraLayer) and ADAPTER in getattr(m, "scaling", {})}
+    return {path: float(m.scaling[ADAPTER]) for path, m in _lora_layers(model)
+            if ADAPTER in getattr(m, "scaling", {})}
+
+
+def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, layer) of every peft LoRA layer in `model`. A model holds none while peft is
+    not imported (`inject` imports it; a run without LoRA never does): then peft is not
+    imported here either."""
+    lora = sys.modules.get("peft.tuners.lora")
+    if lora is None:
+        return []
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, lora.LoraLayer)]
 
 
 def trainable_count(model: nn.Module) -> int:
@@ -180,7 +199,7 @@ def trainable_count(model: nn.Module) -> int:
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The base model for the block: every adapter layer's output is the base layer's (the
     RL reference policy without a second copy of the weights)."""
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    layers = [m for _, m in _lora_layers(model)]
     before = [m.disable_adapters for m in layers]
     for m in layers:
         m.enable_adapters(False)

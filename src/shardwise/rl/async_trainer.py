@@ -69,7 +69,7 @@ from shardwise.data.batch import Batch
 from shardwise.data.rewards import RewardFn
 from shardwise.engine.evaluate import EvalPlan
 from shardwise.models.vision import VisionInputs
-from shardwise.rl.cluster import Pending, RayWorkerGroup, gpus_for, init_ray
+from shardwise.rl.cluster import Pending, RayWorkerGroup, gpus_for, init_ray, ray_cpus
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker
 from shardwise.rl.workers.hybrid import RLWorker
@@ -128,7 +128,7 @@ class AsyncController(Controller):
         clock = clock or StartupClock()
         self._start_scorers()
         plan = async_worker_groups(self.cfg)
-        init_ray(num_cpus=self.world_size * (len(plan) - 1) + self.generator_ranks)
+        init_ray(num_cpus=ray_cpus(self.cfg, self.world_size + self.generator_ranks))
         clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         logs = self.run_dir / "logs"

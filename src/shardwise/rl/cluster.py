@@ -26,8 +26,10 @@ With ``log_dir``, each rank's stderr (other libraries' warnings, a crash's last 
 goes to ``log_dir/<name>-rank<i>.log`` on the rank's node, and its shardwise log lines
 to the console (`shardwise.telemetry.logs`).
 
-`init_ray` starts a local Ray with enough CPUs for the groups, or joins the cluster at
-``RAY_ADDRESS`` when that is set.
+`init_ray` starts a local Ray with enough CPUs for the groups (`ray_cpus`), or joins the
+cluster at ``RAY_ADDRESS`` when that is set. `init_ray_while` starts the local Ray while
+other work (the controller's imports) runs beside it: Ray's head starts, no worker does
+until a group asks for one (`RayWorkerGroup`).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from shardwise.config.schema import Config
+from shardwise.config.validate import rl_train_ranks
 from shardwise.distributed.launch import kill_tree
 from shardwise.distributed.runtime import init_distributed, teardown
 from shardwise.errors import ConfigError, ShardwiseError
@@ -58,7 +62,10 @@ from shardwise.telemetry.logs import capture_worker_stderr, console_logger
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pending", "RankPlace", "RayWorkerGroup", "WorkerError", "gpus_for", "init_ray", "rank_bundles", "shutdown_ray"]
+__all__ = ["Pending", "RankPlace", "RayWorkerGroup", "WorkerError", "gpus_for", "init_ray", "init_ray_while",
+           "rank_bundles", "ray_cpus", "shutdown_ray", "worker_groups"]
+
+T = TypeVar("T")
 
 # Variables every worker process gets (the driver's values win where set).
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -73,6 +80,13 @@ PEER_LOSS_GRACE_S = 45.0
 """How long a group whose rank failed on a broken connection waits for Ray to say whether
 a peer's process or node died (Ray declares a node dead after its health checks miss:
 about 15 s with Ray's defaults), so the error names the lost rank, not the survivor."""
+
+_LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+"""Ray's system config for the local Ray `init_ray` starts (checked on ray 2.60): by default
+the raylet starts one idle worker process per logical CPU when the first driver connects.
+None is started here before a worker group asks for its actors: with `init_ray_while` the
+driver connects while the job's checks still run, and a failed check must leave no worker
+behind (nor spend CPU the checks need; the actors start their own processes either way)."""
 
 SETUP_NOTE_S = 15.0
 """After this many seconds without the placement group's resources, say what it waits for."""
@@ -166,6 +180,62 @@ def check_ray_address(timeout_s: float = RAY_PROBE_S) -> None:
                           "run a local one") from None
 
 
+def worker_groups(cfg: Config) -> dict[str, list[str]]:
+    """Worker groups this config needs, name -> roles. "rl" is the hybrid engine (actor +
+    rollout [+ reference]); the critic and the reward model join it when colocated."""
+    groups: dict[str, list[str]] = {"rl": ["actor", "rollout"]}
+    if cfg.rl.reference.enabled:
+        groups["rl"].append("ref")
+    if cfg.rl.critic.enabled:
+        groups["rl" if cfg.rl.critic.colocated else "critic"] = \
+            groups.get("rl" if cfg.rl.critic.colocated else "critic", []) + ["critic"]
+    if cfg.rl.reward.model is not None:
+        name = "rl" if cfg.rl.reward.colocated else "reward"
+        groups[name] = groups.get(name, []) + ["reward_model"]
+    return groups
+
+
+def ray_cpus(cfg: Config, world_size: int) -> int:
+    """The logical CPUs the worker groups of an RL run on `world_size` ranks reserve, one per
+    rank of each group: with rl.async the training ranks in each training group
+    (`worker_groups` without the rollout) and the generator's ranks once."""
+    train = rl_train_ranks(cfg, world_size)
+    return train * len(worker_groups(cfg)) + (world_size - train)
+
+
+def init_ray_while(work: Callable[[], T], num_cpus: int) -> tuple[T, float]:
+    """`work()` in a thread while a local Ray starts in this thread (`init_ray`); returns
+    what `work` returned and the seconds Ray's start went on after `work` was done (0.0 when
+    it was up first), or raises what `work` raised, once both are done (Ray stays up either
+    way: the caller stops it, `shutdown_ray`). Called from the main thread, before anything
+    of Ray's exists, with ``RAY_ADDRESS`` unset (a cluster is joined after the checks).
+
+    ray.init runs in the main thread, `work` beside it: the other way round (ray.init in a
+    thread while the main thread imported torch and transformers) ray.init waited for its
+    GCS until it gave up after 60 s (ray 2.60). Starting Ray's head is mostly waiting for
+    its processes, so the imports of `work` take most of the GIL meanwhile."""
+    assert threading.current_thread() is threading.main_thread() and not os.environ.get("RAY_ADDRESS")
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            outcome["error"] = e
+        outcome["done"] = time.monotonic()
+
+    thread = threading.Thread(target=run, name="shardwise-imports", daemon=True)
+    thread.start()
+    try:
+        init_ray(num_cpus)
+    finally:
+        up = time.monotonic()
+        thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"], max(up - outcome["done"], 0.0)
+
+
 def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) -> None:
     """Start (or join) Ray once per process.
 
@@ -205,7 +275,7 @@ def init_ray(num_cpus: int | None = None, env: Mapping[str, str] | None = None) 
             # address="local": without it Ray joins the cluster last started on this machine
             # (`ray start`, recorded under its temp dir) and refuses num_cpus there.
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env,
-                     log_to_driver=True, configure_logging=False)
+                     log_to_driver=True, configure_logging=False, _system_config=_LOCAL_SYSTEM_CONFIG)
     finally:
         if main and term is not None:
             signal.signal(signal.SIGTERM, term)

@@ -81,7 +81,7 @@ from shardwise.engine.generate import prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
-from shardwise.rl.cluster import RayWorkerGroup, init_ray
+from shardwise.rl.cluster import RayWorkerGroup, init_ray, ray_cpus, worker_groups
 from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
 from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
 from shardwise.telemetry.metrics import read_metrics
@@ -91,21 +91,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Controller", "concat_rounds", "drop_zero_variance_groups", "heldout_summary", "mean_timing",
            "merge_reward_metrics", "worker_groups"]
-
-
-def worker_groups(cfg: Config) -> dict[str, list[str]]:
-    """Worker groups this config needs, name -> roles. "rl" is the hybrid engine (actor +
-    rollout [+ reference]); the critic and the reward model join it when colocated."""
-    groups: dict[str, list[str]] = {"rl": ["actor", "rollout"]}
-    if cfg.rl.reference.enabled:
-        groups["rl"].append("ref")
-    if cfg.rl.critic.enabled:
-        groups["rl" if cfg.rl.critic.colocated else "critic"] = \
-            groups.get("rl" if cfg.rl.critic.colocated else "critic", []) + ["critic"]
-    if cfg.rl.reward.model is not None:
-        name = "rl" if cfg.rl.reward.colocated else "reward"
-        groups[name] = groups.get(name, []) + ["reward_model"]
-    return groups
 
 
 class Controller:
@@ -170,7 +155,7 @@ class Controller:
         clock = clock or StartupClock()
         self._start_scorers()
         plan = worker_groups(self.cfg)
-        init_ray(num_cpus=self.world_size * len(plan))
+        init_ray(num_cpus=ray_cpus(self.cfg, self.world_size))
         clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         for name, roles in plan.items():
