@@ -384,14 +384,20 @@ def test_an_environment_that_cannot_start_answers_why(mod):
 
 def test_calls_run_concurrently_and_close_leaves_no_process(mod, tmp_path):
     """Four calls that each wait (at most 20 s) until all four arrived meet only when they
-    run at the same time; a process a tool started in a session of its own is gone after
-    close."""
+    run at the same time; the pool grows to them only (of 8 processes allowed: one at the
+    start, one more for each call that finds all busy); a process a tool started in a
+    session of its own is gone after close."""
     before = set(descendants(os.getpid()))
     tools = load_tools([f"{mod}:barrier", f"{mod}:spawns"])
-    r = ToolRunner(tools, None, timeout_s=30, workers=4)
+    r = ToolRunner(tools, None, timeout_s=30, workers=8)
+    assert r.processes == 1
+    (tmp_path / "alone").mkdir()
+    assert _call(r, "barrier", folder=str(tmp_path / "alone"), n=1).text == "met"
+    assert r.processes == 1  # one call at a time: one process
     (tmp_path / "meet").mkdir()
     res = r.call([(f"t{i}", ToolCall("barrier", {"folder": str(tmp_path / "meet"), "n": 4}), {}) for i in range(4)])
     assert [x.text for x in res] == ["met"] * 4
+    assert r.processes == 4
     pid = int(_call(r, "spawns", path=str(tmp_path / "pid")).text)
     assert alive([pid])
     r.close()
