@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -393,11 +394,17 @@ def test_calls_run_concurrently_and_close_leaves_no_process(mod, tmp_path):
     assert r.processes == 1
     (tmp_path / "alone").mkdir()
     assert _call(r, "barrier", folder=str(tmp_path / "alone"), n=1).text == "met"
-    assert r.processes == 1  # one call at a time: one process
+    assert r.processes == r.ready == 1  # one call at a time: one process
+    alone = [(f"t{i}", ToolCall("barrier", {"folder": str(tmp_path / "alone"), "n": 1}), {}) for i in range(4)]
+    assert [x.text for x in r.call(alone)] == ["met"] * 4  # run by the ready one while 3 more start
+    assert r.processes == 4
+    for _ in range(600):  # until the new ones imported the tools (at most 60 s)
+        if r.ready == 4:
+            break
+        time.sleep(0.1)
     (tmp_path / "meet").mkdir()
     res = r.call([(f"t{i}", ToolCall("barrier", {"folder": str(tmp_path / "meet"), "n": 4}), {}) for i in range(4)])
-    assert [x.text for x in res] == ["met"] * 4
-    assert r.processes == 4
+    assert [x.text for x in res] == ["met"] * 4 and r.processes == 4
     pid = int(_call(r, "spawns", path=str(tmp_path / "pid")).text)
     assert alive([pid])
     r.close()

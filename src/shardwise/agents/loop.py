@@ -288,7 +288,7 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
     prompt_width = _reduce_max(max([len(t.prompt) for t in trajs] + [prompts.tensors["prompt_ids"].shape[1]]))
 
     requests = None
-    if barrier is not True and callable(getattr(engine, "request_session", None)):
+    if barrier is not True:
         requests = engine.request_session(greedy=bool(prompts.meta.get("greedy", False)))
     if barrier is False and requests is None:
         raise ValueError(f"run_multi_turn: {type(engine).__name__} cannot run without a turn barrier "
