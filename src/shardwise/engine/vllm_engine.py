@@ -45,6 +45,11 @@ engine's one adapter in place; every request then carries that adapter. This rea
 vLLM's worker (``model_runner.lora_manager`` and its adapter manager), checked on vLLM
 0.32 (CPU build): what verl and ROLL patch for the same purpose.
 
+`VLLMGenerator.request_session` (TP 1) gives a `RequestSession`: requests added one at a
+time (``LLM.enqueue``) into one stepping loop (``LLMEngine.step``), each given back as it
+finishes, while others run: what the multi-turn loop drives to continue a trajectory the
+moment its tool results are back (`shardwise.agents.loop`), with no turn barrier.
+
 With TP > 1 every rank of a TP group must submit exactly the same requests (each runs the
 same scheduler; different requests give silently wrong tokens), so `generate_sequences`
 all-gathers the prompts of the TP group, generates all of them on every rank of the group
