@@ -294,7 +294,8 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
         raise ValueError(f"run_multi_turn: {type(engine).__name__} cannot run without a turn barrier "
                          "(no request_session; vLLM with tensor_parallel_size 1 can)")
     if requests is not None:
-        tool_seconds += _run_without_barrier(requests, trajs, tokenizer, runner, cfg, tools, seed, per_turn)
+        if trajs:  # a rank with no rows has nothing to step (and no collective to join)
+            tool_seconds += _run_without_barrier(requests, trajs, tokenizer, runner, cfg, tools, seed, per_turn)
     else:
         tool_seconds += _run_turns(engine, prompts, trajs, tokenizer, runner, cfg, tools, seed, per_turn)
 
