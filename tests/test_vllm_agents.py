@@ -4,8 +4,9 @@ tools, `run_multi_turn` with the HF engine (every active trajectory of a turn in
 batched generate) and with vLLM (a request per trajectory, continued after each tool turn)
 gives the same trajectories: the ids and masks token for token (prompt, model turns, tool
 turns and glue), the same messages and counts, and the engines' log-probs of the model's
-tokens within 1e-4 (fp32 on both sides, other kernels; as tests/test_vllm_engine.py). One
-rank; prompts of different lengths (left padding in the HF batch). vLLM's calls inside
+tokens within 1e-4 (fp32 on both sides, other kernels; as tests/test_vllm_engine.py). Two
+ranks (rank 0's rollouts compared between engines); prompts of different lengths (left
+padding in the HF batch). vLLM's calls inside
 the loop are stepped request by request (`on_row_end`, each finished request reported as it
 comes, its calls sent then); the same batch called directly gives what ``LLM.generate`` gives.
 
@@ -64,8 +65,9 @@ def both_engines(rank: int, world: int, folder: str) -> dict:
                 for way, barrier in (("turns", True), ("free", None)):
                     out[f"greedy_{way}"] = summary(run_multi_turn(gen, batch, tok, runner, mt, schemas,
                                                                   barrier=barrier))
-                    sampled = agent_prompt_batch(tok, records * 4, 64, [str(i) for i in range(8)], schemas)
-                    sampled.arrays["sample_key"] = np.array([f"{i}/0" for i in range(8)], dtype=object)
+                    rows = 8 if rank == 0 else 3  # ranks with uneven rows and turns: no collective to keep in step
+                    sampled = agent_prompt_batch(tok, (records * 4)[:rows], 64, [str(i) for i in range(rows)], schemas)
+                    sampled.arrays["sample_key"] = np.array([f"{rank}.{i}/0" for i in range(rows)], dtype=object)
                     sampled.meta.update(seed=11, max_new_tokens=8)
                     out[f"sampled_{way}"] = summary(run_multi_turn(gen, sampled, tok, runner, mt, schemas,
                                                                    barrier=barrier))
@@ -94,7 +96,7 @@ def summary(got) -> dict:
 
 def test_greedy_trajectories_equal_on_hf_and_vllm(tmp_path):
     folder = build_tool_model(tmp_path / "model")
-    [out] = run_ranks(both_engines, 1, str(folder), timeout=240, env=ENV)
+    out, other = run_ranks(both_engines, 2, str(folder), timeout=240, env=ENV)
     hf, vl = out["hf"], out["vllm"]
     for k in KEYS:
         assert hf["tensors"][k].equal(vl["tensors"][k]), k
@@ -124,3 +126,10 @@ def test_greedy_trajectories_equal_on_hf_and_vllm(tmp_path):
     # what the sampled rollout held: trajectories of different lengths, ended in different ways
     sampled = out["sampled_free"]["arrays"]
     assert len(set(sampled["num_turns"])) > 1 and len(set(sampled["tool_calls"])) > 1, sampled
+    # rank 1 (3 sampled rows; its own engine and tools) likewise, its batches as wide as rank 0's
+    for kind in ("greedy", "sampled"):
+        turns, free = other[f"{kind}_turns"], other[f"{kind}_free"]
+        assert all(turns["tensors"][k].equal(free["tensors"][k]) for k in KEYS), kind
+        assert turns["arrays"] == free["arrays"] and turns["metrics"] == free["metrics"], kind
+        assert free["tensors"]["input_ids"].shape[1] == out[f"{kind}_free"]["tensors"]["input_ids"].shape[1], kind
+    assert len(other["sampled_free"]["arrays"]["num_turns"]) == 3
