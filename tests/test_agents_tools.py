@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -384,14 +385,26 @@ def test_an_environment_that_cannot_start_answers_why(mod):
 
 def test_calls_run_concurrently_and_close_leaves_no_process(mod, tmp_path):
     """Four calls that each wait (at most 20 s) until all four arrived meet only when they
-    run at the same time; a process a tool started in a session of its own is gone after
-    close."""
+    run at the same time; the pool grows to them only (of 8 processes allowed: one at the
+    start, one more for each call that finds all busy); a process a tool started in a
+    session of its own is gone after close."""
     before = set(descendants(os.getpid()))
     tools = load_tools([f"{mod}:barrier", f"{mod}:spawns"])
-    r = ToolRunner(tools, None, timeout_s=30, workers=4)
+    r = ToolRunner(tools, None, timeout_s=30, workers=8)
+    assert r.processes == 1
+    (tmp_path / "alone").mkdir()
+    assert _call(r, "barrier", folder=str(tmp_path / "alone"), n=1).text == "met"
+    assert r.processes == r.ready == 1  # one call at a time: one process
+    alone = [(f"t{i}", ToolCall("barrier", {"folder": str(tmp_path / "alone"), "n": 1}), {}) for i in range(4)]
+    assert [x.text for x in r.call(alone)] == ["met"] * 4  # run by the ready one while 3 more start
+    assert r.processes == 4
+    for _ in range(600):  # until the new ones imported the tools (at most 60 s)
+        if r.ready == 4:
+            break
+        time.sleep(0.1)
     (tmp_path / "meet").mkdir()
     res = r.call([(f"t{i}", ToolCall("barrier", {"folder": str(tmp_path / "meet"), "n": 4}), {}) for i in range(4)])
-    assert [x.text for x in res] == ["met"] * 4
+    assert [x.text for x in res] == ["met"] * 4 and r.processes == 4
     pid = int(_call(r, "spawns", path=str(tmp_path / "pid")).text)
     assert alive([pid])
     r.close()

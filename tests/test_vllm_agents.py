@@ -4,14 +4,22 @@ tools, `run_multi_turn` with the HF engine (every active trajectory of a turn in
 batched generate) and with vLLM (a request per trajectory, continued after each tool turn)
 gives the same trajectories: the ids and masks token for token (prompt, model turns, tool
 turns and glue), the same messages and counts, and the engines' log-probs of the model's
-tokens within 1e-4 (fp32 on both sides, other kernels; as tests/test_vllm_engine.py). One
-rank; prompts of different lengths (left padding in the HF batch). vLLM's calls inside
+tokens within 1e-4 (fp32 on both sides, other kernels; as tests/test_vllm_engine.py). Two
+ranks (rank 0's rollouts compared between engines); prompts of different lengths (left
+padding in the HF batch). vLLM's calls inside
 the loop are stepped request by request (`on_row_end`, each finished request reported as it
 comes, its calls sent then); the same batch called directly gives what ``LLM.generate`` gives.
+
+vLLM runs the loop without a turn barrier by default (each trajectory's next turn queued
+as soon as its tool results are back, `RequestSession`); the same engine turn by turn
+(``barrier=True``) gives the same trajectories, greedy and sampled (seeded, with
+``sample_key``; at temperature 0.5 the tiny model strays from its chain, so trajectories end
+at different turns, cut, without calls or with malformed ones).
 """
 
 from __future__ import annotations
 
+import numpy as np
 from dist.common import import_optional
 from dist.launcher import run_ranks
 from tool_model import TOOL, build_tool_model
@@ -37,7 +45,7 @@ def both_engines(rank: int, world: int, folder: str) -> dict:
 
     runtime = init_distributed(timeout_s=120)
     cfg = load_config(None, [f"model.path={folder}", "model.dtype=fp32", "fsdp.mixed_precision.param_dtype=fp32",
-                             "infer.vllm.dtype=fp32", "infer.vllm.enforce_eager=true"])
+                             "infer.vllm.dtype=fp32", "infer.vllm.enforce_eager=true", "infer.temperature=0.5"])
     tok = load_tokenizer(folder)
     engine = InferEngine(cfg, runtime)
     tools = load_tools([TOOL])
@@ -53,6 +61,16 @@ def both_engines(rank: int, world: int, folder: str) -> dict:
             batch = agent_prompt_batch(tok, records, 64, ["0", "1"], schemas)
             batch.meta.update(seed=0, greedy=True, max_new_tokens=8)
             got = run_multi_turn(gen, batch, tok, runner, mt, schemas)
+            if name == "vllm":  # the same, turn by turn; and sampled, both ways
+                for way, barrier in (("turns", True), ("free", None)):
+                    out[f"greedy_{way}"] = summary(run_multi_turn(gen, batch, tok, runner, mt, schemas,
+                                                                  barrier=barrier))
+                    rows = 8 if rank == 0 else 3  # ranks with uneven rows and turns: no collective to keep in step
+                    sampled = agent_prompt_batch(tok, (records * 4)[:rows], 64, [str(i) for i in range(rows)], schemas)
+                    sampled.arrays["sample_key"] = np.array([f"{rank}.{i}/0" for i in range(rows)], dtype=object)
+                    sampled.meta.update(seed=11, max_new_tokens=8)
+                    out[f"sampled_{way}"] = summary(run_multi_turn(gen, sampled, tok, runner, mt, schemas,
+                                                                   barrier=barrier))
             if name == "vllm":  # the stepped call reports each row with its ids, and changes nothing
                 reported = []
                 stepped = gen.generate_sequences(batch, on_row_end=lambda i, ids, got=reported: got.append((i, ids)))
@@ -70,9 +88,15 @@ def both_engines(rank: int, world: int, folder: str) -> dict:
     return out
 
 
+def summary(got) -> dict:
+    return {"tensors": {k: got.tensors[k] for k in (*KEYS, "rollout_log_probs")},
+            "arrays": {k: [x.item() if hasattr(x, "item") else x for x in got.arrays[k]] for k in ARRAYS},
+            "metrics": {k: v for k, v in got.meta["metrics"].items() if not k.startswith("time/")}}
+
+
 def test_greedy_trajectories_equal_on_hf_and_vllm(tmp_path):
     folder = build_tool_model(tmp_path / "model")
-    [out] = run_ranks(both_engines, 1, str(folder), timeout=240, env=ENV)
+    out, other = run_ranks(both_engines, 2, str(folder), timeout=240, env=ENV)
     hf, vl = out["hf"], out["vllm"]
     for k in KEYS:
         assert hf["tensors"][k].equal(vl["tensors"][k]), k
@@ -90,3 +114,22 @@ def test_greedy_trajectories_equal_on_hf_and_vllm(tmp_path):
     diff = (hf["tensors"]["rollout_log_probs"] - vl["tensors"]["rollout_log_probs"]).abs().max()
     assert float(diff) < 1e-4, float(diff)
     assert float(hf["tensors"]["rollout_log_probs"][mask].abs().min()) > 0  # real log-probs, not zeros
+    # vLLM without a turn barrier (its default) gives what it gives turn by turn, greedy and sampled
+    for kind in ("greedy", "sampled"):
+        turns, free = out[f"{kind}_turns"], out[f"{kind}_free"]
+        for k in KEYS:
+            assert turns["tensors"][k].equal(free["tensors"][k]), (kind, k)
+        assert turns["arrays"] == free["arrays"] and turns["metrics"] == free["metrics"], kind
+        diff = (turns["tensors"]["rollout_log_probs"] - free["tensors"]["rollout_log_probs"]).abs().max()
+        assert float(diff) < 1e-4, (kind, float(diff))
+    assert out["greedy_free"]["arrays"] == hf["arrays"]
+    # what the sampled rollout held: trajectories of different lengths, ended in different ways
+    sampled = out["sampled_free"]["arrays"]
+    assert len(set(sampled["num_turns"])) > 1 and len(set(sampled["tool_calls"])) > 1, sampled
+    # rank 1 (3 sampled rows; its own engine and tools) likewise, its batches as wide as rank 0's
+    for kind in ("greedy", "sampled"):
+        turns, free = other[f"{kind}_turns"], other[f"{kind}_free"]
+        assert all(turns["tensors"][k].equal(free["tensors"][k]) for k in KEYS), kind
+        assert turns["arrays"] == free["arrays"] and turns["metrics"] == free["metrics"], kind
+        assert free["tensors"]["input_ids"].shape[1] == out[f"{kind}_free"]["tensors"]["input_ids"].shape[1], kind
+    assert len(other["sampled_free"]["arrays"]["num_turns"]) == 3

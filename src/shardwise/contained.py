@@ -140,6 +140,11 @@ class Contained:
         self._buffer, self._ready = b"", False
         self._lines.clear()
 
+    @property
+    def running(self) -> bool:
+        """A child was started and not closed (it may have ended by itself since)."""
+        return self._proc is not None
+
     def close(self) -> None:
         """Kill the child's whole tree (see `_kill`) and forget it; a later call starts a
         new one. Safe to call twice."""

@@ -1,8 +1,15 @@
 """Tool calls run where the user's code cannot break the rollout.
 
-`ToolRunner` keeps `workers` contained children (`shardwise.contained.Contained`, their
+`ToolRunner` keeps up to `workers` contained children (`shardwise.contained.Contained`, their
 side is `shardwise.agents.host`) and runs a batch of calls concurrently over them: one
-thread per child, each child given its calls in one request. What a tool does stays in
+thread per child, each child given its calls in one request. Children start as calls need
+them: `start_workers` at construction (they import the tools while the job goes on),
+another when a plain call is queued and every child started so far is busy, so a large
+`workers` costs nothing while calls are few (each child is a Python process, ~31 MiB with
+its keeper); an environment's child when its first trajectory is pinned to it. A plain
+call goes to a child that has imported the tools (`ToolRunner.ready`) where one has: a
+new child imports them in its thread first and takes calls from then on, so no call waits
+for a process to start while another could take it. What a tool does stays in
 its child: a raise, a hang (stopped after ``timeout_s``), ``os._exit``, killing its parent,
 megabytes of prints (they go to `output`, by default nowhere), a return value that is not a
 string, arguments that do not fit its signature: each is a `ToolResult` whose text the
@@ -13,12 +20,13 @@ An environment is constructed once per trajectory, in the child the trajectory i
 to (by a hash of its id), where it stays across the trajectory's calls. When that child
 ends (a call in it hung or crashed), the environments it held are lost: their later calls
 are answered ``"error: the environment of this trajectory was lost (its process ended)"``
-and their reward is None. Plain tool calls go to the least loaded child (the one with the
-fewest calls queued or running).
+and their reward is None. Plain tool calls go to the least loaded ready child (the one
+with the fewest calls queued or running).
 
 Calls can be sent while the caller does something else: `ToolRunner.submit` queues them
 and returns at once, `ToolRunner.collect` waits for their results (`ToolRunner.call` is
-both). Each child has one thread of its own that runs what was sent to it in the order
+both; `ToolRunner.done` and `ToolRunner.wait_any` tell when results are back, for a
+caller with other work). Each child has one thread of its own that runs what was sent to it in the order
 sent, so calls submitted at different times never share a child at once, and a
 trajectory's environment calls run in the order they were submitted.
 
@@ -29,6 +37,7 @@ usually says what matters first); the loop cuts them again to tokens.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
@@ -106,7 +115,8 @@ def _plain(value: Any) -> Any:
 
 class ToolRunner:
     """Runs `tools` (plain functions) and the methods of `environment` (one instance per
-    trajectory) in `workers` contained processes; see the module docstring.
+    trajectory) in up to `workers` contained processes, `start_workers` of them started at
+    once, the others as calls need them; see the module docstring.
 
     `timeout_s` bounds each call (and each reset, reward and end); `start_timeout_s` bounds a
     child's start together with the import of the user's modules in it. `output` takes what
@@ -117,7 +127,8 @@ class ToolRunner:
     """
 
     def __init__(self, tools: list[ToolSpec], environment: EnvironmentSpec | None, *, timeout_s: float,
-                 workers: int = 4, max_chars: int = 4096, output: Any = None, start_timeout_s: float = 120.0):
+                 workers: int = 4, max_chars: int = 4096, output: Any = None, start_timeout_s: float = 120.0,
+                 start_workers: int = 1):
         check_names(tools, environment)
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
@@ -154,8 +165,10 @@ class ToolRunner:
         self.reward_errors: dict[str, str] = {}
         """Trajectory -> why its reward() gave no value (the last `reward` call's)."""
         self._closed = False
-        for child in self._children:
-            child.start()
+        self._grown = 0
+        """Children 0 .. _grown - 1 were started for plain calls (the pool grows as they are all busy)."""
+        for _ in range(min(int(start_workers), workers)):
+            self._grow()
 
     # ------------------------------------------------------------------ the API
     def reset(self, traj_ids: list[str], rows: list[dict]) -> list[str | None]:
@@ -217,7 +230,12 @@ class ToolRunner:
         for worker, _ in jobs:
             load[worker] += 1
         for i, payload in plain:
-            worker = min(range(len(load)), key=load.__getitem__)
+            # the least loaded child that has imported the tools (a call never waits for a
+            # process to start while one is ready); every one busy: one more starts, for later calls
+            started = range(self._grown)
+            worker = min([w for w in started if self._loaded[w]] or started, key=load.__getitem__)
+            if load[worker] and self._grown < len(self._children):
+                self._grow()
             load[worker] += 1
             jobs.append((worker, payload))
             where.append(i)
@@ -230,6 +248,41 @@ class ToolRunner:
         for i, outcome in zip(submitted.where, self._collect(submitted.jobs), strict=True):
             results[i] = _answer(outcome, submitted.calls[i][1].name, self.timeout_s, self.max_chars)
         return results  # type: ignore[return-value]
+
+    def done(self, submitted: Submitted) -> bool:
+        """Every call of `submitted` is answered (`collect` returns at once)."""
+        return all(f.done() for f in submitted.jobs.futures.values())
+
+    def wait_any(self, submitted: list[Submitted]) -> None:
+        """Wait until one of `submitted` is `done` (none: return at once). Bounded like
+        `collect`: past the earliest bound of theirs, RuntimeError naming the tool worker(s)
+        that did not answer."""
+        if not submitted or any(self.done(s) for s in submitted):
+            return
+        first = min(submitted, key=lambda s: s.jobs.deadline)
+        pending = {f for s in submitted for f in s.jobs.futures.values() if not f.done()}
+        try:
+            while not any(self.done(s) for s in submitted):
+                left = first.jobs.deadline - time.monotonic()
+                if left <= 0:
+                    self._collect(first.jobs)  # raises: a worker of it did not answer in time
+                    return
+                _, pending = concurrent.futures.wait(pending, timeout=left,
+                                                     return_when=concurrent.futures.FIRST_COMPLETED)
+        except BaseException:  # an interrupt (Ctrl-C): the children are killed, their threads wake and end
+            for child in self._children:
+                child.close()
+            raise
+
+    @property
+    def processes(self) -> int:
+        """Tool processes running now (they start as calls need them, see the module docstring)."""
+        return sum(child.running for child in self._children)
+
+    @property
+    def ready(self) -> int:
+        """Tool processes that have imported the tools (they take calls without a start)."""
+        return sum(self._loaded)
 
     def reward(self, traj_ids: list[str]) -> list[float | None]:
         """Each trajectory's environment's ``reward()`` (None: no environment or no reward,
@@ -357,12 +410,29 @@ class ToolRunner:
                 out[j] = outcome
         return out  # type: ignore[return-value]
 
+    def _grow(self) -> None:
+        """Start one more child for plain calls, its tools imported in its thread meanwhile."""
+        worker = self._grown
+        self._grown += 1
+        self._children[worker].start()
+        self._lanes[worker].submit(self._warm_up, worker)
+
+    def _warm_up(self, worker: int) -> None:
+        """In child `worker`'s thread: import the tools (`_serve`'s first step), so that the
+        child takes calls without a start."""
+        if not self._closed and not self._loaded[worker]:
+            started = self._children[worker].call({"op": "load", "specs": self._specs}, self.start_timeout_s)
+            self._loaded[worker] = started.ok
+
     def _serve_counted(self, worker: int, payloads: list[dict]) -> list[Outcome]:
         try:
             return self._serve(worker, payloads)
         finally:
             with self._lock:
                 self._queued[worker] -= len(payloads)
+            if worker < self._grown and not self._loaded[worker] and not self._closed:  # it ended: a fresh one
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    self._lanes[worker].submit(self._warm_up, worker)
 
     def _serve(self, worker: int, payloads: list[dict]) -> list[Outcome]:
         """`payloads` run in child `worker`, in order. A payload that timed out or crashed

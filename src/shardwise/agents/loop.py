@@ -51,10 +51,22 @@ turns of each trajectory:
   trajectories are the same whichever way the calls went out; only the time differs. (What
   can differ is which calls share a tool process at once, which matters only when one of
   them times out or crashes and an environment kept in that process is lost.)
-- **Collective.** The engines' ``generate_sequences`` is collective (the HF engine gathers
-  the sharded model once per call), so every rank makes the same number of calls: a rank
-  whose trajectories are all done calls with 0 rows until no rank has one going (one
-  all-reduce of a flag per turn over the default process group). The output of every
+- **Without a turn barrier** (vLLM with TP 1: an engine with a ``request_session``,
+  `shardwise.engine.vllm_engine.RequestSession`). Turn by turn, the next turn waits for the
+  slowest call of the turn before it; here every trajectory is a request of its own in one
+  stepping loop of the engine: when a request ends its calls are sent, and when their
+  results are back its next turn is queued at once (prompt: its ids so far; the same seed
+  as turn by turn: `turn_seed`, then its ``sample_key``; without one, this rank and the
+  row's index in the batch, not its position among the turn's rows), while the others
+  still generate. Every rule above holds per trajectory, so the trajectories are those of
+  the turn-synchronous loop (tests/test_vllm_agents.py: greedy and seeded sampling); the
+  ranks never wait for each other between the two all-reduces of the widths.
+- **Collective.** Turn by turn, the engines' ``generate_sequences`` is collective (the HF
+  engine gathers the sharded model once per call; vLLM with TP > 1 gathers its TP group's
+  prompts), so every rank makes the same number of calls: a rank whose trajectories are
+  all done calls with 0 rows until no rank has one going (one all-reduce of a flag per turn
+  over the default process group); without a barrier there is no per-turn collective (each
+  rank's vLLM engine steps its own requests). The output of every
   rank has the same width (prompts left-padded to the widest of all ranks, responses
   right-padded to the longest of all ranks), so the ranks' batches concatenate.
 
@@ -64,9 +76,10 @@ format), ``num_turns``, ``tool_calls``, ``tool_errors``, ``tool_timeouts`` (int)
 ``meta["metrics"]`` (`trajectory_metrics`, plus ``time/tools``: the seconds of wall time
 this rank's rollout spent blocked in the tool runner, waiting for it, outside generation:
 the environments' reset, reward and end, sending the calls of rows the engine did not
-report, and collecting each turn's results after its generate call returned. It is not the
-tools' own run time: calls that were answered while the engine was still generating cost
-nothing here, and sending a reported row's calls counts in the generate call).
+report, and collecting each turn's results after its generate call returned; without a
+barrier, the waits while the engine had no request left to step. It is not the tools' own
+run time: calls that were answered while the engine was still generating cost nothing
+here, and sending a reported row's calls counts in the generate call).
 """
 
 from __future__ import annotations
@@ -241,7 +254,7 @@ def _dotted(row: dict[str, Any], key: str) -> Any:
 
 
 def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: ToolRunner,
-                   cfg: MultiTurnConfig, schemas: list[dict]) -> Batch:
+                   cfg: MultiTurnConfig, schemas: list[dict], *, barrier: bool | None = None) -> Batch:
     """Multi-turn trajectories for this rank's `prompts` (see the module docstring).
 
     `prompts`: the engine's prompt layout with arrays ``raw_prompt`` (each row's
@@ -251,13 +264,15 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
     Returns the sequence layout with R response columns, R the longest trajectory's
     response on any rank (at most ``cfg.max_response_tokens``; every rank's batch is as
     wide, so the workers' batches concatenate). Collective like ``engine.generate_sequences``.
+
+    `barrier`: None runs without a turn barrier where the engine has a ``request_session``
+    (vLLM with TP 1), turn by turn elsewhere; True: turn by turn on any engine (the
+    reference the barrier-free loop is tested against); False: without a barrier, a
+    ValueError on an engine that cannot.
     """
     tools = schemas or None
-    parse = TOOL_PARSERS[cfg.tool_parser]
-    eos = tokenizer.eos_token_id
     pad = pad_token_id(tokenizer)
-    budget = cfg.max_response_tokens
-    per_turn = int(prompts.meta.get("max_new_tokens", budget))
+    per_turn = int(prompts.meta.get("max_new_tokens", cfg.max_response_tokens))
     seed = int(prompts.meta.get("seed", 0))
     tool_seconds = 0.0
 
@@ -272,6 +287,43 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
             t.prompt = _render_ids(tokenizer, t.messages, True, tools)
     prompt_width = _reduce_max(max([len(t.prompt) for t in trajs] + [prompts.tensors["prompt_ids"].shape[1]]))
 
+    requests = None
+    if barrier is not True:
+        requests = engine.request_session(greedy=bool(prompts.meta.get("greedy", False)))
+    if barrier is False and requests is None:
+        raise ValueError(f"run_multi_turn: {type(engine).__name__} cannot run without a turn barrier "
+                         "(no request_session; vLLM with tensor_parallel_size 1 can)")
+    if requests is not None:
+        if trajs:  # a rank with no rows has nothing to step (and no collective to join)
+            tool_seconds += _run_without_barrier(requests, trajs, tokenizer, runner, cfg, tools, seed, per_turn)
+    else:
+        tool_seconds += _run_turns(engine, prompts, trajs, tokenizer, runner, cfg, tools, seed, per_turn)
+
+    for t in trajs:
+        if not t.done:
+            t.finish(truncated=True)
+    clock = time.perf_counter()
+    if trajs:
+        for t, r in zip(trajs, runner.reward(ids)):
+            t.env_reward = None if r is None else float(r)
+        runner.end(ids)
+    tool_seconds += time.perf_counter() - clock
+    # every rank's rows as wide (the workers' batches are concatenated): the longest row of all
+    width = _reduce_max(max([len(t.ids) for t in trajs] + [1]))
+    return _assemble(prompts, trajs, tokenizer, tools, pad, width, prompt_width, tool_seconds)
+
+
+def _run_turns(engine: GenerationEngine, prompts: Batch, trajs: list[Trajectory], tokenizer, runner: ToolRunner,
+               cfg: MultiTurnConfig, tools: list[dict] | None, seed: int, per_turn: int) -> float:
+    """The turn-synchronous loop: each turn, every trajectory still going is a row of one
+    ``engine.generate_sequences`` call (collective: every rank makes the same calls), its calls
+    sent as its row ends, the results appended after the call. Returns the seconds blocked on
+    the tool runner (see the module docstring)."""
+    parse = TOOL_PARSERS[cfg.tool_parser]
+    eos = tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
+    budget = cfg.max_response_tokens
+    tool_seconds = 0.0
     # one engine session for every turn (HF: the units gathered once, not per turn)
     session = getattr(engine, "rollout_session", None)
     with session() if session is not None else contextlib.nullcontext():
@@ -320,22 +372,9 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                     clock = time.perf_counter()
                     sent[i] = _send_calls(t, parsed.calls, gen, runner, cfg)
                     tool_seconds += time.perf_counter() - clock
-                t.append(gen, True, lps)
-                t.messages.append(tool_call_message(parsed))
-                t.num_turns += 1
-                # what the reward reads: the turn's text without special tokens (the template's
-                # markers, a stray pad) where it made no call, else its content
-                t.final_answer = parsed.content if parsed.calls else \
-                    tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=True).strip()
-                if not ended:  # cut by the budget or the per-turn limit
-                    t.finish(truncated=True)
-                elif not parsed.calls:
-                    t.finish(truncated=False)
-                else:
+                if _record_turn(t, gen, lps, ended, parsed, tokenizer, turn == cfg.max_turns - 1):
                     assert sent[i].tokens == gen, "the engine reported a row's turn other than it returned"
                     waiting.append(sent[i])
-                    if turn == cfg.max_turns - 1:  # its calls still run (an environment's last move counts)
-                        t.truncated = True
             assert len(waiting) == len(sent), "calls were sent for a row whose returned turn has none"
             for s in waiting:  # results appended in row order, each row's in its calls' order
                 clock = time.perf_counter()
@@ -343,18 +382,85 @@ def run_multi_turn(engine: GenerationEngine, prompts: Batch, tokenizer, runner: 
                 tool_seconds += time.perf_counter() - clock
                 _append_results(s, results, tokenizer, cfg, tools, eos, budget)
 
-    for t in trajs:
-        if not t.done:
+    return tool_seconds
+
+
+def _record_turn(t: Trajectory, gen: list[int], lps: Sequence[float], ended: bool, parsed: Any, tokenizer,
+                 last_turn: bool) -> bool:
+    """Append one generated turn (`gen`, its log-probs `lps`, `parsed` from its text; `ended`:
+    it ends at EOS) to `t`, and end `t` where the turn ends it. True: its calls were sent and
+    their results are to be appended."""
+    t.append(gen, True, lps)
+    t.messages.append(tool_call_message(parsed))
+    t.num_turns += 1
+    # what the reward reads: the turn's text without special tokens (the template's
+    # markers, a stray pad) where it made no call, else its content
+    t.final_answer = parsed.content if parsed.calls else \
+        tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=True).strip()
+    if not ended:  # cut by the budget or the per-turn limit
+        t.finish(truncated=True)
+        return False
+    if not parsed.calls:
+        t.finish(truncated=False)
+        return False
+    if last_turn:  # its calls still run (an environment's last move counts)
+        t.truncated = True
+    return True
+
+
+def _run_without_barrier(requests: Any, trajs: list[Trajectory], tokenizer, runner: ToolRunner,
+                         cfg: MultiTurnConfig, tools: list[dict] | None, seed: int, per_turn: int) -> float:
+    """The loop without a turn barrier, over an engine's request session
+    (`shardwise.engine.vllm_engine.RequestSession`): every trajectory is a request of its
+    own in one stepping loop; when a request ends its calls are sent, and when their results
+    are back its next turn is queued at once, while the other trajectories still generate.
+    Each trajectory goes through the same turns as in `_run_turns` (the same ids, the same
+    sampling seed per turn: `turn_seed`, then the row's ``sample_key``, or without one this
+    rank and the row's index in the batch), and ranks do not wait for each other. Returns
+    the seconds blocked on the tool runner: the waits while no request was left to step."""
+    parse = TOOL_PARSERS[cfg.tool_parser]
+    eos = tokenizer.eos_token_id
+    budget = cfg.max_response_tokens
+    tool_seconds = 0.0
+    running: dict[str, tuple[int, int]] = {}
+    """Request id -> (trajectory index, turn)."""
+    waiting: dict[int, tuple[_Sent, int]] = {}
+    """Trajectory index -> its calls sent, and the turn that made them."""
+
+    def ask(i: int, turn: int) -> None:
+        t = trajs[i]
+        if len(t.ids) >= budget:
             t.finish(truncated=True)
-    clock = time.perf_counter()
-    if trajs:
-        for t, r in zip(trajs, runner.reward(ids)):
-            t.env_reward = None if r is None else float(r)
-        runner.end(ids)
-    tool_seconds += time.perf_counter() - clock
-    # every rank's rows as wide (the workers' batches are concatenated): the longest row of all
-    width = _reduce_max(max([len(t.ids) for t in trajs] + [1]))
-    return _assemble(prompts, trajs, tokenizer, tools, pad, width, prompt_width, tool_seconds)
+            return
+        rid = f"{i}/{turn}"
+        requests.add(rid, t.prompt + t.ids, max_new_tokens=max(1, min(per_turn, budget - len(t.ids))),
+                     seed=turn_seed(seed, turn), key=t.sample_key, row=i)
+        running[rid] = (i, turn)
+
+    with requests:
+        for i in range(len(trajs)):
+            ask(i, 0)
+        while running or waiting:
+            if running:
+                for rid, tokens, lps in requests.step():
+                    i, turn = running.pop(rid)
+                    t = trajs[i]
+                    gen = list(tokens)[:budget - len(t.ids)]
+                    ended = bool(gen) and eos is not None and gen[-1] == eos
+                    parsed = parse(tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False))
+                    sent = _send_calls(t, parsed.calls, gen, runner, cfg) if ended and parsed.calls else None
+                    if _record_turn(t, gen, lps[:len(gen)], ended, parsed, tokenizer, turn == cfg.max_turns - 1):
+                        waiting[i] = (sent, turn)
+            if waiting and not running:  # nothing to step: the rollout waits on the tools
+                clock = time.perf_counter()
+                runner.wait_any([s.submitted for s, _ in waiting.values()])
+                tool_seconds += time.perf_counter() - clock
+            for i in [i for i, (s, _) in waiting.items() if runner.done(s.submitted)]:
+                s, turn = waiting.pop(i)
+                _append_results(s, runner.collect(s.submitted), tokenizer, cfg, tools, eos, budget)
+                if not trajs[i].done:
+                    ask(i, turn + 1)
+    return tool_seconds
 
 
 def _start(prompts: Batch, tokenizer, tools: list[dict] | None) -> list[Trajectory]:

@@ -649,11 +649,19 @@ class MultiTurnConfig(Section):
     truncated_reward: float | None = None
     """The reward of a truncated trajectory (turns or tokens exhausted before a final
     answer), e.g. 0; null: scored like any other."""
-    tool_workers: Pos = 8
-    """Processes per rank that run the tool calls: a turn's calls (of every trajectory,
-    each sent as its turn ends) are spread over them and run concurrently, beside the
-    generation of the turn's longer rows; a call that hangs holds its process until
-    the tool timeout. Each is a small Python process that imports the tools' modules."""
+    tool_workers: Pos = 32
+    """Most processes per rank that run the tool calls: calls (each sent as its turn
+    ends) are spread over them and run concurrently, beside the generation of other
+    rows; a call that hangs holds its process until the tool timeout. Each is a small
+    Python process that imports the tools' modules (~31 MiB with its keeper). They start
+    as calls need them: one with the job, another when a call is queued and every
+    started one is busy (a call goes to a process that has imported the tools, so none
+    waits for a start while another could take it), so a large value costs nothing while
+    calls are few. With an environment its trajectories are pinned over all of them (each
+    process keeps the environments of its trajectories), so with many trajectories all
+    start. 32: with a 50 ms tool and ~25 calls per rank and step (benchmarks/agentic.py
+    --sleep-tool), 8 processes left the rollout waiting several tool rounds per step; 32
+    run them in one."""
     tools_kwargs_key: str = "extra_info.tools_kwargs"
     """A dotted key of the data record holding per-row tool arguments,
     ``{tool name: {argument: value}}``, passed to the tool on every call (verl's datasets

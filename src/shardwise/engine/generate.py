@@ -128,6 +128,13 @@ class GenerationEngine(abc.ABC):
         full tensors); only for an engine that `takes_adapters`."""
         raise NotImplementedError(f"{type(self).__name__} takes no adapters")
 
+    def request_session(self, greedy: bool = False) -> Any:
+        """A session that takes requests one at a time and gives each back as it ends, not
+        collective (`shardwise.engine.vllm_engine.RequestSession`: ``add``, ``step``,
+        ``unfinished``; a context manager): what the multi-turn loop runs without a turn
+        barrier. None (here): this engine generates only in ``generate_sequences`` calls."""
+        return None
+
     def rollout_session(self) -> contextlib.AbstractContextManager[None]:
         """A block in which the engine is called several times in a row with nothing else
         using the model between the calls (a multi-turn rollout's turns): an engine may set

@@ -45,6 +45,11 @@ engine's one adapter in place; every request then carries that adapter. This rea
 vLLM's worker (``model_runner.lora_manager`` and its adapter manager), checked on vLLM
 0.32 (CPU build): what verl and ROLL patch for the same purpose.
 
+`VLLMGenerator.request_session` (TP 1) gives a `RequestSession`: requests added one at a
+time (``LLM.enqueue``) into one stepping loop (``LLMEngine.step``), each given back as it
+finishes, while others run: what the multi-turn loop drives to continue a trajectory the
+moment its tool results are back (`shardwise.agents.loop`), with no turn barrier.
+
 With TP > 1 every rank of a TP group must submit exactly the same requests (each runs the
 same scheduler; different requests give silently wrong tokens), so `generate_sequences`
 all-gathers the prompts of the TP group, generates all of them on every rank of the group
@@ -89,7 +94,7 @@ from shardwise.errors import ConfigError
 from shardwise.models import lora
 from shardwise.models.vision import is_vision_language
 
-__all__ = ["VLLMGenerator"]
+__all__ = ["RequestSession", "VLLMGenerator"]
 
 log = logging.getLogger(__name__)
 
@@ -836,18 +841,10 @@ class VLLMGenerator(GenerationEngine):
         in order (``LLM.enqueue``), then the engine stepped (``LLMEngine.step``) until none
         is left, each finished request handed to `on_done` as it comes; the same requests,
         scheduled the same way, so the same tokens."""
-        from vllm import SamplingParams
-
         if not self._weights_current:
             raise RuntimeError("VLLMGenerator: the engine holds no weights of the actor (it starts with "
                                "dummy ones); call sync_weights before generating")
-        cfg = self.cfg
-        params = []
-        for q in requests:
-            sampling = (dict(temperature=0.0) if q["greedy"] else
-                        dict(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=0, seed=q["seed"]))
-            params.append(SamplingParams(n=1, max_tokens=q["max_tokens"], logprobs=0, stop_token_ids=[self.eos_id],
-                                         detokenize=False, **sampling))
+        params = [self._params(q["greedy"], q["max_tokens"], q["seed"]) for q in requests]
         self._wake(["weights", "kv_cache"])
         prompts = [{"prompt_token_ids": q["tokens"]} for q in requests]
         try:
@@ -857,6 +854,26 @@ class VLLMGenerator(GenerationEngine):
                 return self._stepped(prompts, params, on_done)
         finally:
             self._sleep()
+
+    def _params(self, greedy: bool, max_tokens: int, seed: int) -> Any:
+        """The ``SamplingParams`` of one request (see `generate_sequences`)."""
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        sampling = (dict(temperature=0.0) if greedy else
+                    dict(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=0, seed=seed))
+        return SamplingParams(n=1, max_tokens=max_tokens, logprobs=0, stop_token_ids=[self.eos_id],
+                              detokenize=False, **sampling)
+
+    def request_session(self, greedy: bool = False) -> RequestSession | None:
+        """A `RequestSession` on this engine (requests added and finished one at a time, in
+        one stepping loop), greedy when `greedy` or ``temperature`` is 0; None with TP > 1
+        (the ranks of a TP group must submit the same requests at the same steps, which
+        only `generate_sequences`' gathered calls guarantee). Not collective: each rank's
+        engine steps its own requests."""
+        if self.tp > 1:
+            return None
+        return RequestSession(self, greedy or float(self.cfg.temperature) == 0)
 
     def _stepped(self, prompts: list[dict[str, Any]], params: list[Any], on_done: Any) -> list[Any]:
         """``LLM.generate(prompts, params)`` with `on_done(i, output)` called as request i finishes."""
@@ -932,3 +949,94 @@ class VLLMGenerator(GenerationEngine):
             with contextlib.suppress(FileNotFoundError):  # a peer of the TP group was first
                 os.unlink(path)
         shutil.rmtree(self._config_dir, ignore_errors=True)
+
+
+class RequestSession:
+    """Requests added and finished one at a time over one stepping loop of a `VLLMGenerator`
+    (`VLLMGenerator.request_session`): `add` queues a request at once, even while others
+    are being generated (``LLM.enqueue``); `step` runs one engine step (``LLMEngine.step``)
+    and returns the requests that finished in it. What a caller that continues a
+    request with a new one when it ends needs (the multi-turn loop without a turn barrier,
+    `shardwise.agents.loop`). vLLM's public API only.
+
+    A request is sampled as `VLLMGenerator.generate_sequences` samples a row: its seed is
+    ``_request_seed(seed, rank, row, key)`` (the row's ``sample_key`` `key` when given,
+    else this rank and `row`), greedy for a greedy session, log-probs as there. Used as a
+    context manager (``with session:``): the engine is woken on entry and put back to sleep
+    on exit, the global RNG states are put back, and requests still running on exit (an
+    error) are aborted.
+    """
+
+    def __init__(self, generator: VLLMGenerator, greedy: bool):
+        self._gen = generator
+        self.greedy = bool(greedy)
+        self._ids: dict[str, tuple[str, ...]] = {}
+        """The caller's request id -> the engine's ids of it (``LLM.enqueue``'s and its outputs')."""
+        self._caller: dict[str, str] = {}
+        """Each engine id -> the caller's request id."""
+        self._rng: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> RequestSession:
+        gen = self._gen
+        if gen.llm is None:
+            raise RuntimeError("VLLMGenerator: the engine was shut down")
+        if not gen._weights_current:
+            raise RuntimeError("VLLMGenerator: the engine holds no weights of the actor (it starts with "
+                               "dummy ones); call sync_weights before generating")
+        gen._wake(["weights", "kv_cache"])
+        self._rng = contextlib.ExitStack()
+        self._rng.enter_context(_kept_rng_states())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._ids:  # leave no request behind for the next call
+                with contextlib.suppress(Exception):
+                    self._gen.llm.llm_engine.abort_request([i for ids in self._ids.values() for i in ids[:1]],
+                                                           internal=True)
+                self._ids.clear()
+                self._caller.clear()
+        finally:
+            if self._rng is not None:
+                self._rng.close()
+            self._gen._sleep()
+
+    @property
+    def unfinished(self) -> int:
+        """Requests added and not yet returned by `step`."""
+        return len(self._ids)
+
+    def add(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, seed: int,
+            key: str | None = None, row: int = 0) -> None:
+        """Queue request `request_id` (the caller's name for it; unique among those running):
+        at most `max_new_tokens` after `prompt_ids`, stopping at EOS (kept), seeded by the
+        call seed `seed` and `key` or `row` (see the class docstring)."""
+        if request_id in self._ids:
+            raise ValueError(f"RequestSession: request {request_id!r} is still running")
+        gen = self._gen
+        params = gen._params(self.greedy, int(max_new_tokens), _request_seed(seed, gen.rank, row, key))
+        [eid] = gen.llm.enqueue([{"prompt_token_ids": [int(i) for i in prompt_ids]}], [params], use_tqdm=False,
+                                lora_request=gen._lora_request())
+        # enqueue returns the engine's id ("<n>-<random>"); outputs carry the caller's ("<n>")
+        ids = tuple(dict.fromkeys((eid, eid.split("-")[0])))
+        self._ids[request_id] = ids
+        for i in ids:
+            self._caller[i] = request_id
+
+    def step(self) -> list[tuple[str, list[int], list[float]]]:
+        """One engine step: ``(request id, generated ids, their log-probs)`` of each request
+        that finished in it (its ids up to and including EOS, or `max_new_tokens` of them)."""
+        engine = self._gen.llm.llm_engine
+        if self._ids and not engine.has_unfinished_requests():
+            raise RuntimeError(f"vllm: requests {sorted(self._ids)[:5]} ended without an output")
+        done = []
+        for out in engine.step():
+            if not out.finished or out.request_id not in self._caller:
+                continue
+            rid = self._caller[out.request_id]
+            for i in self._ids.pop(rid):
+                del self._caller[i]
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            done.append((rid, toks, [float(c.logprobs[j][t].logprob) for j, t in enumerate(toks)]))
+        return done
