@@ -44,6 +44,7 @@ import subprocess
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,7 +262,7 @@ class ToolRunner:
             return
         first = min(submitted, key=lambda s: s.jobs.deadline)
         pending = {f for s in submitted for f in s.jobs.futures.values() if not f.done()}
-        try:
+        with self._children_killed_on_interrupt():
             while not any(self.done(s) for s in submitted):
                 left = first.jobs.deadline - time.monotonic()
                 if left <= 0:
@@ -269,10 +270,6 @@ class ToolRunner:
                     return
                 _, pending = concurrent.futures.wait(pending, timeout=left,
                                                      return_when=concurrent.futures.FIRST_COMPLETED)
-        except BaseException:  # an interrupt (Ctrl-C): the children are killed, their threads wake and end
-            for child in self._children:
-                child.close()
-            raise
 
     @property
     def processes(self) -> int:
@@ -392,13 +389,9 @@ class ToolRunner:
         """The outcomes of the payloads `sent`, in the order submitted, once all are answered."""
         if not sent.count:
             return []
-        try:
+        with self._children_killed_on_interrupt():
             _, pending = concurrent.futures.wait(sent.futures.values(),
                                                  timeout=max(0.0, sent.deadline - time.monotonic()))
-        except BaseException:  # an interrupt (Ctrl-C): the children are killed, their threads wake and end
-            for child in self._children:
-                child.close()
-            raise
         if pending:
             stuck = [w for w, f in sent.futures.items() if f in pending]
             for w in stuck:
@@ -409,6 +402,17 @@ class ToolRunner:
             for j, outcome in zip(idx, sent.futures[worker].result(), strict=True):
                 out[j] = outcome
         return out  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def _children_killed_on_interrupt(self) -> Iterator[None]:
+        """A wait on the children's threads; an interrupt (Ctrl-C) in it kills the children,
+        so their threads wake and end."""
+        try:
+            yield
+        except BaseException:
+            for child in self._children:
+                child.close()
+            raise
 
     def _grow(self) -> None:
         """Start one more child for plain calls, its tools imported in its thread meanwhile."""
@@ -421,8 +425,14 @@ class ToolRunner:
         """In child `worker`'s thread: import the tools (`_serve`'s first step), so that the
         child takes calls without a start."""
         if not self._closed and not self._loaded[worker]:
-            started = self._children[worker].call({"op": "load", "specs": self._specs}, self.start_timeout_s)
-            self._loaded[worker] = started.ok
+            self._load(worker)
+
+    def _load(self, worker: int) -> Outcome:
+        """Child `worker` (started if it has no process) imports the user's modules; whether
+        it did is `_loaded[worker]`."""
+        started = self._children[worker].call({"op": "load", "specs": self._specs}, self.start_timeout_s)
+        self._loaded[worker] = started.ok
+        return started
 
     def _serve_counted(self, worker: int, payloads: list[dict]) -> list[Outcome]:
         try:
@@ -444,11 +454,10 @@ class ToolRunner:
             if self._closed:  # closed while this ran: no fresh child
                 return out + [Outcome("crash", reason="the tool runner was closed")] * (len(payloads) - len(out))
             if not self._loaded[worker]:
-                started = child.call({"op": "load", "specs": self._specs}, self.start_timeout_s)
+                started = self._load(worker)
                 if not started.ok:  # the user's modules' import hung or ended the process (their errors are the calls')
                     failed = Outcome("crash", reason=f"the tool process could not start: {started.reason}")
                     return out + [failed] * (len(payloads) - len(out))
-                self._loaded[worker] = True
             got = child.map(payloads[len(out):], self.timeout_s)
             out.extend(got)
             if not got or got[-1].kind in ("timeout", "crash"):
