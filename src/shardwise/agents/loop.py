@@ -347,13 +347,11 @@ def _run_turns(engine: GenerationEngine, prompts: Batch, trajs: list[Trajectory]
             sent: dict[int, _Sent] = {}
 
             def row_ended(i: int, tokens: list[int], active=active, sent=sent) -> None:
-                t = active[i]
-                gen = list(tokens)[:budget - len(t.ids)]
-                if i in sent or not (gen and eos is not None and gen[-1] == eos):
+                if i in sent:
                     return
-                parsed = parse(tokenizer.decode(gen[:-1], skip_special_tokens=False))
-                if parsed.calls:
-                    sent[i] = _send_calls(t, parsed.calls, gen, runner, cfg)
+                gen, ended, parsed = _read_turn(active[i], tokens, budget, eos, parse, tokenizer)
+                if ended and parsed.calls:
+                    sent[i] = _send_calls(active[i], parsed.calls, gen, runner, cfg)
 
             if getattr(engine, "reports_ended_rows", False):
                 out = engine.generate_sequences(call, on_row_end=row_ended)
@@ -363,11 +361,9 @@ def _run_turns(engine: GenerationEngine, prompts: Batch, trajs: list[Trajectory]
             waiting: list[_Sent] = []
             for i, t in enumerate(active):
                 n = int(out.tensors["response_mask"][i, width:].sum())
-                gen = out.tensors["input_ids"][i, width:width + n].tolist()[:budget - len(t.ids)]
+                gen, ended, parsed = _read_turn(t, out.tensors["input_ids"][i, width:width + n].tolist(), budget, eos,
+                                                parse, tokenizer)
                 lps = out.tensors["rollout_log_probs"][i, width:width + len(gen)].tolist()
-                ended = bool(gen) and eos is not None and gen[-1] == eos
-                text = tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
-                parsed = parse(text)
                 if ended and parsed.calls and i not in sent:  # not reported by the engine: sent now
                     clock = time.perf_counter()
                     sent[i] = _send_calls(t, parsed.calls, gen, runner, cfg)
@@ -383,6 +379,15 @@ def _run_turns(engine: GenerationEngine, prompts: Batch, trajs: list[Trajectory]
                 _append_results(s, results, tokenizer, cfg, tools, eos, budget)
 
     return tool_seconds
+
+
+def _read_turn(t: Trajectory, tokens: Sequence[int], budget: int, eos: int | None, parse: Any,
+               tokenizer) -> tuple[list[int], bool, Any]:
+    """One generated turn of `t` as the loop reads it: its ids cut to what is left of the
+    budget, whether they end at EOS, and the parser's reading of their text (the EOS left out)."""
+    gen = list(tokens)[:budget - len(t.ids)]
+    ended = bool(gen) and eos is not None and gen[-1] == eos
+    return gen, ended, parse(tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False))
 
 
 def _record_turn(t: Trajectory, gen: list[int], lps: Sequence[float], ended: bool, parsed: Any, tokenizer,
@@ -445,9 +450,7 @@ def _run_without_barrier(requests: Any, trajs: list[Trajectory], tokenizer, runn
                 for rid, tokens, lps in requests.step():
                     i, turn = running.pop(rid)
                     t = trajs[i]
-                    gen = list(tokens)[:budget - len(t.ids)]
-                    ended = bool(gen) and eos is not None and gen[-1] == eos
-                    parsed = parse(tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False))
+                    gen, ended, parsed = _read_turn(t, tokens, budget, eos, parse, tokenizer)
                     sent = _send_calls(t, parsed.calls, gen, runner, cfg) if ended and parsed.calls else None
                     if _record_turn(t, gen, lps[:len(gen)], ended, parsed, tokenizer, turn == cfg.max_turns - 1):
                         waiting[i] = (sent, turn)
