@@ -878,10 +878,7 @@ class VLLMGenerator(GenerationEngine):
     def _stepped(self, prompts: list[dict[str, Any]], params: list[Any], on_done: Any) -> list[Any]:
         """``LLM.generate(prompts, params)`` with `on_done(i, output)` called as request i finishes."""
         ids = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self._lora_request())
-        # enqueue returns the engine's ids ("<n>-<random>"); outputs carry the caller's ("<n>")
-        where = {}
-        for i, rid in enumerate(ids):
-            where[rid] = where[rid.split("-")[0]] = i
+        where = {name: i for i, rid in enumerate(ids) for name in _output_ids(rid)}
         outputs: list[Any] = [None] * len(ids)
         engine = self.llm.llm_engine
         try:
@@ -892,8 +889,7 @@ class VLLMGenerator(GenerationEngine):
                         outputs[i] = out
                         on_done(i, out)
         except BaseException:
-            with contextlib.suppress(Exception):  # leave no request behind for the next call
-                engine.abort_request([r for r, o in zip(ids, outputs) if o is None], internal=True)
+            _abort(engine, [r for r, o in zip(ids, outputs) if o is None])
             raise
         missing = [i for i, o in enumerate(outputs) if o is None]
         if missing:
@@ -951,6 +947,19 @@ class VLLMGenerator(GenerationEngine):
         shutil.rmtree(self._config_dir, ignore_errors=True)
 
 
+def _output_ids(engine_id: str) -> tuple[str, ...]:
+    """The ids a request's outputs may carry: ``LLM.enqueue`` returns the engine's id
+    (``"<n>-<random>"``), its outputs carry the caller's (``"<n>"``)."""
+    return tuple(dict.fromkeys((engine_id, engine_id.split("-")[0])))
+
+
+def _abort(engine: Any, ids: list[str]) -> None:
+    """Abort the requests `ids` still in `engine`, so none is left behind for the next call
+    (after an error; what fails here adds nothing to it)."""
+    with contextlib.suppress(Exception):
+        engine.abort_request(ids, internal=True)
+
+
 class RequestSession:
     """Requests added and finished one at a time over one stepping loop of a `VLLMGenerator`
     (`VLLMGenerator.request_session`): `add` queues a request at once, even while others
@@ -990,10 +999,8 @@ class RequestSession:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self._ids:  # leave no request behind for the next call
-                with contextlib.suppress(Exception):
-                    self._gen.llm.llm_engine.abort_request([i for ids in self._ids.values() for i in ids[:1]],
-                                                           internal=True)
+            if self._ids:
+                _abort(self._gen.llm.llm_engine, [ids[0] for ids in self._ids.values()])
                 self._ids.clear()
                 self._caller.clear()
         finally:
@@ -1017,8 +1024,7 @@ class RequestSession:
         params = gen._params(self.greedy, int(max_new_tokens), _request_seed(seed, gen.rank, row, key))
         [eid] = gen.llm.enqueue([{"prompt_token_ids": [int(i) for i in prompt_ids]}], [params], use_tqdm=False,
                                 lora_request=gen._lora_request())
-        # enqueue returns the engine's id ("<n>-<random>"); outputs carry the caller's ("<n>")
-        ids = tuple(dict.fromkeys((eid, eid.split("-")[0])))
+        ids = _output_ids(eid)
         self._ids[request_id] = ids
         for i in ids:
             self._caller[i] = request_id
