@@ -125,7 +125,6 @@ FORMAT = "shardwise-dcp/1"
 HASH_CHUNK_BYTES = 8 << 20
 """Files are hashed in reads of this many bytes (8 MiB)."""
 
-_STEP_DIR = STEP_DIR
 _TMP_DIR = re.compile(r"^step_(\d{8,})\.tmp-")
 
 
@@ -848,7 +847,7 @@ class CheckpointManager:
         if complete:
             newest = complete[-1][0]
             for p in self.dir.iterdir():
-                m = _TMP_DIR.match(p.name) or _STEP_DIR.match(p.name)
+                m = _TMP_DIR.match(p.name) or STEP_DIR.match(p.name)
                 if m and p.is_dir() and int(m.group(1)) <= newest and not is_complete(p) \
                         and (pending is None or p != pending.tmp):
                     doomed.append(p)
