@@ -71,7 +71,6 @@ from shardwise.data.tasks import BUILTIN_PREFIX, HELDOUT_PROMPTS, HELDOUT_SEED_O
 from shardwise.data.tokenizer import check_vocab, pad_token_id, shared_tokenizer
 from shardwise.distributed.runtime import Runtime, env_world
 from shardwise.distributed.ulysses import train_only
-from shardwise.engine import vllm_engine
 from shardwise.engine.evaluate import (
     EvalPlan,
     answer_row,
@@ -94,6 +93,7 @@ from shardwise.jobs.inputs import (
     check_model,
     check_tokenizer,
     check_tokens,
+    check_vllm_engine,
     ground_truth_key,
     vision_inputs,
     wants_tools_tokenizer,
@@ -175,7 +175,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     check_generation_engine(cfg.infer, world, "infer")
     check_model(cfg)
     if cfg.infer.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
-        vllm_engine.check_supported(load_hf_config(cfg.model), "infer", "model.config")
+        check_vllm_engine(load_hf_config(cfg.model), "infer", "model.config")
     # the tools and environment, as rl's: before the tokens (their tokenizer is the tools variant)
     checked = check_agents(cfg, "infer")
     agents = Agents(checked[1], checked[2], checked[0]) if checked is not None else None
