@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import textwrap
+import threading
 import time
 import uuid
 
 import pytest
 from dist.launcher import alive
 
+from shardwise.agents import execute
 from shardwise.agents.execute import ToolResult, ToolRunner
 from shardwise.agents.parsers import TOOL_PARSERS, ToolCall, parse_hermes, tool_call_message
 from shardwise.agents.tools import all_schemas, load_environment, load_tools
@@ -372,6 +374,23 @@ def test_close_ends_calls_submitted_and_not_collected(mod):
     r.submit([("t", ToolCall("hangs", {"x": 1}), {})])
     r.close()
     assert not set(alive(descendants(os.getpid()))) - before
+
+
+def test_a_tool_worker_that_never_answers_ends_the_wait_in_one_line_naming_it(mod, monkeypatch):
+    """The runner's own bound (beyond each call's timeout, which the child enforces) fires on
+    a child's thread that never comes back: `wait_any` and `collect` end in one line naming
+    the tool worker, instead of waiting for ever."""
+    monkeypatch.setattr(execute, "BOUND_PER_CALL_S", 0.0)
+    monkeypatch.setattr(execute, "BOUND_SLACK_S", 0.0)
+    stuck = threading.Event()
+    with ToolRunner(load_tools([f"{mod}:calculator"]), None, timeout_s=0.5, start_timeout_s=0.5, workers=1) as r:
+        r._lanes[0].submit(stuck.wait)  # the child's thread taken by something that does not return
+        sent = r.submit([("t", ToolCall("calculator", {"expression": "1+1"}), {})])
+        for wait in (lambda: r.wait_any([sent]), lambda: r.collect(sent)):
+            with pytest.raises(RuntimeError) as e:
+                wait()
+            assert str(e.value) == "tool worker(s) [0] did not answer within 1 s", str(e.value)
+        stuck.set()
 
 
 def test_an_environment_that_cannot_start_answers_why(mod):

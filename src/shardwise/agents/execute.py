@@ -57,6 +57,12 @@ __all__ = ["Submitted", "ToolResult", "ToolRunner"]
 
 _TARGET = "shardwise.agents.host:serve"
 _STATUSES = ("ok", "error", "timeout", "crash")
+BOUND_PER_CALL_S = 10.0
+BOUND_SLACK_S = 30.0
+"""The runner's own bound on a submission's answers, beyond each call's ``timeout_s`` and a
+start's ``start_timeout_s`` (which its children enforce): per call queued on a child, and
+once. Past it the wait ends in one line naming the tool workers that did not answer: it
+only fires on a runner bug (a child's thread that never came back)."""
 _NO_ENVIRONMENT = "the environment of this trajectory was ended or never started"
 
 
@@ -382,7 +388,8 @@ class ToolRunner:
         # Each payload is bounded by the children (timeout_s after the previous answer, a
         # start by start_timeout_s), those queued before it in its child included; this
         # bound only catches a runner bug.
-        bound = max(ahead.values(), default=0) * (self.timeout_s + self.start_timeout_s + 10) + 30
+        bound = max(ahead.values(), default=0) * (self.timeout_s + self.start_timeout_s + BOUND_PER_CALL_S) \
+            + BOUND_SLACK_S
         return _Jobs(futures, groups, len(jobs), bound, time.monotonic() + bound)
 
     def _collect(self, sent: _Jobs) -> list[Outcome]:
