@@ -81,25 +81,27 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
               "rl.algorithm=ppo", "rl.advantage=gae", "rl.critic.enabled=true", "rl.critic.lr=1e-3",
               "rl.actor.on_policy_shortcut=false",  # the old-log-prob forward path (the demo test: the other)
               "rl.heldout_eval=false"]
-    # Independent runs go two at a time (at_once: each is mostly start-up, Ray and the
-    # workers' imports), each with a local Ray cluster of its own.
+    # Independent runs go two at a time (at_once: each is mostly start-up). The whole run's
+    # ranks are forked processes (rl.backend auto: local here), the two parts' Ray actors with
+    # a local Ray cluster of their own: the backends give the same steps.
     whole, parts = tmp_path / "whole", tmp_path / "parts"
+    on_ray = "rl.backend=ray"
     at_once(lambda: rl(whole, *common, "train.max_steps=4", cwd=tmp_path),
-            lambda: rl(parts, *common, "train.max_steps=2", cwd=tmp_path))
+            lambda: rl(parts, *common, "train.max_steps=2", on_ray, cwd=tmp_path))
     for root in (parts, parts / "critic"):  # keep_best: step 0 (the best) is kept too
         assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["best.json", "step_00000000",
                                                                            "step_00000002"]
 
     # Meanwhile: a damaged checkpoint named explicitly passes the launcher's look at the
-    # folder and is found by the Ray workers when they verify its checksums: the user still
-    # reads one line naming the key, exit status 2, as when the controller finds a mistake.
+    # folder and is found by the (forked) workers when they verify its checksums: the user
+    # still reads one line naming the key, exit status 2, as when the controller finds a mistake.
     damaged = tmp_path / "damaged"
     shutil.copytree(whole / "checkpoints" / "step_00000004", damaged)
     shard = sorted(damaged.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    res, bad = at_once(lambda: rl(parts, *common, "train.max_steps=4", cwd=tmp_path),
+    res, bad = at_once(lambda: rl(parts, *common, "train.max_steps=4", on_ray, cwd=tmp_path),
                        lambda: run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={tmp_path / 'again'}", *common,
                                         "train.max_steps=6", f"checkpoint.resume={damaged}"], timeout=400,
                                        cwd=tmp_path))
@@ -127,8 +129,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     # (the actor's model, the engine, the reference, the critic, the reward model) moved
     # out of worker_groups, adding up to no more than the launch-to-first-step total.
     startup = {k.removeprefix("time/startup/"): v for k, v in a[0].items() if k.startswith("time/startup/")}
-    assert {"launch", "prepare", "ray", "worker_groups", "model_load", "engine", "reference", "critic",
-            "reward_model", "resume", "total"} <= set(startup), startup
+    assert {"launch", "prepare", "worker_groups", "model_load", "engine", "reference", "critic",
+            "reward_model", "resume", "total"} <= set(startup) and "ray" not in startup, startup
+    assert "time/startup/ray" in b[0], b[0]  # the parts ran on Ray
     assert all(v >= 0 for v in startup.values()), startup
     assert sum(v for k, v in startup.items() if k != "total") <= startup["total"] + 1e-6, startup
     assert not any(k.startswith("time/startup/") for m in a[1:] for k in m)
@@ -364,7 +367,7 @@ def test_group_filtering_with_refill_keeps_only_groups_that_teach(sft_demo_model
              "checkpoint.every_steps=0", "checkpoint.export_hf=false", "rl.record_batches=1",
              "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false",
              # unset, a new local Ray cluster logs a warning about its token authentication
-             config=DEMO, cwd=tmp_path, env={"RAY_AUTH_MODE": None})
+             "rl.backend=ray", config=DEMO, cwd=tmp_path, env={"RAY_AUTH_MODE": None})
     m = metrics(run_dir)
     assert [x["step"] for x in m] == [1, 2]
     for x in m:

@@ -737,6 +737,12 @@ class RLConfig(Section):
     """Discount per token (gae, reinforce_plus_plus)."""
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
     """GAE lambda."""
+    backend: Literal["auto", "ray", "local"] = "auto"
+    """Where the worker groups run. ray: Ray actors (a cluster of several nodes through
+    RAY_ADDRESS; one GPU per rank where the cluster has them). local: processes forked from
+    the controller on this machine, no Ray: no Ray head to start and no rank importing
+    torch again, so the run reaches its first step seconds sooner (the same steps, the same
+    errors). auto: local on one machine without a GPU and without RAY_ADDRESS, else ray."""
     heldout_eval: bool = True
     """Built-in tasks: score the policy on the task's 200 held-out prompts before and after
     RL (greedy accuracy; pass@1 and pass@n sampled at the rollout temperature): the

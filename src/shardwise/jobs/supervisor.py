@@ -55,6 +55,7 @@ from shardwise.distributed.launch import describe_exit, kill_tree
 from shardwise.errors import ShardwiseError
 from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
 from shardwise.rl.cluster import WorkerError, _is_ray_process, init_ray_while, ray_cpus, shutdown_ray
+from shardwise.rl.local import resolve_backend, start_pool, stop_pool
 from shardwise.telemetry import activity
 from shardwise.telemetry.logs import ThirdPartyToFile
 from shardwise.telemetry.startup import StartupClock, launched_at
@@ -134,15 +135,22 @@ def control(job_name: str, cfg: Config, nproc: int, ahead: bool = False) -> int:
     RunDirLock(run_dir, command_line()).check_free()
     record_run_dir(run_dir)  # for a supervising parent's line, should this process end abruptly
     clock = StartupClock(launched_at())
-    ahead = ahead and not os.environ.get("RAY_ADDRESS")  # a cluster is joined after the checks
+    local = resolve_backend(cfg) == "local"
+    # a cluster is joined after the checks; without Ray (rl.backend local) there is none to start
+    ahead = ahead and not local and not os.environ.get("RAY_ADDRESS")
     held = _held_log() if ahead else None
     try:
         with ThirdPartyToFile(held) if held else contextlib.nullcontext():
             job = _import_job(job_name, cfg, nproc, ahead, clock)
+        if local:  # the ranks' processes, forked while nothing but this thread runs (`start_pool`)
+            clock.lap("launch")
+            start_pool(ray_cpus(cfg, nproc))
         prepared = job.prepare(cfg, nproc, clock)
     except BaseException:
         if ahead:  # nothing of Ray's is left when a check fails
             shutdown_ray()
+        if local:  # nor a rank's process
+            stop_pool()
         if held:
             held.unlink(missing_ok=True)
         raise
@@ -216,6 +224,7 @@ def _ray_stopped(interrupts: list[str]) -> Iterator[None]:
     try:
         yield
     finally:
+        stop_pool()  # the local ranks' processes a group did not end (rl.backend local)
         shutdown_ray(restore_signals=not interrupts)
 
 

@@ -69,7 +69,8 @@ from shardwise.data.batch import Batch
 from shardwise.data.rewards import RewardFn
 from shardwise.engine.evaluate import EvalPlan
 from shardwise.models.vision import VisionInputs
-from shardwise.rl.cluster import Pending, RayWorkerGroup, gpus_for, init_ray, ray_cpus
+from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerGroup, gpus_for, init_ray, ray_cpus
+from shardwise.rl.local import group_class, local_gpus
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker
 from shardwise.rl.workers.hybrid import RLWorker
@@ -109,7 +110,7 @@ class AsyncController(Controller):
         a = cfg.rl.async_
         self.generator_ranks = world_size - train
         self.max_staleness, self.timeout_s, self.on_stale = a.max_staleness, a.timeout_s, a.on_stale
-        self.gen: RayWorkerGroup | None = None
+        self.gen: WorkerGroup | None = None
         self.first_version = 0
         """v0: the policy version the run started from (its step)."""
         self.version = 0
@@ -124,24 +125,27 @@ class AsyncController(Controller):
 
     # -- the worker groups
     def start(self, clock: StartupClock | None = None) -> None:
-        """Start Ray, then the training groups and the generator group at once."""
+        """Start Ray (`rl.backend` ray), then the training groups and the generator group at once."""
         clock = clock or StartupClock()
         self._start_scorers()
         plan = async_worker_groups(self.cfg)
-        init_ray(num_cpus=ray_cpus(self.cfg, self.world_size + self.generator_ranks))
-        clock.lap("ray")
+        ranks = self.world_size * (len(plan) - 1) + self.generator_ranks
+        group_cls = group_class(self.cfg)
+        if group_cls is RayWorkerGroup:
+            init_ray(num_cpus=ray_cpus(self.cfg, self.world_size + self.generator_ranks))
+            clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         logs = self.run_dir / "logs"
         # GPUs for every rank of every group, or none: a group started first must not leave
         # the other waiting for the devices it took
-        gpu = gpus_for(self.world_size * (len(plan) - 1) + self.generator_ranks)
+        gpu = gpus_for(ranks) if group_cls is RayWorkerGroup else local_gpus() >= ranks
 
-        def build(name: str, roles: list[str]) -> RayWorkerGroup:
+        def build(name: str, roles: list[str]) -> WorkerGroup:
             if name == "gen":
-                return RayWorkerGroup(GeneratorWorker, self.generator_ranks, cfg_dict, self.pad_id, self.eos_id,
-                                      name=name, use_gpu=gpu, log_dir=logs)
-            return RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id, self.eos_id, name=name,
-                                  use_gpu=gpu, log_dir=logs)
+                return group_cls(GeneratorWorker, self.generator_ranks, cfg_dict, self.pad_id, self.eos_id,
+                                 name=name, use_gpu=gpu, log_dir=logs)
+            return group_cls(RLWorker, self.world_size, cfg_dict, roles, self.pad_id, self.eos_id, name=name,
+                             use_gpu=gpu, log_dir=logs)
 
         with ThreadPoolExecutor(len(plan)) as pool:
             started = {name: pool.submit(build, name, roles) for name, roles in plan.items()}
@@ -165,7 +169,7 @@ class AsyncController(Controller):
         clock.lap("worker_groups")
         self._split_startup(clock)
 
-    def all_groups(self) -> dict[str, RayWorkerGroup]:
+    def all_groups(self) -> dict[str, WorkerGroup]:
         """The training groups and the generator group."""
         return {**self.groups, **({"gen": self.gen} if self.gen is not None else {})}
 

@@ -339,6 +339,22 @@ def shutdown_ray(restore_signals: bool = True) -> None:
             signal.signal(sig, handler if restore_signals else on_signal)
 
 
+def host_rank(rank: int, world_size: int, addr: str, port: int, local_rank: int, node: str,
+              console: Any, worker_cls: type, args: tuple, kwargs: dict) -> Any:
+    """In a worker process: the torch.distributed environment of `rank`, its log lines
+    (``[rank R node N]``; shardwise's also to `console`, the stream on the original stderr),
+    the process group, then ``worker_cls(*args, runtime=..., **kwargs)``, returned."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
+                       "MASTER_PORT": str(port), "LOCAL_RANK": str(local_rank)})
+    level = logging.INFO if rank == 0 else logging.WARNING
+    fmt = f"[rank {rank} node {node}] %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt)
+    if console is not None:
+        console_logger(console, fmt, level)
+    runtime = init_distributed()
+    return worker_cls(*args, runtime=runtime, **kwargs)
+
+
 class _RankHost:
     """The Ray actor behind one rank: sets the torch.distributed environment, starts the
     process group and hosts the worker object."""
@@ -380,16 +396,9 @@ class _RankHost:
         import ray
 
         gpus = ray.get_gpu_ids()
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
-                           "MASTER_PORT": str(port), "LOCAL_RANK": "0" if gpus else str(rank)})
         node = ray.get_runtime_context().get_node_id()[:8]
-        level = logging.INFO if rank == 0 else logging.WARNING
-        fmt = f"[rank {rank} node {node}] %(levelname)s %(name)s: %(message)s"
-        logging.basicConfig(level=level, format=fmt)
-        if self.console is not None:
-            console_logger(self.console, fmt, level)
-        runtime = init_distributed()
-        self.worker = worker_cls(*args, runtime=runtime, **kwargs)
+        self.worker = host_rank(rank, world_size, addr, port, 0 if gpus else rank, node, self.console,
+                                worker_cls, args, kwargs)
 
     def execute(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
         """The method's result and the seconds it ran here (the rest of the caller's wait is
@@ -405,7 +414,106 @@ class _RankHost:
         teardown()
 
 
-class RayWorkerGroup:
+class WorkerGroup:
+    """What the controller sees of a worker group, on Ray (`RayWorkerGroup`) or in forked
+    processes on this machine (`shardwise.rl.local.LocalWorkerGroup`): calling registered
+    worker methods (``group.method(...)``, `call`, `submit`), where each rank runs and the
+    data-parallel layout. A subclass starts a method on a rank (`_start`), waits for
+    started ones (`_wait`, `_ready`) and shuts the group down."""
+
+    worker_cls: type
+    world_size: int
+    name: str
+    places: list[RankPlace]
+    log_paths: list[str | None]
+    layout: Layout
+    dispatch_s: float
+    _alive: bool
+
+    def _set_layout(self, sp: int) -> None:
+        # Every worker is its own data-parallel rank, or with Ulysses (`sp` > 1) the sp
+        # consecutive ranks of a group share one: they get the same rows, the first returns.
+        if sp == 1:
+            self.layout = Layout.data_parallel(self.world_size)
+        else:
+            self.layout = Layout(tuple(r // sp for r in range(self.world_size)),
+                                 tuple(r % sp == 0 for r in range(self.world_size)))
+
+    def describe_places(self) -> str:
+        """Which ranks run on which node, e.g. ``ranks 0-1 on node 10.0.0.1, id 1a2b3c4d``."""
+        by_node: dict[str, list[RankPlace]] = {}
+        for p in self.places:
+            by_node.setdefault(p.node_id, []).append(p)
+        parts = []
+        for ps in by_node.values():
+            ranks = f"rank {ps[0].rank}" if len(ps) == 1 else f"ranks {ps[0].rank}-{ps[-1].rank}"
+            parts.append(f"{ranks} on {ps[0].where()}")
+        return "; ".join(parts)
+
+    def places_dict(self) -> list[dict[str, Any]]:
+        """`places` as JSON-ready dicts."""
+        return [asdict(p) for p in self.places]
+
+    # -- calling worker methods
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        rule = dispatch_rule(self.worker_cls, name)
+        if rule is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{name} is not a worker method registered "
+                                 "with shardwise.rl.dispatch.register")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.call(name, *args, **kwargs)
+
+        call.__name__ = name
+        return call
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the worker method `name` on the ranks and wait for its joined result (no
+        bound but the workers' own: a lost rank still ends it, see `_wait`)."""
+        pending = self.submit(name, *args, **kwargs)
+        pending.blocking = True
+        return pending.result()
+
+    def submit(self, name: str, *args: Any, **kwargs: Any) -> Pending:
+        """Start the worker method `name` on the ranks (split by its dispatch rule) without
+        waiting; `Pending.result` joins it. A rank runs its calls one at a time, in the order
+        they were submitted."""
+        rule = dispatch_rule(self.worker_cls, name)
+        if rule is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{name} has no dispatch rule")
+        if not self._alive:
+            raise WorkerError(f"worker group {self.name!r} was shut down")
+        t0 = time.perf_counter()
+        calls, pad = split_arguments(rule, self.layout, name, args, kwargs)
+        futures = {i: self._start(i, name, c) for i, c in enumerate(calls) if c is not None}
+        return Pending(self, name, rule, futures, pad, t0, time.perf_counter() - t0)
+
+    def _start(self, rank: int, method: str, call: tuple[tuple, dict]) -> Any:
+        """Start `method` with ``call`` (args, kwargs) on `rank`; a handle `_wait` takes."""
+        raise NotImplementedError
+
+    def _wait(self, futures: Mapping[int, Any], what: str, timeout: float | None = None) -> list[Any]:
+        """The ``(result, seconds)`` of `futures` (rank -> handle), in the mapping's order;
+        on the first failure the group is shut down and one `WorkerError` raised."""
+        raise NotImplementedError
+
+    def _ready(self, futures: Mapping[int, Any]) -> bool:
+        """Whether every handle of `futures` has its answer (without waiting)."""
+        raise NotImplementedError
+
+    def shutdown(self, graceful: bool = True) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown(graceful=exc[0] is None)
+
+
+class RayWorkerGroup(WorkerGroup):
     """`world_size` Ray actors, each hosting ``worker_cls(*args, runtime=..., **kwargs)``
     as one rank of a fresh process group. See the module docstring."""
 
@@ -460,13 +568,7 @@ class RayWorkerGroup:
         except BaseException:
             self.shutdown(graceful=False)
             raise
-        # Every worker is its own data-parallel rank, or with Ulysses (`sp` > 1) the sp
-        # consecutive ranks of a group share one: they get the same rows, the first returns.
-        if sp == 1:
-            self.layout = Layout.data_parallel(world_size)
-        else:
-            self.layout = Layout(tuple(r // sp for r in range(world_size)),
-                                 tuple(r % sp == 0 for r in range(world_size)))
+        self._set_layout(sp)
 
     def _wait_for_resources(self, bundle: dict[str, int], timeout_s: float) -> None:
         """Until the placement group is reserved; says once what it waits for when that takes
@@ -484,56 +586,12 @@ class RayWorkerGroup:
         if not ray.wait([self._pg.ready()], timeout=max(timeout_s - SETUP_NOTE_S, 0.0))[0]:
             raise WorkerError(f"{waiting}, and gave up after {timeout_s:g} s (add nodes, or lower --nproc)")
 
-    def describe_places(self) -> str:
-        """Which ranks run on which node, e.g. ``ranks 0-1 on node 10.0.0.1, id 1a2b3c4d``."""
-        by_node: dict[str, list[RankPlace]] = {}
-        for p in self.places:
-            by_node.setdefault(p.node_id, []).append(p)
-        parts = []
-        for ps in by_node.values():
-            ranks = f"rank {ps[0].rank}" if len(ps) == 1 else f"ranks {ps[0].rank}-{ps[-1].rank}"
-            parts.append(f"{ranks} on {ps[0].where()}")
-        return "; ".join(parts)
+    def _start(self, rank: int, method: str, call: tuple[tuple, dict]) -> Any:
+        return self._actors[rank].execute.remote(method, *call)
 
-    def places_dict(self) -> list[dict[str, Any]]:
-        """`places` as JSON-ready dicts."""
-        return [asdict(p) for p in self.places]
-
-    # -- calling worker methods
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        rule = dispatch_rule(self.worker_cls, name)
-        if rule is None:
-            raise AttributeError(f"{self.worker_cls.__name__}.{name} is not a worker method registered "
-                                 "with shardwise.rl.dispatch.register")
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return self.call(name, *args, **kwargs)
-
-        call.__name__ = name
-        return call
-
-    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the worker method `name` on the ranks and wait for its joined result (no
-        bound but the workers' own: a lost rank still ends it, see `_wait`)."""
-        pending = self.submit(name, *args, **kwargs)
-        pending.blocking = True
-        return pending.result()
-
-    def submit(self, name: str, *args: Any, **kwargs: Any) -> Pending:
-        """Start the worker method `name` on the ranks (split by its dispatch rule) without
-        waiting; `Pending.result` joins it. A rank runs its calls one at a time, in the order
-        they were submitted."""
-        rule = dispatch_rule(self.worker_cls, name)
-        if rule is None:
-            raise AttributeError(f"{self.worker_cls.__name__}.{name} has no dispatch rule")
-        if not self._alive:
-            raise WorkerError(f"worker group {self.name!r} was shut down")
-        t0 = time.perf_counter()
-        calls, pad = split_arguments(rule, self.layout, name, args, kwargs)
-        futures = {i: self._actors[i].execute.remote(name, *c) for i, c in enumerate(calls) if c is not None}
-        return Pending(self, name, rule, futures, pad, t0, time.perf_counter() - t0)
+    def _ready(self, futures: Mapping[int, Any]) -> bool:
+        refs = list(futures.values())
+        return len(_ray().wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
 
     def _wait(self, futures: Mapping[int, Any], what: str, timeout: float | None = None) -> list[Any]:
         """The results of `futures` (rank -> object ref), in the mapping's order; on the
@@ -648,18 +706,12 @@ class RayWorkerGroup:
             ray.kill(a, no_restart=True)
         remove_placement_group(self._pg)
 
-    def __enter__(self) -> RayWorkerGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown(graceful=exc[0] is None)
-
 
 class Pending:
-    """A worker method started on a group's ranks (`RayWorkerGroup.submit`); `result`
-    waits for it and joins the ranks' results as `RayWorkerGroup.call` does."""
+    """A worker method started on a group's ranks (`WorkerGroup.submit`); `result`
+    waits for it and joins the ranks' results as `WorkerGroup.call` does."""
 
-    def __init__(self, group: RayWorkerGroup, name: str, rule: Any, futures: dict[int, Any], pad: Any,
+    def __init__(self, group: WorkerGroup, name: str, rule: Any, futures: dict[int, Any], pad: Any,
                  t0: float, split_s: float):
         self.group, self.name, self._rule, self._futures, self._pad = group, name, rule, futures, pad
         self._t0, self._split_s = t0, split_s
@@ -670,9 +722,7 @@ class Pending:
 
     def ready(self) -> bool:
         """Whether every rank has answered (without waiting)."""
-        ray = _ray()
-        return self._done or len(ray.wait(list(self._futures.values()), num_returns=len(self._futures),
-                                          timeout=0)[0]) == len(self._futures)
+        return self._done or self.group._ready(self._futures)
 
     def result(self, timeout_s: float | None = None, what: str | None = None) -> Any:
         """The joined result. A rank that raised or was lost, or (with `timeout_s`) ranks

@@ -81,7 +81,8 @@ from shardwise.engine.generate import prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
-from shardwise.rl.cluster import RayWorkerGroup, init_ray, ray_cpus, worker_groups
+from shardwise.rl.cluster import RayWorkerGroup, WorkerGroup, init_ray, ray_cpus, worker_groups
+from shardwise.rl.local import group_class
 from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
 from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
 from shardwise.telemetry.metrics import read_metrics
@@ -146,22 +147,24 @@ class Controller:
         off_policy decoupled, whose proximal policy is the recomputed old log-probs."""
         self.dp_size = mesh_spec(cfg.parallel, world_size).dp_size
         self.step = 0
-        self.groups: dict[str, RayWorkerGroup] = {}
+        self.groups: dict[str, WorkerGroup] = {}
 
     # -- the worker groups
     def start(self, clock: StartupClock | None = None) -> None:
-        """Start Ray and the worker groups; with `clock`, laps ``ray`` and
+        """Start Ray (`rl.backend` ray) and the worker groups; with `clock`, laps ``ray`` and
         ``worker_groups`` (the parts the workers timed moved out of it: `_split_startup`)."""
         clock = clock or StartupClock()
         self._start_scorers()
         plan = worker_groups(self.cfg)
-        init_ray(num_cpus=ray_cpus(self.cfg, self.world_size))
-        clock.lap("ray")
+        group_cls = group_class(self.cfg)
+        if group_cls is RayWorkerGroup:
+            init_ray(num_cpus=ray_cpus(self.cfg, self.world_size))
+            clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         for name, roles in plan.items():
-            self.groups[name] = RayWorkerGroup(RLWorker, self.world_size, cfg_dict, roles, self.pad_id,
-                                               self.eos_id, name=name, sp=self.cfg.parallel.ulysses_size,
-                                               log_dir=self.run_dir / "logs")
+            self.groups[name] = group_cls(RLWorker, self.world_size, cfg_dict, roles, self.pad_id,
+                                          self.eos_id, name=name, sp=self.cfg.parallel.ulysses_size,
+                                          log_dir=self.run_dir / "logs")
         # Where each rank runs (node id, address, pid): on a cluster, the first thing to
         # know when a node misbehaves.
         (self.run_dir / "workers.json").write_text(json.dumps(
@@ -196,11 +199,11 @@ class Controller:
         return self.group.push_weights()
 
     @property
-    def group(self) -> RayWorkerGroup:
+    def group(self) -> WorkerGroup:
         """The hybrid engine's group (actor, rollout, reference)."""
         return self.groups["rl"]
 
-    def group_of(self, role: str) -> RayWorkerGroup:
+    def group_of(self, role: str) -> WorkerGroup:
         """The group hosting `role`."""
         for name, roles in worker_groups(self.cfg).items():
             if role in roles:
