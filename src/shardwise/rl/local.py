@@ -39,9 +39,11 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
+import torch
+
 from shardwise.config.schema import Config
 from shardwise.contained import describe_exit
-from shardwise.distributed.runtime import free_port
+from shardwise.distributed.runtime import free_port, teardown
 from shardwise.errors import ShardwiseError
 from shardwise.rl.cluster import (
     _WORKER_ENV,
@@ -143,8 +145,7 @@ def _setup(rank: int, world_size: int, port: int, local_rank: int, env: dict[str
            title: str, worker_cls: type, args: tuple, kwargs: dict) -> Any:
     _prctl(_PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
     os.environ.update(env)
-    import torch  # imported by the controller before the fork: the threads it may use are set here
-
+    # torch was imported by the controller before the fork: its thread count is set here
     torch.set_num_threads(max(int(env.get("OMP_NUM_THREADS", "1") or 1), 1))
     # a fresh start for logging: the controller's handlers (its console, its files) are not this rank's
     root = logging.getLogger()
@@ -157,8 +158,6 @@ def _setup(rank: int, world_size: int, port: int, local_rank: int, env: dict[str
 
 
 def _teardown(worker: Any) -> None:
-    from shardwise.distributed.runtime import teardown
-
     close = getattr(worker, "close", None)
     if callable(close):
         close()
