@@ -76,6 +76,7 @@ from shardwise.config import Config, load_config
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.engine.optim import lr_factor
 from shardwise.jobs.inputs import check_data
+from shardwise.rl.local import resolve_backend
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -141,7 +142,7 @@ def settings(cfg: Config, nproc: int, steps: int) -> list[Setting]:
     s = [
         Setting("model", "model.path", cfg.model.path, "model", cfg.model.path),
         Setting("processes", "--nproc", nproc, "torch.distributed.run --nproc_per_node", nproc,
-                "shardwise: FSDP2 over Ray workers + a controller; TRL: DDP (gloo)"),
+                f"shardwise: FSDP2 over worker processes ({_backend_words(cfg)}) + a controller; TRL: DDP (gloo)"),
         Setting("RL / optimizer steps", "train.max_steps", steps, "max_steps", steps),
         Setting("prompts per step", "train.global_batch_size", tr.global_batch_size,
                 "per_device_train_batch_size x world x gradient_accumulation_steps / num_generations",
@@ -191,6 +192,11 @@ def settings(cfg: Config, nproc: int, steps: int) -> list[Setting]:
                 "gradient_checkpointing", bool(cfg.fsdp.recompute.modules)),
     ]
     return s
+
+
+def _backend_words(cfg: Config) -> str:
+    """Where shardwise's workers run (`rl.backend`, auto resolved as the run will)."""
+    return {"local": "forked from the controller, rl.backend local", "ray": "Ray actors"}[resolve_backend(cfg)]
 
 
 def grpo_config(cfg: Config, nproc: int, steps: int, out: Path) -> dict[str, Any]:
