@@ -34,6 +34,7 @@ until a group asks for one (`RayWorkerGroup`).
 
 from __future__ import annotations
 
+import abc
 import fcntl
 import logging
 import os
@@ -414,7 +415,7 @@ class _RankHost:
         teardown()
 
 
-class WorkerGroup:
+class WorkerGroup(abc.ABC):
     """What the controller sees of a worker group, on Ray (`RayWorkerGroup`) or in forked
     processes on this machine (`shardwise.rl.local.LocalWorkerGroup`): calling registered
     worker methods (``group.method(...)``, `call`, `submit`), where each rank runs and the
@@ -490,21 +491,22 @@ class WorkerGroup:
         futures = {i: self._start(i, name, c) for i, c in enumerate(calls) if c is not None}
         return Pending(self, name, rule, futures, pad, t0, time.perf_counter() - t0)
 
+    @abc.abstractmethod
     def _start(self, rank: int, method: str, call: tuple[tuple, dict]) -> Any:
         """Start `method` with ``call`` (args, kwargs) on `rank`; a handle `_wait` takes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _wait(self, futures: Mapping[int, Any], what: str, timeout: float | None = None) -> list[Any]:
         """The ``(result, seconds)`` of `futures` (rank -> handle), in the mapping's order;
         on the first failure the group is shut down and one `WorkerError` raised."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _ready(self, futures: Mapping[int, Any]) -> bool:
         """Whether every handle of `futures` has its answer (without waiting)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shutdown(self, graceful: bool = True) -> None:
-        raise NotImplementedError
+        """End the group's processes (graceful: their teardown first); a second call does nothing."""
 
     def __enter__(self) -> WorkerGroup:
         return self

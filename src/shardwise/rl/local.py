@@ -67,6 +67,8 @@ PEER_LOSS_GRACE_S = 5.0
 """How long a group whose rank failed on a broken connection waits for a peer's process to
 be seen dead (its socket's end, at once when it died), so the line names the lost rank."""
 TEARDOWN_S = 120.0
+"""How long a graceful shutdown waits for the ranks' teardown (their workers' close and a
+barrier) before it kills them anyway."""
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -103,7 +105,8 @@ def _error_reply(e: BaseException) -> tuple:
 
 
 def _serve(conn: Connection, parent: int) -> None:
-    """A zygote's life: wait for its rank's setup, then serve calls until told to exit."""
+    """A zygote's life: wait for its rank's setup, then serve calls (one at a time, in the
+    order sent) until the controller kills it or goes away."""
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:  # the controller ended before the death signal was armed
         os._exit(0)
@@ -116,8 +119,6 @@ def _serve(conn: Connection, parent: int) -> None:
         except (EOFError, OSError):  # the controller is gone
             os._exit(0)
         kind = msg[0]
-        if kind == "exit":
-            os._exit(0)
         t0 = time.perf_counter()
         try:
             if kind == "setup":
