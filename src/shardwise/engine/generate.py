@@ -53,6 +53,7 @@ import contextlib
 import copy
 import hashlib
 import importlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -281,6 +282,14 @@ class RowSampler(LogitsProcessor):
         return (order.gather(-1, index) if order is not None else index).squeeze(-1)
 
 
+def _takes(model: nn.Module, name: str) -> bool:
+    """Whether `model`'s forward takes the keyword `name`."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """model.eval() for the block; then every submodule's own training flag is restored."""
@@ -487,6 +496,10 @@ class HFGenerator(GenerationEngine):
             torch.default_generator.manual_seed(s)
             if device.type == "cuda":
                 torch.cuda.manual_seed(s)  # this device only: fork_rng restores only it
+            if not images and (greedy or per_row) and gen_cfg.suppress_tokens is None:
+                sampler = processors[0] if per_row else None
+                return self._decode_ragged(ids.to(device), mask.to(device), temperature, max_new_tokens, sampler,
+                                           on_row_end)
             # HF derives position ids as cumsum(mask) - 1 (0 on left padding) and adds one per
             # step: default_position_ids of the final attention_mask, which the log-prob
             # recomputation uses.
@@ -505,6 +518,62 @@ class HFGenerator(GenerationEngine):
         assert len(steps) == gen.shape[1], "one logits row per generated token"
         log_probs = torch.stack(steps, dim=1) if steps else gen.new_zeros(gen.shape, dtype=torch.float32)
         return gen.cpu(), log_probs.float().cpu()
+
+    def _decode_ragged(self, ids: torch.Tensor, mask: torch.Tensor, temperature: float, max_new_tokens: int,
+                       sampler: RowSampler | None, on_row_end: RowEnd | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_generate`'s tokens and log-probs for text prompts, greedy or drawn by `sampler`
+        (per-row seeds), by a decoding loop of its own that drops each row from the batch
+        (and from the KV cache) once it has written its EOS: HF ``generate`` decodes finished
+        rows until the longest ends, which on answers of uneven length is most of its work.
+        The same forwards as HF's (position ids cumsum(mask) - 1, 0 on the padding, one more
+        per step; the model's own cache) on fewer rows: a row's tokens are those HF would
+        pick, its log-probs equal up to the kernels' rounding for a smaller batch (the
+        module docstring). A cache that cannot drop rows keeps them (their tokens are
+        ignored)."""
+        rows, width = ids.shape
+        gen = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=ids.device)
+        log_probs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=ids.device)
+        live = torch.arange(rows, device=ids.device)  # the original row of each batch row
+        done = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # by batch row (when rows are kept)
+        am = mask.clone()
+        position = (am.long().cumsum(-1) - 1).clamp(min=0)  # HF's: 0 on the left padding
+        uniforms = None if sampler is None else sampler.uniforms.to(ids.device)
+        # the prompt's forward scores its last position only, as HF generate's does
+        keep_last = {"logits_to_keep": 1} if _takes(self.model, "logits_to_keep") else {}
+        out = self.model(input_ids=ids, attention_mask=am, position_ids=position, use_cache=True, **keep_last)
+        cache, last = out.past_key_values, position[:, -1]
+        steps = 0
+        for t in range(max_new_tokens):
+            logits = out.logits[:, -1, :].float()
+            if sampler is None or uniforms is None:
+                token = logits.argmax(-1)
+            else:
+                token = sampler.draw(logits, uniforms[live, t])
+            token = token.masked_fill(done, self.pad_id)
+            gen[live, t] = token
+            log_probs[live, t] = F.log_softmax(logits / temperature, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+            steps = t + 1
+            ended = (token == self.eos_id) & ~done
+            if on_row_end is not None:
+                for i in ended.nonzero().flatten().tolist():
+                    r = int(live[i])
+                    on_row_end(r, gen[r, :steps].tolist())
+            done |= ended
+            if bool(done.all()) or steps == max_new_tokens:
+                break
+            if bool(ended.any()):
+                keep = (~done).nonzero().flatten()
+                try:
+                    cache.batch_select_indices(keep)
+                except (AttributeError, NotImplementedError, TypeError):  # this cache keeps its rows
+                    pass
+                else:
+                    live, token, am, last, done = live[keep], token[keep], am[keep], last[keep], done[keep]
+            am = torch.cat([am, am.new_ones((len(am), 1))], dim=1)
+            last = last + 1
+            out = self.model(input_ids=token[:, None], attention_mask=am, position_ids=last[:, None],
+                             past_key_values=cache, use_cache=True)
+        return gen[:, :steps].cpu(), log_probs[:, :steps].cpu()
 
     def _assemble(self, prompts: Batch, ids: torch.Tensor, mask: torch.Tensor, gen: torch.Tensor,
                   gen_log_probs: torch.Tensor, r: int) -> Batch:
