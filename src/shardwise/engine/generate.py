@@ -34,16 +34,22 @@ sample_key[i])``: a row's tokens depend on its prompt, its key, the call's seed 
 weights, not on the rank that generates it, its position in the batch or which other rows
 share the batch (up to the kernels' rounding of the logits, which a batch's shape can
 change). The HF engine draws each row's token itself (`RowSampler`: temperature, top-p,
-one uniform per row and step by inverse CDF) and HF ``generate`` runs greedy on the token
-so forced; vLLM gets the row's seed as the request's seed. Without ``sample_key`` a call is
-seeded per rank (`sampling_seed`), as before.
+one uniform per row and step by inverse CDF); vLLM gets the row's seed as the request's
+seed. Without ``sample_key`` a call is seeded per rank (`sampling_seed`), as before.
+
+Rows that end early leave the HF engine's batch: for text prompts, greedy or seeded per
+row, it decodes with a loop of its own (`HFGenerator._decode_ragged`: HF's forwards and
+position ids, the model's own KV cache) that drops each row, and its cache, once it has
+written its EOS; HF ``generate`` (still used for images and per-rank sampling) decodes
+finished rows until the longest ends.
 
 Rows that end early: an engine that `reports_ended_rows` takes ``on_row_end(i, tokens)``
 in ``generate_sequences`` and calls it, from inside the call, as soon as row i has written
 its EOS (`tokens`: its generated ids through that EOS, exactly the row's response), while
 the other rows still generate; a multi-turn rollout sends that row's tool calls then. The
-HF engine calls it from a stopping criterion that never stops anything (`RowEnds`), vLLM
-as each request finishes. It changes no token and no log-prob.
+HF engine calls it as the row ends in its own loop (under HF ``generate``, from a stopping
+criterion that never stops anything: `RowEnds`), vLLM as each request finishes. It changes
+no token and no log-prob.
 """
 
 from __future__ import annotations
@@ -419,7 +425,8 @@ class HFGenerator(GenerationEngine):
     @torch.no_grad()
     def generate_sequences(self, prompts: Batch, on_row_end: RowEnd | None = None) -> Batch:
         """See `GenerationEngine.generate_sequences`; `on_row_end` (a `RowEnd`) is called
-        for each row as it writes its EOS, from inside HF ``generate`` (`RowEnds`).
+        for each row as it writes its EOS, from inside the decoding loop (`_decode_ragged`,
+        or HF ``generate``'s `RowEnds`).
 
         Sampling follows the engine's settings: temperature (0, or ``meta["greedy"]``:
         greedy), top_p, no top-k, exactly ``max_new_tokens`` (or ``meta["max_new_tokens"]``)
