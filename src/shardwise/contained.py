@@ -46,12 +46,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["MARK_ENV", "Contained", "Outcome", "kill_left_under"]
+__all__ = ["MARK_ENV", "PR_SET_CHILD_SUBREAPER", "PR_SET_NAME", "PR_SET_PDEATHSIG", "Contained", "Outcome",
+           "describe_exit", "kill_left_under", "prctl"]
 
 MARK_ENV = "SHARDWISE_CONTAINED"
 """The environment variable that marks every process of one child (see `Contained.close`)."""
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
 _READ_CHUNK = 1 << 16
 _REASON_LIMIT = 300
 
@@ -358,7 +360,9 @@ def _environ(pid: int) -> list[bytes]:
 # ---------------------------------------------------------------------- the child side
 
 
-def _prctl(option: int, value: int) -> None:
+def prctl(option: int, value: Any) -> None:
+    """Linux ``prctl(option, value)`` for this process (PR_SET_PDEATHSIG, PR_SET_NAME,
+    PR_SET_CHILD_SUBREAPER); nothing where it is not available."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
@@ -449,16 +453,16 @@ def _keep(worker: int, answer_fd: int) -> int:
 def _main(argv: list[str]) -> int:
     request_fd, answer_fd, parent = int(argv[0]), int(argv[1]), int(argv[2])
     target, adapter, max_bytes = argv[3], argv[4], int(argv[5])
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:  # the job is gone already
         return 0
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the job stops this tree with SIGKILL, on its own terms
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     keeper = os.getpid()
     worker = os.fork()
     if worker == 0:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
         if os.getppid() != keeper:
             os._exit(0)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

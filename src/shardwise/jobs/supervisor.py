@@ -33,7 +33,6 @@ checkpoint too; the traceback of a bug or of a worker is kept in the run folder.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import os
 import signal
@@ -48,7 +47,7 @@ from types import ModuleType
 
 from shardwise.checkpoint.layout import resume_line
 from shardwise.config.schema import Config
-from shardwise.contained import kill_left_under
+from shardwise.contained import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_left_under, prctl
 from shardwise.data.reward_row import RewardFunctionError
 from shardwise.distributed.capacity import check_plan
 from shardwise.distributed.launch import describe_exit, kill_tree
@@ -62,19 +61,12 @@ from shardwise.telemetry.startup import StartupClock, launched_at
 
 __all__ = ["abrupt_status", "control", "record_said", "record_run_dir", "supervise"]
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 _FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
               # the terminal is gone: stop the run as cleanly as on SIGTERM
               signal.SIGHUP: signal.SIGTERM}
 _SWEEP_S = 3.0
 """How long the parent keeps killing Ray's processes that appear under it after an abrupt end
 (an agent orphaned by a dying raylet is reparented a moment later)."""
-
-
-def _prctl(option: int, value: int) -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 def abrupt_status(waitstatus: int) -> int:
@@ -96,7 +88,7 @@ def supervise(command: Callable[[], int], what: str, checkpoint_line: Callable[[
     record = activity.SharedRecord()
     sys.stdout.flush()
     sys.stderr.flush()
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     parent = os.getpid()
     child = os.fork()
     if child == 0:
@@ -252,7 +244,7 @@ def _signals_as_interrupt(seen: list[str]) -> Iterator[None]:
 
 def _child(command: Callable[[], int], record: activity.SharedRecord, parent: int) -> int:
     os.setsid()
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
     if os.getppid() != parent:  # the parent died before the death signal was armed
         os._exit(143)
     activity.install(record)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from shardwise.config.schema import Config
-from shardwise.contained import describe_exit
+from shardwise.contained import PR_SET_NAME, PR_SET_PDEATHSIG, describe_exit, prctl
 from shardwise.distributed.runtime import free_port, teardown
 from shardwise.errors import ShardwiseError
 from shardwise.rl.cluster import (
@@ -69,8 +69,6 @@ be seen dead (its socket's end, at once when it died), so the line names the los
 TEARDOWN_S = 120.0
 """How long a graceful shutdown waits for the ranks' teardown (their workers' close and a
 barrier) before it kills them anyway."""
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 
 
 class RemoteTraceback(Exception):
@@ -82,11 +80,6 @@ class RemoteTraceback(Exception):
 
 
 # -- the ranks' side
-
-def _prctl(option: int, value: Any) -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-
 
 def _dump(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -107,7 +100,7 @@ def _error_reply(e: BaseException) -> tuple:
 def _serve(conn: Connection, parent: int) -> None:
     """A zygote's life: wait for its rank's setup, then serve calls (one at a time, in the
     order sent) until the controller kills it or goes away."""
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:  # the controller ended before the death signal was armed
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller stops the ranks
@@ -144,7 +137,7 @@ def _serve(conn: Connection, parent: int) -> None:
 
 def _setup(rank: int, world_size: int, port: int, local_rank: int, env: dict[str, str], log_path: str | None,
            title: str, worker_cls: type, args: tuple, kwargs: dict) -> Any:
-    _prctl(_PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
+    prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
     os.environ.update(env)
     # torch was imported by the controller before the fork: its thread count is set here
     torch.set_num_threads(max(int(env.get("OMP_NUM_THREADS", "1") or 1), 1))
