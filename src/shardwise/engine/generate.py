@@ -543,7 +543,7 @@ class HFGenerator(GenerationEngine):
         live = torch.arange(rows, device=ids.device)  # the original row of each batch row
         done = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # by batch row (when rows are kept)
         am = mask.clone()
-        position = (am.long().cumsum(-1) - 1).clamp(min=0)  # HF's: 0 on the left padding
+        position = default_position_ids(am)  # HF's: cumsum(mask) - 1, 0 on the left padding
         uniforms = None if sampler is None else sampler.uniforms.to(ids.device)
         # the prompt's forward scores its last position only, as HF generate's does
         keep_last = {"logits_to_keep": 1} if _takes(self.model, "logits_to_keep") else {}
