@@ -69,7 +69,7 @@ from shardwise.data.batch import Batch
 from shardwise.data.rewards import RewardFn
 from shardwise.engine.evaluate import EvalPlan
 from shardwise.models.vision import VisionInputs
-from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerGroup, gpus_for, init_ray, ray_cpus
+from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerGroup, gpus_for, init_ray
 from shardwise.rl.local import group_class, local_gpus
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker
@@ -129,10 +129,10 @@ class AsyncController(Controller):
         clock = clock or StartupClock()
         self._start_scorers()
         plan = async_worker_groups(self.cfg)
-        ranks = self.world_size * (len(plan) - 1) + self.generator_ranks
+        ranks = self.world_size * (len(plan) - 1) + self.generator_ranks  # = ray_cpus of the whole run
         group_cls = group_class(self.cfg)
         if group_cls is RayWorkerGroup:
-            init_ray(num_cpus=ray_cpus(self.cfg, self.world_size + self.generator_ranks))
+            init_ray(num_cpus=ranks)
             clock.lap("ray")
         cfg_dict = self.cfg.model_dump(by_alias=True, mode="json")
         logs = self.run_dir / "logs"
