@@ -148,7 +148,7 @@ def control(job_name: str, cfg: Config, nproc: int, ahead: bool = False) -> int:
         raise
     print(check_plan(nproc, prepared.plan, cfg.fsdp.offload.enabled).line(), file=sys.stderr)
     interrupts: list[str] = []
-    with RunDirLock(run_dir, command_line()), _signals_as_interrupt(interrupts), _ray_stopped(interrupts):
+    with RunDirLock(run_dir, command_line()), _signals_as_interrupt(interrupts), _workers_stopped(interrupts):
         if held:
             _keep_log(held, Path(run_dir) / "logs" / "controller.log")
         try:
@@ -209,10 +209,11 @@ def _import_job(name: str, cfg: Config, nproc: int, ahead: bool, clock: StartupC
 
 
 @contextlib.contextmanager
-def _ray_stopped(interrupts: list[str]) -> Iterator[None]:
-    """Ray is stopped on the way out of the block however it ends (`shutdown_ray`: more
-    signals during the shutdown do not interrupt it, a third kills what is left; after an
-    interrupt, signals until the process ends only say it is ending)."""
+def _workers_stopped(interrupts: list[str]) -> Iterator[None]:
+    """The local ranks' processes (`stop_pool`) and Ray are stopped on the way out of the
+    block however it ends (`shutdown_ray`: more signals during the shutdown do not
+    interrupt it, a third kills what is left; after an interrupt, signals until the process
+    ends only say it is ending)."""
     try:
         yield
     finally:
