@@ -5,7 +5,7 @@ it) puts `LocalWorkerGroup` through `test_rl_dispatch`'s worker: the dispatch ru
 real gloo group, calls submitted ahead answering in order, a rank's error, the user's
 mistake found in a rank, a rank that does not answer in time, a rank killed mid-call while
 its peer waits in a collective (the dead one is named, not the survivor), and nothing
-left behind. The CLI runs on this backend in the rest of the suite (auto picks it here);
+left behind, all with Ray's import failing (as where it is not installed). The CLI runs on this backend in the rest of the suite (auto picks it here);
 `tests/test_rl_trainer.py` checks a run resumed on Ray against one on this backend.
 """
 
@@ -24,7 +24,9 @@ from shardwise.errors import ConfigError
 from shardwise.rl.cluster import WorkerError
 from shardwise.rl import local
 from shardwise.rl.dispatch import Dispatch, register
+from shardwise.rl.cluster import shutdown_ray
 
+sys.modules["ray"] = None  # this backend runs where Ray is not installed: importing it now fails
 
 class Picky(EchoWorker):
     @register(Dispatch.ONE_TO_ALL)
@@ -88,6 +90,7 @@ out["killed"] = error(lambda: pending.result(60))
 out["killed_s"] = time.monotonic() - t0
 out["pids"] += pids
 local.stop_pool()
+shutdown_ray()  # what the controller does on its way out, whichever backend ran
 print(json.dumps(out))
 """
 

@@ -313,8 +313,8 @@ def shutdown_ray(restore_signals: bool = True) -> None:
     the processes left, by pid. Whatever of Ray's this process started that is still there
     after the shutdown is killed too. With `restore_signals` False (a run already interrupted)
     that handling stays for the rest of the process: the signals only say it is ending."""
-    ray = _ray()
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")  # never imported (rl.backend local, or no Ray installed): nothing to stop
+    if ray is None or not ray.is_initialized():
         return
     if threading.current_thread() is not threading.main_thread():
         ray.shutdown()
