@@ -14,7 +14,8 @@ of the job's 16 x 8 at --nproc 2). Timed, in interleaved rounds (median of ``--r
 
 Greedy rows generate the same tokens on both sides (the same work): the ratio there is the
 engine's overhead. Sampled rows draw different samples (other lengths), so their time is
-shown with the number of decoding steps (the widest response).
+shown with the number of decoding steps (the widest response). On a GPU (one process, the
+runtime's device) both sides decode there and the ratios are of wall time.
 
     PYTHONPATH=src python benchmarks/hf_generate.py [--model-path runs/sft_long/hf] [--rows 64]
 """
@@ -58,8 +59,10 @@ def main() -> int:
     cfg = load_config(str(REPO / "examples" / "grpo_long.yaml"), [f"model.path={args.model_path}"])
     runtime = init_distributed()
     actor = TrainEngine(cfg, runtime)
+    device = runtime.device
     plain = AutoModelForCausalLM.from_config(actor.model.config).eval()
     plain.load_state_dict(dict(iter_full_tensors(actor.model)), strict=False)
+    plain.to(device)  # the engine's device: on a GPU both sides decode there
     tok = load_tokenizer(args.model_path)
     pad, eos = pad_token_id(tok), tok.eos_token_id
     task = get_builtin_task(cfg.data.source)
@@ -85,7 +88,7 @@ def main() -> int:
                                use_cache=True, output_logits=logits, return_dict_in_generate=logits, **options)
         torch.manual_seed(5)
         with torch.no_grad():
-            out = plain.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
+            out = plain.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen,
                                  logits_processor=processors)
         seqs = out.sequences if logits else out
         if logits:  # what the engine does with them: the log-prob of each generated token
@@ -112,19 +115,26 @@ def main() -> int:
         for name, (fn, _) in variants.items():
             w, c = time.perf_counter(), time.process_time()
             steps[name] = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             cpu[name].append(time.process_time() - c)
             wall[name].append(time.perf_counter() - w)
-    med = {k: statistics.median(v) for k, v in cpu.items()}
+    # on a CPU the process's CPU seconds (other work on the machine does not count); on a
+    # GPU the wall clock (the host mostly waits for the device)
+    timed, clock = (wall, "wall") if device.type == "cuda" else (cpu, "CPU")
+    med = {k: statistics.median(v) for k, v in timed.items()}
     print(f"{len(batch)} rows x {r} new tokens max, {args.threads} thread(s), {args.repeats} interleaved rounds, "
-          f"model {args.model_path}; process CPU seconds (median) and wall (median)")
-    print(f"{'variant':42s} {'CPU s':>7s} {'wall s':>7s} {'steps':>6s} {'CPU ms/step':>12s}  vs")
+          f"model {args.model_path}, on {device} ({torch.__version__}); process CPU seconds (median) and wall "
+          f"(median); ratios of {clock} time")
+    print(f"{'variant':42s} {'CPU s':>7s} {'wall s':>7s} {'steps':>6s} {clock + ' ms/step':>12s}  vs")
     for name, (_, base) in variants.items():
         per_step = 1000 * med[name] / max(steps[name], 1)
         vs = ""
         if base is not None:  # per decoding step: sampled variants may decode different lengths
             ratio = (med[name] / max(steps[name], 1)) / (med[base] / max(steps[base], 1))
             vs = f"{ratio:.3f} x {base} (per step)"
-        print(f"{name:42s} {med[name]:7.3f} {statistics.median(wall[name]):7.3f} {steps[name]:6d} {per_step:12.2f}  {vs}")
+        print(f"{name:42s} {statistics.median(cpu[name]):7.3f} {statistics.median(wall[name]):7.3f} "
+              f"{steps[name]:6d} {per_step:12.2f}  {vs}")
     teardown()
     return 0
 
