@@ -5,7 +5,10 @@ the CLI process.
 - exact at zero: ``--nproc 2`` with one generator rank and ``max_staleness: 0``, stopped
   after its first step and resumed, equals the uninterrupted synchronous ``--nproc 1`` run
   on the same seed: the same batches (samples, log-probs, scores, advantages), the same
-  metrics, bitwise the same exported weights, the same evaluations after every step;
+  metrics, bitwise the same exported weights, the same evaluations after every step; with
+  ``reference_on: balanced`` the generator rank scores half of each batch's rows with the
+  reference and the actor rank the other half: together the reference log-probs the
+  synchronous run's actor rank gives;
 - ``max_staleness: 1`` (with ``on_stale: drop``, which runs ahead without waiting for
   weights) measures the held-out accuracy through the generator group, logs its staleness
   (never above 1) and the idle figures of both sides, and checkpoints the policy version and
@@ -68,7 +71,9 @@ def runs(tmp_path_factory):
              "eval.source=builtin:arithmetic", "eval.num_prompts=8", "eval.n=2", "eval.every_steps=1"]
 
     def stopped_and_resumed():  # step 1, then (resumed from its checkpoint) step 2
-        zero = [*exact, *ASYNC, "rl.async.max_staleness=0"]
+        # balanced: its share starts at a half, and moves only after a step that is not a
+        # (resumed) run's first, so neither of this run's two steps moves it
+        zero = [*exact, *ASYNC, "rl.async.max_staleness=0", "rl.async.reference_on=balanced"]
         first = rl("zero", 2, *zero, "train.max_steps=1")
         return first if first[1].returncode else rl("zero", 2, *zero, "train.max_steps=2")
 
@@ -82,16 +87,17 @@ def runs(tmp_path_factory):
 def kill_the_generator(tmp: Path) -> dict:
     """A long asynchronous run at max_staleness 1 (on_stale drop: generation runs ahead
     without waiting for weights; the held-out accuracy measured through the generator group
-    first; rl.actor.off_policy decoupled) whose generator rank is killed by SIGKILL once three steps were logged and a
-    checkpoint committed; its exit status, output, the rank's pid and the run's mark (an
-    environment variable every process of the run inherits)."""
+    first; rl.actor.off_policy decoupled; the reference's forward on the generator) whose
+    generator rank is killed by SIGKILL once three steps were logged and a checkpoint
+    committed; its exit status, output, the rank's pid and the run's mark (an environment
+    variable every process of the run inherits)."""
     run = tmp / "killed"
     mark = f"shardwise-test-{os.getpid()}-{time.monotonic_ns()}"
     out = open(tmp / "killed.txt", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardwise.cli", "rl", GRPO, "--nproc", "2", f"run.dir={run}", *COMMON, *ASYNC,
          "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=100000", "checkpoint.every_steps=1",
-         "checkpoint.async=false", "rl.actor.off_policy.correction=decoupled"],
+         "checkpoint.async=false", "rl.actor.off_policy.correction=decoupled", "rl.async.reference_on=generator"],
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
         env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1", "SHARDWISE_TEST_MARK": mark})
     try:
@@ -132,6 +138,7 @@ def test_async_at_staleness_zero_and_resumed_equals_the_synchronous_run(runs):
             if not key.startswith(("time", "perf/")):
                 assert n[key] == value, key
         assert n["async/staleness_max"] == 0 and n["async/dropped"] == 0
+        assert n["async/reference_share"] == 0.5 and n["time/generator_ref"] > 0 and n["time/ref"] > 0
     for step in (1, 2):
         x = Batch.from_bytes((sync / "batches" / f"step_{step:08d}.batch").read_bytes())
         y = Batch.from_bytes((zero / "batches" / f"step_{step:08d}.batch").read_bytes())
@@ -165,6 +172,8 @@ def test_async_at_staleness_one_runs_ahead_within_the_bound(runs):
                     "time/weight_gather", "weight_sync/bytes", "reward/mean", "actor/grad_norm"):
             assert isinstance(m[key], float), key
     assert lines[0]["async/staleness_max"] == 0  # the first step has no older policy to come from
+    for m in lines:  # reference_on generator: every row scored there, none by the actor
+        assert m["async/reference_share"] == 1.0 and m["time/generator_ref"] > 0 and "time/ref" not in m, m
     for m in lines:  # decoupled: the proximal policy is recomputed, the behaviour weights logged
         assert "time/old_log_prob" in m, m
         assert m["off_policy/is_weight_mean"] > 0 and 0 <= m["off_policy/truncated_share"] <= 1, m
@@ -209,7 +218,9 @@ def test_a_killed_generator_rank_is_named_with_the_last_checkpoint_and_nothing_i
     (2, ["model.lora.enabled=true"], "model.lora.enabled", "LoRA"),
     (2, ["rl.filter_groups=zero_variance", "rl.filter_groups_refill=true"], "rl.filter_groups_refill", "refill"),
     (2, ["rl.async.max_staleness=-1"], "rl.async.max_staleness", ">= 0"),
-], ids=["no_trainer_left", "one_rank", "rows", "ulysses", "lora", "refill", "staleness"])
+    (2, ["rl.async.reference_on=balanced", "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false"],
+     "rl.async.reference_on", "rl.reference.enabled is false"),
+], ids=["no_trainer_left", "one_rank", "rows", "ulysses", "lora", "refill", "staleness", "no_reference"])
 def test_what_async_cannot_do_exits_2_before_ray(nproc, extra, key, words, tmp_path, capsys, monkeypatch):
     from shardwise.cli import main
 
@@ -229,6 +240,10 @@ def test_plan_shows_both_groups(capsys):
                  "rl.reference.enabled=true"]) == 0
     out = capsys.readouterr().out
     assert "worker group rl (actor, ref) on 2 ranks; worker group gen (generator) on 1 rank" in out, out
+    assert main(["plan", GRPO, "--rl", "--world-size", "3", "model.path=null", TINY_QWEN3, *ASYNC,
+                 "rl.reference.enabled=true", "rl.async.reference_on=generator"]) == 0
+    out = capsys.readouterr().out
+    assert "worker group rl (actor) on 2 ranks; worker group gen (generator, ref) on 1 rank" in out, out
     assert main(["plan", GRPO, "--rl", "--world-size", "3", "--json", "model.path=null", TINY_QWEN3, *ASYNC]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert [(g["name"], g["ranks"]) for g in plan["worker_groups"]] == [("rl", 2), ("gen", 1)]
@@ -257,10 +272,10 @@ class GeneratorGroup:
         self.calls: list[tuple[list[str], int]] = []
         self.versions, self.width = versions, width
 
-    def submit(self, name, prompts, min_version):
+    def submit(self, name, prompts, min_version, reference_share):
         from shardwise.engine.generate import assemble_sequences
 
-        assert name == "generate_sequences"
+        assert name == "generate_sequences" and reference_share == 0.0  # the reference stays on the actor
         self.calls.append((list(prompts.arrays["uid"]), min_version))
         n, width = len(prompts), self.width(len(self.calls))
         g = torch.Generator().manual_seed(len(self.calls))
@@ -317,3 +332,15 @@ def test_drop_regenerates_the_rows_too_old_and_keeps_the_order(tmp_path):
     assert torch.equal(kept[:, :first.tensors["responses"].shape[1]], first.tensors["responses"][[1, 3]])
     assert batch.tensors["input_ids"].shape == batch.tensors["attention_mask"].shape == \
         batch.tensors["rollout_log_probs"].shape
+
+
+def test_balanced_reference_share_moves_toward_equal_waits():
+    from shardwise.rl.async_trainer import rebalanced_share
+
+    # the generator waited 0.4 s more than the trainer, the reference took 0.2 s in all: a
+    # quarter of the (0.4 / (2 x 0.2)) = 1 share that would even the waits
+    assert rebalanced_share(0.5, 0.4, 0.0, 0.2) == pytest.approx(0.75)
+    assert rebalanced_share(0.5, 0.0, 0.4, 0.2) == pytest.approx(0.25)  # the trainer waited: the actor takes more
+    assert rebalanced_share(0.9, 2.0, 0.0, 0.2) == 1.0 and rebalanced_share(0.1, 0.0, 2.0, 0.2) == 0.0
+    assert rebalanced_share(0.3, 1.0, 0.0, 0.0) == 0.3  # no reference seconds measured: nothing to go by
+

@@ -709,6 +709,15 @@ class AsyncConfig(Section):
     capacity rule; nothing is thrown away). drop: generation runs one step further ahead
     without waiting for weights; rows older than max_staleness when their step trains are
     dropped (counted in async/dropped) and generated again."""
+    reference_on: Literal["actor", "generator", "balanced"] = "actor"
+    """Where the reference policy's forward runs (rl.reference.enabled). actor: on the
+    training ranks, in the step that trains the batch (the synchronous run's place).
+    generator: on the generator ranks, right after they generate each batch, with a frozen
+    copy of model.path of their own (its seconds are time/generator_ref): the forward leaves
+    the trainer's side, for when the generator idles (time/generator_wait) while the trainer
+    is busy. balanced: the generator scores a share of each batch's rows
+    (async/reference_share) and the actor the rest, the share moved after every step toward
+    equal waits on both sides (time/generator_wait against time/trainer_wait)."""
 
 
 class RLConfig(Section):

@@ -180,6 +180,10 @@ def check_rl_async(cfg: Config) -> None:
     if cfg.rl.filter_groups != "none" and cfg.rl.filter_groups_refill:
         raise ConfigError("rl.filter_groups_refill", "asynchronous RL (rl.async) generates each step's prompts "
                           "ahead and cannot refill a step with more rounds", f"set rl.filter_groups_refill=false, {off}")
+    if cfg.rl.async_.reference_on != "actor" and not cfg.rl.reference.enabled:
+        raise ConfigError("rl.async.reference_on", f"{cfg.rl.async_.reference_on} puts the reference policy's forward "
+                          "on the generator ranks, but rl.reference.enabled is false", "set rl.async.reference_on=actor, "
+                          "or rl.reference.enabled=true")
     if cfg.model.lora.enabled:
         raise ConfigError("model.lora.enabled", "asynchronous RL (rl.async) pushes full weights to its generator "
                           "group and does not train LoRA adapters yet", f"set model.lora.enabled=false, {off}")

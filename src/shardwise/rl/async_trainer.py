@@ -3,7 +3,9 @@
 With ``rl.async.enabled`` the run has two kinds of worker groups: "rl" (the actor, with
 the reference, a colocated critic and reward model; no rollout) on ``nproc -
 generator_ranks`` ranks, and "gen" (`shardwise.rl.workers.generator.GeneratorWorker`, the
-rollout engine over a copy of the policy) on ``generator_ranks`` ranks of its own; a
+rollout engine over a copy of the policy; with ``rl.async.reference_on`` generator or
+balanced also the reference, whose log-probs it adds to each batch it generates, or to a
+share of its rows) on ``generator_ranks`` ranks of its own; a
 critic or reward model of its own keeps its group as in the synchronous run. Both kinds
 start at once. After every update the actor's rank 0 pushes the new weights to the
 generator ranks over a collective of their own (`shardwise.distributed.bridge.WeightBridge`,
@@ -33,9 +35,11 @@ in the background and overlaps the next generation).
 Metrics, besides the synchronous run's: ``async/staleness_mean``, ``async/staleness_max``
 (over the step's rows), ``async/dropped`` (rows dropped as too old), ``time/trainer_wait``,
 ``time/publish``; from the generator ``time/generator_wait`` (its idle time since its
-previous batch plus its wait for weights) and ``time/weight_sync`` (swapping weights in);
-from the actor ``time/weight_gather`` and ``weight_sync/bytes``; the ``off_policy/*``
-figures of ``rl.actor.off_policy``.
+previous batch plus its wait for weights), ``time/weight_sync`` (swapping weights in) and,
+with the reference on the generator, ``time/generator_ref`` (its reference forward) and
+``async/reference_share`` (the share of the step's rows it scored); from the actor
+``time/weight_gather`` and ``weight_sync/bytes``; the ``off_policy/*`` figures of
+``rl.actor.off_policy``.
 
 Checkpoints hold, besides the synchronous run's state, the policy version and the steps in
 flight (submitted, not trained yet); the sampler position saved is the one before the first
@@ -79,7 +83,7 @@ from shardwise.telemetry.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncController", "async_worker_groups"]
+__all__ = ["AsyncController", "async_worker_groups", "rebalanced_share", "reference_on_generator"]
 
 MARGIN_S = 30.0
 """The controller waits this much longer than ``rl.async.timeout_s`` for a call whose worker
@@ -91,9 +95,33 @@ def async_worker_groups(cfg: Config) -> dict[str, list[str]]:
     """Worker groups of an asynchronous run, name -> roles: the synchronous run's without
     the rollout, and "gen" (the generator)."""
     groups = worker_groups(cfg)
-    groups["rl"] = [r for r in groups["rl"] if r != "rollout"]
-    groups["gen"] = ["generator"]
+    # balanced: each side scores a share of the rows, so both hold the reference
+    moved = {"rollout", "ref"} if reference_on_generator(cfg) and cfg.rl.async_.reference_on == "generator" \
+        else {"rollout"}
+    groups["rl"] = [r for r in groups["rl"] if r not in moved]
+    groups["gen"] = ["generator", "ref"] if reference_on_generator(cfg) else ["generator"]
     return groups
+
+
+def reference_on_generator(cfg: Config) -> bool:
+    """Whether the generator group hosts the reference policy (``rl.async.reference_on``
+    generator or balanced, with a reference)."""
+    return cfg.rl.reference.enabled and cfg.rl.async_.reference_on != "actor"
+
+
+def rebalanced_share(share: float, generator_wait: float, trainer_wait: float, reference_s: float) -> float:
+    """The share of a batch's rows whose reference forward the generator runs
+    (``reference_on: balanced``), moved after a step in which the generator waited
+    `generator_wait` seconds, the trainer `trainer_wait`, and the reference's forward took
+    `reference_s` on both sides together: moving a share d of the rows moves about
+    d x `reference_s` seconds of work from one side to the other, so half the wait
+    difference (which would even the waits) is d = (generator_wait - trainer_wait) / (2 x
+    reference_s); a quarter of that is taken, as the batches the change reaches are up to
+    `max_staleness` steps ahead of the waits measured, and one step's waits are noisy.
+    Within [0, 1]."""
+    if reference_s <= 0:
+        return share
+    return min(1.0, max(0.0, share + 0.25 * (generator_wait - trainer_wait) / (2.0 * reference_s)))
 
 
 class AsyncController(Controller):
@@ -122,6 +150,11 @@ class AsyncController(Controller):
         """The sampler's position before step t drew its prompts (what a checkpoint saves)."""
         self._published = False
         """Whether this step published its version (a step without an update did not)."""
+        self.reference_share = (0.0 if not reference_on_generator(cfg)
+                                else 1.0 if a.reference_on == "generator" else 0.5)
+        """The share of each batch's rows (from the first) whose reference log-probs the
+        generator adds (``rl.async.reference_on``: actor 0, generator 1, balanced moved
+        after every step by `rebalanced_share`); the actor scores the rest."""
 
     # -- the worker groups
     def start(self, clock: StartupClock | None = None) -> None:
@@ -230,6 +263,12 @@ class AsyncController(Controller):
         if not self._published:  # no update this step (rl.filter_groups): the version still moves on
             metrics.update(self.publish(self.step))
         self._sampler_at = {t: v for t, v in self._sampler_at.items() if t >= self.step}
+        # (not after the run's first step: its trainer waits for the first batch whatever the share)
+        if self.cfg.rl.async_.reference_on == "balanced" and self.cfg.rl.reference.enabled \
+                and self.step > self.first_version + 1:
+            self.reference_share = rebalanced_share(
+                self.reference_share, metrics.get("time/generator_wait", 0.0), metrics.get("time/trainer_wait", 0.0),
+                metrics.get("time/generator_ref", 0.0) + metrics.get("time/ref", 0.0))
         return metrics
 
     def update(self, batch: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> None:
@@ -249,7 +288,8 @@ class AsyncController(Controller):
             self._sampler_at[t] = self.sampler.state_dict()
             prompts = self.next_prompts(step=t)
             least = self.first_version if self.on_stale == "drop" else max(self.first_version, t - s)
-            self.in_flight[t] = (self.gen.submit("generate_sequences", prompts, least), prompts)
+            self.in_flight[t] = (self.gen.submit("generate_sequences", prompts, least, self.reference_share),
+                                 prompts)
             self._next_step += 1
 
     def rollout(self, timer: PhaseTimer, metrics: dict[str, float], round_: int = 0) -> tuple[Batch, dict[str, float]]:
@@ -280,7 +320,7 @@ class AsyncController(Controller):
                 old, keep = np.flatnonzero(stale), np.flatnonzero(~stale)
                 dropped = len(old)
                 least = max(self.first_version, step - self.max_staleness)
-                again = self.gen.submit("generate_sequences", prompts[old], least).result(
+                again = self.gen.submit("generate_sequences", prompts[old], least, self.reference_share).result(
                     self.timeout_s + MARGIN_S, what=f"generate_sequences for step {step + 1} (rows too old)")
                 if len(keep):  # back in the prompts' order
                     order = np.argsort(np.concatenate([keep, old]), kind="stable")

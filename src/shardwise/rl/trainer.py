@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardwise.agents.loop import agent_prompt_batch, trajectory_metrics
@@ -448,8 +449,7 @@ class Controller:
             metrics.update(alg.rollout_mismatch(batch.tensors["old_log_probs"], batch.tensors["rollout_log_probs"],
                                                 mask))
         if rl.reference.enabled:
-            with timer("ref"):
-                batch = batch.union(g.compute_ref_log_prob(batch))
+            batch = self.reference_log_probs(batch, timer, metrics)
             if not self.on_policy_shortcut:
                 metrics["kl"] = float(alg.masked_mean(
                     alg.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], "k1"), mask))
@@ -476,6 +476,25 @@ class Controller:
             folder = self.run_dir / "batches"
             folder.mkdir(exist_ok=True)
             (folder / f"step_{self.step + 1:08d}.batch").write_bytes(batch.to_bytes())
+
+    def reference_log_probs(self, batch: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+        """`batch` with ``ref_log_probs`` on every row: the reference's forward on the rows
+        that do not have them yet. The asynchronous run's generator may have scored some or
+        all where it generated them (``rl.async.reference_on``; ``arrays["ref_scored"]``
+        says which, and goes: ``async/reference_share`` is their share)."""
+        scored = batch.arrays.get("ref_scored")
+        if scored is not None:
+            batch = Batch(batch.tensors, {k: v for k, v in batch.arrays.items() if k != "ref_scored"}, batch.meta)
+            metrics["async/reference_share"] = float(np.mean(scored)) if len(scored) else 0.0
+        if "ref_log_probs" in batch.tensors and (scored is None or bool(np.all(scored))):
+            return batch
+        with timer("ref"):
+            if "ref_log_probs" not in batch.tensors:
+                return batch.union(self.group.compute_ref_log_prob(batch))
+            rest = np.flatnonzero(~np.asarray(scored, dtype=bool))
+            ref = batch.tensors["ref_log_probs"].clone()
+            ref[torch.from_numpy(rest)] = self.group.compute_ref_log_prob(batch[rest]).tensors["ref_log_probs"]
+            return Batch({**batch.tensors, "ref_log_probs": ref}, batch.arrays, batch.meta)
 
     def fit(self, writer: MetricsWriter, startup: dict[str, float] | None = None) -> list[dict[str, float]]:
         """Steps until ``train.max_steps`` (from wherever `resume` left the controller), with

@@ -15,6 +15,13 @@ one policy version, which its rows carry in ``arrays["version"]``.
 The generator starts with the weights of ``model.path``: version `initial_version` (0),
 what the actor holds before its first update (a resumed run publishes its step's version
 before asking for it).
+
+With ``rl.async.reference_on`` generator or balanced each rank also holds the reference
+policy (a `ReferenceWorker` from ``model.path``, sharded over the generator ranks like the
+actor's reference over its ranks) and adds ``ref_log_probs`` to the rows the controller
+asks it to score (a share of each batch, its first rows): the forward the trainer would
+run in the step that trains them, moved to ranks that otherwise wait for weights or for
+their next call.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from shardwise.fsdp.build import build_full
 from shardwise.fsdp.gather import iter_full_tensors
 from shardwise.fsdp.scatter import load_full_tensors
 from shardwise.rl.dispatch import Dispatch, register
+from shardwise.rl.workers.actor import ReferenceWorker
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,11 @@ class GeneratorWorker:
             self.rollout.sync_weights(iter_full_tensors(full))  # version 0 (plain tensors: no collective)
             del full, model
         self.startup_s["engine"] = time.perf_counter() - clock
+        self.ref: ReferenceWorker | None = None
+        if self.cfg.rl.reference.enabled and self.cfg.rl.async_.reference_on != "actor":
+            clock = time.perf_counter()
+            self.ref = ReferenceWorker(gen_cfg, runtime)
+            self.startup_s["reference"] = time.perf_counter() - clock
         self.version = self.initial_version
         """The policy version the next batch is generated with (unless a newer one is swapped in)."""
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
@@ -142,13 +155,20 @@ class GeneratorWorker:
     # -- generation
 
     @register(Dispatch.DP_COMPUTE)
-    def generate_sequences(self, prompts: Batch, min_version: int) -> Batch:
+    def generate_sequences(self, prompts: Batch, min_version: int, reference: float = 0.0) -> Batch:
         """Generate this rank's prompts with a policy version >= `min_version` (waiting for
         it, at most the bridge's timeout_s: then one line naming this rank and the version),
         the newest every generator rank holds swapped in first. The rows carry
         ``arrays["version"]`` (int64); ``meta["metrics"]`` gains ``time/generator_wait``
         (seconds idle since this rank's previous call returned plus waiting for the version)
-        and ``time/weight_sync`` (seconds swapping weights in; 0 when none)."""
+        and ``time/weight_sync`` (seconds swapping weights in; 0 when none).
+
+        `reference` > 0 (this rank hosts the reference: ``rl.async.reference_on``): the
+        first round(`reference` x rows) rows of this rank's (all of them at 1) get their
+        reference log-probs, in ``ref_log_probs`` (0 on the other rows) with
+        ``arrays["ref_scored"]`` saying which; ``time/generator_ref`` is its seconds. The
+        ranks of a group get equal row counts (the dispatch pads), so they run the
+        reference's collective forward alike."""
         start = time.perf_counter()
         idle = 0.0 if self._last_return is None else start - self._last_return
         self._raise_bridge_error()
@@ -157,8 +177,21 @@ class GeneratorWorker:
         swap_s = self._swap_in()
         out = self.rollout.generate_sequences(prompts)
         out.arrays["version"] = np.full(len(out), self.version, dtype=np.int64)
-        out.meta.setdefault("metrics", {}).update({"time/generator_wait": idle + waited,
-                                                   "time/weight_sync": swap_s})
+        metrics = {"time/generator_wait": idle + waited, "time/weight_sync": swap_s}
+        rows = min(len(out), round(float(reference) * len(out)))
+        if rows:
+            if self.ref is None:
+                raise RuntimeError("asked for reference log-probs, but this generator rank hosts no reference "
+                                   "(rl.async.reference_on is actor)")
+            start = time.perf_counter()
+            scored = out if rows == len(out) else out[:rows]
+            ref = self.ref.compute_ref_log_prob(scored).tensors["ref_log_probs"]
+            if rows < len(out):
+                ref = torch.cat([ref, ref.new_zeros((len(out) - rows, *ref.shape[1:]))])
+            out.tensors["ref_log_probs"] = ref
+            out.arrays["ref_scored"] = np.arange(len(out)) < rows
+            metrics["time/generator_ref"] = time.perf_counter() - start
+        out.meta.setdefault("metrics", {}).update(metrics)
         self._last_return = time.perf_counter()
         return out
 
