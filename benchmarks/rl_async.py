@@ -328,10 +328,11 @@ class Assumptions:
     """No-grad forwards of the whole batch besides the update's: reference and old log-probs."""
 
 
-def _train_seconds(model, gpus: int, a: Assumptions) -> tuple[float, Any]:
+def _train_seconds(model, gpus: int, a: Assumptions) -> tuple[float, Any, float]:
     """The update of `a.samples` rows on `gpus` GPUs (the plan's projected optimizer step,
     rows rounded up to a whole number of accumulation steps, then scaled back) plus
-    `a.extra_forwards` no-grad forwards (each a third of the update's compute)."""
+    `a.extra_forwards` no-grad forwards (each a third of the update's compute); also the
+    plan's projection and the seconds of one of those forwards."""
     acc = -(-a.samples // gpus)
     cfg = load_config(str(PLAN_CONFIG), [f"train.global_batch_size={acc * gpus}",
                                          f"data.max_length={a.prompt_tokens + a.response_tokens}"])
@@ -345,7 +346,7 @@ def _train_seconds(model, gpus: int, a: Assumptions) -> tuple[float, Any]:
     scale = a.samples / (acc * gpus)
     # a no-grad forward: 2 of the 6 FLOPs per parameter and token, at the MFU without recompute
     forward = proj.compute_s * proj.mfu / hw.mfu["none"] / 3
-    return (proj.step_s + a.extra_forwards * forward) * scale, proj
+    return (proj.step_s + a.extra_forwards * forward) * scale, proj, forward * scale
 
 
 def _generate_seconds(params: int, cfg, gpus: int, a: Assumptions) -> tuple[float, float]:
@@ -378,14 +379,15 @@ def projection(a: Assumptions = Assumptions()) -> dict[str, Any]:
     hw = load_hardware(a.hardware)
     push = 2 * params / (hw.intra_node_bandwidth * hw.intra_node_efficiency)  # bf16 weights over NVLink
     gen8, gen_mem8 = _generate_seconds(params, cfg, a.gpus, a)
-    train8, proj8 = _train_seconds(model, a.gpus, a)
+    train8, proj8, _ = _train_seconds(model, a.gpus, a)
     sync = gen8 + train8
     rows = [{"setting": "sync", "generator_gpus": a.gpus, "trainer_gpus": a.gpus, "generate_s": gen8,
              "train_s": train8, "push_s": 0.0, "step_s": sync, "samples_per_s": a.samples / sync, "x_sync": 1.0,
              "generator_gib": gen_mem8, "trainer_fits": proj8.fits, "trainer_gib": proj8.memory_bytes / 2**30}]
+    balanced = []
     for g in range(1, a.gpus):
         gen, mem = _generate_seconds(params, cfg, g, a)
-        train, proj = _train_seconds(model, a.gpus - g, a)
+        train, proj, ref = _train_seconds(model, a.gpus - g, a)
         # staleness >= 1: each side runs at its own pace, the push overlaps the next batch's generation
         step = max(gen + push, train)
         rows.append({"setting": "async, staleness >= 1", "generator_gpus": g, "trainer_gpus": a.gpus - g,
@@ -393,10 +395,22 @@ def projection(a: Assumptions = Assumptions()) -> dict[str, Any]:
                      "samples_per_s": a.samples / step, "x_sync": sync / step, "generator_gib": mem,
                      "trainer_fits": proj.fits, "trainer_gib": proj.memory_bytes / 2**30,
                      "fits": proj.fits and mem * 2**30 <= hw.memory_bytes})
+        # rl.async.reference_on balanced: the generator GPUs (holding the bf16 reference
+        # too) take the share f of the reference's forward that evens the two sides; the
+        # same compute on g GPUs instead of 8 - g takes (8 - g) / g as long
+        on_gen = ref * (a.gpus - g) / g
+        f = min(1.0, max(0.0, (train - gen - push) / (ref + on_gen)))
+        step = max(gen + push + f * on_gen, train - f * ref)
+        mem_b = mem + 2 * params / 2**30
+        balanced.append({**rows[-1], "setting": f"async, staleness >= 1, reference balanced ({f:.0%} on the "
+                         "generator)", "generate_s": gen + f * on_gen, "train_s": train - f * ref, "step_s": step,
+                         "samples_per_s": a.samples / step, "x_sync": sync / step, "generator_gib": mem_b,
+                         "fits": proj.fits and mem_b * 2**30 <= hw.memory_bytes})
     best = max((r for r in rows[1:] if r["fits"]), key=lambda r: r["x_sync"])
     s0 = best["generate_s"] + best["push_s"] + best["train_s"]
     rows.append({**best, "setting": "async, staleness 0", "step_s": s0, "samples_per_s": a.samples / s0,
                  "x_sync": sync / s0})
+    rows.append(max((r for r in balanced if r["fits"]), key=lambda r: r["x_sync"]))
     return {"assumptions": a.__dict__, "params": params, "mfu": proj8.mfu, "rows": rows, "best": best}
 
 
@@ -416,7 +430,9 @@ def projection_md(p: dict[str, Any]) -> str:
              f"{a['prefill_mfu']:.0%} MFU, every response at full length. Synchronous: generation on all "
              f"{a['gpus']} GPUs, then training on all {a['gpus']}. Asynchronous at staleness >= 1: G GPUs only "
              f"generate, {a['gpus']} - G only train, step = max(generation + the weight push over NVLink, training); "
-             "at staleness 0 nothing overlaps: generation + push + training on the split.", "",
+             "at staleness 0 nothing overlaps: generation + push + training on the split. With "
+             "`rl.async.reference_on: balanced` (the last row, its best split) the generating GPUs also hold the "
+             "bf16 reference and run the share of its forward that evens the two sides.", "",
              "| setting | generating GPUs | training GPUs | generate s | train s | push s | step s | samples / s | "
              "x sync | generator GiB (weights + KV) | trainer GiB (plan) |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
@@ -425,9 +441,10 @@ def projection_md(p: dict[str, Any]) -> str:
                      f"{r['train_s']:.1f} | {r['push_s']:.2f} | {r['step_s']:.1f} | {r['samples_per_s']:.1f} | "
                      f"{r['x_sync']:.2f} | {r['generator_gib']:.0f} | {r['trainer_gib']:.0f}"
                      f"{'' if r['trainer_fits'] else ' (does not fit)'} |")
-    b = p["best"]
+    b, r = p["best"], p["rows"][-1]
     lines += ["", f"Best split: {b['generator_gpus']} generating + {b['trainer_gpus']} training GPUs, "
-                  f"{b['x_sync']:.2f}x the synchronous samples / s (projected). The gain is bounded by how evenly "
+                  f"{b['x_sync']:.2f}x the synchronous samples / s (projected); with the reference balanced, "
+                  f"{r['generator_gpus']} + {r['trainer_gpus']} and {r['x_sync']:.2f}x. The gain is bounded by how evenly "
                   "the split balances the two sides: with generation and training of equal length on the whole "
                   "node it would approach 2x; a fixed split of whole GPUs, and generation that does not speed "
                   "up in proportion to its GPUs (decoding reads the whole weights on every GPU), keep it lower."]
