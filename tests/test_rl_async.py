@@ -15,6 +15,8 @@ the CLI process.
   the steps in flight; its generator rank, killed mid-run, ends the run with exit 1 and one
   line naming the group, the rank, what it was doing and the last checkpoint, and leaves no
   process of the run behind;
+- multi-turn rollouts with a real tool on the generator rank: at staleness 0 the same
+  trajectories, metrics and weights as the synchronous run;
 - what the asynchronous run cannot do is refused before Ray starts (exit 2, one line), and
   ``shardwise plan --rl`` shows both groups.
 """
@@ -34,6 +36,7 @@ import pytest
 import torch
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, alive, at_once, environ_of, run_cli
+from tool_model import build_tool_model
 
 pytest.importorskip("ray")
 
@@ -207,6 +210,50 @@ def test_a_killed_generator_rank_is_named_with_the_last_checkpoint_and_nothing_i
             break
         time.sleep(0.2)
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
+
+
+GRPO_TOOLS = str(REPO_ROOT / "examples" / "grpo_tools.yaml")
+LENGTH_REWARD = "def by_length(prompt, response, ground_truth):\n    return len(response) % 3 / 2\n"
+
+
+def test_async_multi_turn_at_staleness_zero_equals_the_synchronous_run(tmp_path):
+    """The tool model (tests/tool_model.py: it calls the calculator, sampled at temperature 0.5:
+    most turns call, some trajectories differ) through examples/grpo_tools.yaml made small, rewarded by
+    the final answer's length: the generator rank runs the multi-turn loop with its own tool
+    processes, and at staleness 0 gives the synchronous run's trajectories and update."""
+    from shardwise.data.batch import Batch
+
+    folder = build_tool_model(tmp_path / "model")
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    common = [f"model.path={folder}", "train.global_batch_size=4", "rl.rollout.n=4", "train.micro_batch_size=16",
+              "rl.rollout.max_new_tokens=8", "rl.rollout.temperature=0.5", "rl.multi_turn.max_turns=2", "rl.multi_turn.max_response_tokens=40",
+              "rl.multi_turn.max_tool_response_tokens=8", "rl.multi_turn.tool_workers=2", "data.max_length=32",
+              "rl.reward.function=length_reward:by_length", "train.optimizer.lr=1e-3", "train.max_steps=2",
+              "rl.heldout_eval=false", "checkpoint.every_steps=0", "checkpoint.async=false", "rl.record_batches=2"]
+
+    def rl(name: str, nproc: int, *extra: str):
+        res = run_cli(["rl", GRPO_TOOLS, "--nproc", str(nproc), f"run.dir={tmp_path / name}", *common, *extra],
+                      timeout=400, cwd=tmp_path)
+        assert res.returncode == 0, f"{name}: {res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+        return tmp_path / name
+
+    sync, zero = at_once(lambda: rl("sync", 1), lambda: rl("zero", 2, *ASYNC, "rl.async.max_staleness=0"))
+    a, b = metrics(sync), metrics(zero)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+    for m, n in zip(a, b):
+        for key, value in m.items():
+            if not key.startswith(("time", "perf/")):
+                assert n[key] == value, key
+    assert all(m["tools/calls_per_trajectory"] > 0 and m["actor/grad_norm"] > 0 for m in a), [
+        {k: v for k, v in m.items() if k.startswith(("tools/", "multi_turn/", "actor/grad"))} for m in a]
+    for step in (1, 2):
+        x = Batch.from_bytes((sync / "batches" / f"step_{step:08d}.batch").read_bytes())
+        y = Batch.from_bytes((zero / "batches" / f"step_{step:08d}.batch").read_bytes())
+        for key, t in x.tensors.items():
+            assert torch.equal(t, y.tensors[key]), (step, key)
+        assert 0 < int(x.tensors["response_mask"].sum()) < int(x.tensors["attention_mask"].sum())  # tool turns
+    assert (sync / "hf" / "model.safetensors").read_bytes() == (zero / "hf" / "model.safetensors").read_bytes()
+    assert (zero / "logs" / "tools-gen0.log").is_file()  # the generator rank ran the tools
 
 
 @pytest.mark.parametrize("nproc,extra,key,words", [

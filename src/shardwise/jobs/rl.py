@@ -165,7 +165,7 @@ def check_rl_agents(cfg: Config) -> list[dict] | None:
 
 def check_rl_async(cfg: Config) -> None:
     """ConfigError naming the key when ``rl.async`` meets what the asynchronous run does not
-    do yet: Ulysses sequence parallel, multi-turn rollouts, refilled group filtering (its
+    do yet: Ulysses sequence parallel, refilled group filtering (its
     extra rounds would generate inside a step), a LoRA actor (the generator group takes
     full weights) and a vision-language policy (the generator group takes text prompts)."""
     if not cfg.rl.async_.enabled:
@@ -174,9 +174,6 @@ def check_rl_async(cfg: Config) -> None:
     if cfg.parallel.ulysses_size > 1:
         raise ConfigError("parallel.ulysses_size", "asynchronous RL (rl.async) does not run Ulysses sequence "
                           "parallel yet", f"set parallel.ulysses_size=1, {off}")
-    if cfg.rl.multi_turn.enabled:
-        raise ConfigError("rl.multi_turn.enabled", "asynchronous RL (rl.async) does not roll out multi-turn "
-                          "trajectories yet", f"set rl.multi_turn.enabled=false, {off}")
     if cfg.rl.filter_groups != "none" and cfg.rl.filter_groups_refill:
         raise ConfigError("rl.filter_groups_refill", "asynchronous RL (rl.async) generates each step's prompts "
                           "ahead and cannot refill a step with more rounds", f"set rl.filter_groups_refill=false, {off}")

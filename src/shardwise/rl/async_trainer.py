@@ -75,7 +75,7 @@ from shardwise.engine.evaluate import EvalPlan
 from shardwise.models.vision import VisionInputs
 from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerGroup, gpus_for, init_ray
 from shardwise.rl.local import group_class, local_gpus
-from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, worker_groups
+from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, engine_metrics, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker
 from shardwise.rl.workers.hybrid import RLWorker
 from shardwise.telemetry import PhaseTimer
@@ -300,8 +300,7 @@ class AsyncController(Controller):
         self.submit_ahead()
         with timer("trainer_wait"):
             batch = self._take(self.step, metrics)
-        for name, values in batch.meta.pop("metrics", {}).items():
-            metrics[name] = metrics.get(name, 0.0) + float(max(values) if isinstance(values, list) else values)
+        engine_metrics(batch, metrics)
         staleness = self.step - np.asarray(batch.arrays["version"], dtype=np.int64)
         metrics["async/staleness_mean"] = float(staleness.mean())
         metrics["async/staleness_max"] = float(staleness.max())

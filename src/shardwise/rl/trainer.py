@@ -355,10 +355,7 @@ class Controller:
         generating, only in the round that pushes) go to `metrics`: the slowest rank's."""
         with timer("generate"):
             batch = self.group.generate_sequences(self.next_prompts(round_))
-        for name, values in batch.meta.pop("metrics", {}).items():
-            if name.startswith(_ROW_METRICS):  # over all rows of the step: `sample`
-                continue
-            metrics[name] = metrics.get(name, 0.0) + float(max(values) if isinstance(values, list) else values)
+        engine_metrics(batch, metrics)
         with timer("reward"):
             return self.score(batch)
 
@@ -622,6 +619,15 @@ def heldout_summary(evaluations: list[tuple[int, dict[str, float], dict[str, dic
 _ROW_METRICS = ("multi_turn/", "tools/")
 """Metrics of a multi-turn rollout's rows, computed over the whole step (`trajectory_metrics`)
 rather than taken from one rank's figures."""
+
+
+def engine_metrics(batch: Batch, metrics: dict[str, float]) -> None:
+    """The generating ranks' figures (``batch.meta["metrics"]``, removed from it) added to
+    `metrics`: each the slowest rank's; not the rows' multi-turn figures (`_ROW_METRICS`),
+    which `Controller.sample` computes over the whole step."""
+    for name, values in batch.meta.pop("metrics", {}).items():
+        if not name.startswith(_ROW_METRICS):
+            metrics[name] = metrics.get(name, 0.0) + float(max(values) if isinstance(values, list) else values)
 
 
 def _slowest_rank(per_rank: list[dict[str, float]]) -> dict[str, float]:

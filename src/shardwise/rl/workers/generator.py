@@ -4,7 +4,9 @@ One Ray worker group "gen" of ``rl.async.generator_ranks`` ranks, its own torch.
 world, beside the actor's group. Each rank holds the policy for generation only: the HF
 engine samples with an `InferEngine` (fsdp2_infer, sharded over the generator ranks, built
 from ``model.path`` like the reference policy, without LoRA: the actor's weights arrive
-merged); the vLLM engine keeps its own copy, loaded from ``model.path`` at start-up.
+merged); the vLLM engine keeps its own copy, loaded from ``model.path`` at start-up. With
+``rl.multi_turn`` a rank rolls out trajectories (`run_multi_turn`) as the hybrid engine's
+ranks do, its tool calls run by a `ToolRunner` of its own (`start_tools`).
 
 The actor's new weights arrive over the weight bridge (`shardwise.distributed.bridge`:
 generator rank r is bridge rank 1 + r) after each update, in a receiver thread, while this
@@ -29,12 +31,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardwise.agents.execute import ToolRunner
+from shardwise.agents.loop import run_multi_turn
 from shardwise.config.load import config_from_dict
 from shardwise.config.schema import Config, LoraSettings, ParallelConfig
 from shardwise.data.batch import Batch
@@ -47,6 +52,7 @@ from shardwise.fsdp.gather import iter_full_tensors
 from shardwise.fsdp.scatter import load_full_tensors
 from shardwise.rl.dispatch import Dispatch, register
 from shardwise.rl.workers.actor import ReferenceWorker
+from shardwise.rl.workers.hybrid import start_tools
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +78,6 @@ class GeneratorWorker:
     def __init__(self, cfg: dict[str, Any], pad_id: int, eos_id: int, *, runtime: Runtime):
         self.cfg = config_from_dict(cfg)
         self.runtime = runtime
-        if self.cfg.rl.multi_turn.enabled:
-            raise ValueError("the generator group rolls out single-turn prompts; rl.multi_turn runs on the hybrid "
-                             "engine (rl.async.enabled=false)")
         seed_everything(self.cfg.run.seed)
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
@@ -98,6 +101,13 @@ class GeneratorWorker:
             self.rollout.sync_weights(iter_full_tensors(full))  # version 0 (plain tensors: no collective)
             del full, model
         self.startup_s["engine"] = time.perf_counter() - clock
+        self.tools: ToolRunner | None = None
+        """rl.multi_turn: the runner of this rank's tool calls (its processes live until `close`)."""
+        if self.cfg.rl.multi_turn.enabled:
+            clock = time.perf_counter()
+            self.schemas, self.tokenizer, self.tools = start_tools(self.cfg, Path(self.cfg.run.dir),
+                                                                   f"tools-gen{runtime.rank}")
+            self.startup_s["tools"] = time.perf_counter() - clock
         self.ref: ReferenceWorker | None = None
         if self.cfg.rl.reference.enabled and self.cfg.rl.async_.reference_on != "actor":
             clock = time.perf_counter()
@@ -175,7 +185,12 @@ class GeneratorWorker:
         self._wait_for(int(min_version))
         waited = time.perf_counter() - start
         swap_s = self._swap_in()
-        out = self.rollout.generate_sequences(prompts)
+        if self.tools is not None:  # rl.multi_turn: trajectories with tool calls, as the hybrid engine's
+            prompts.meta.setdefault("max_new_tokens", self.cfg.rl.rollout.max_new_tokens)  # per assistant turn
+            out = run_multi_turn(self.rollout, prompts, self.tokenizer, self.tools, self.cfg.rl.multi_turn,
+                                 self.schemas)
+        else:
+            out = self.rollout.generate_sequences(prompts)
         out.arrays["version"] = np.full(len(out), self.version, dtype=np.int64)
         metrics = {"time/generator_wait": idle + waited, "time/weight_sync": swap_s}
         rows = min(len(out), round(float(reference) * len(out)))
@@ -255,11 +270,15 @@ class GeneratorWorker:
 
     @register(Dispatch.ONE_TO_ALL)
     def startup_seconds(self) -> dict[str, float]:
-        """Seconds this rank spent building its parts: ``model_load`` and ``engine``."""
+        """Seconds this rank spent building its parts: ``model_load``, ``engine``, and
+        ``tools`` / ``reference`` where it hosts them."""
         return dict(self.startup_s)
 
     def close(self) -> None:
-        """Stop receiving, then the engine's own teardown (collective)."""
+        """Stop receiving and the tools' processes, then the engine's own teardown (collective)."""
+        if self.tools is not None:
+            self.tools.close()
+            self.tools = None
         if self.bridge is not None:
             try:
                 self.bridge.close()

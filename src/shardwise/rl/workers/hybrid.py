@@ -30,6 +30,7 @@ from shardwise.agents.tools import all_schemas, load_environment, load_tools
 from shardwise.checkpoint.dcp import CheckpointManager, is_complete
 from shardwise.checkpoint.hf_export import export_adapter, export_model
 from shardwise.config.load import config_from_dict
+from shardwise.config.schema import Config
 from shardwise.data.batch import Batch
 from shardwise.data.chat import use_chat_template
 from shardwise.data.tokenizer import load_tokenizer, tokenizer_dir
@@ -51,6 +52,23 @@ ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
 BRIDGE_STORE_TIMEOUT_S = 600.0
 """The weight bridge's store, before `bridge_join` sets the run's timeout."""
 CRITIC_DIR = "critic"
+
+
+def start_tools(cfg: Config, run_dir: Path, name: str) -> tuple[list[dict], Any, ToolRunner]:
+    """What a rank that rolls out multi-turn trajectories needs (`run_multi_turn`): the
+    tools' schemas (the tools were checked by the job's prepare step and are imported again
+    here), the run's tokenizer with its template (the controller built it before the
+    workers started) and the `ToolRunner`, whose processes print to run.dir/logs/<name>.log."""
+    rl, m = cfg.rl, cfg.model
+    tools, env = load_tools(rl.tools), load_environment(rl.environment)
+    folder = tokenizer_dir(m.tokenizer, m.path, run_dir, build=False)
+    tokenizer = use_chat_template(load_tokenizer(folder), cfg.data.chat_template)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    runner = ToolRunner(tools, env, timeout_s=rl.tool_timeout_s, workers=rl.multi_turn.tool_workers,
+                        max_chars=max(4096, 16 * rl.multi_turn.max_tool_response_tokens),
+                        output=str(logs / f"{name}.log"))
+    return all_schemas(tools, env), tokenizer, runner
 
 
 class RLWorker:
@@ -114,20 +132,7 @@ class RLWorker:
             lap("reward_model")
 
     def _start_tools(self, run_dir: Path) -> None:
-        """The tools (checked by the job's prepare step, imported again here for their
-        schemas), the run's tokenizer with its template (the controller built it before the
-        workers started) and the `ToolRunner`, whose processes print to
-        run.dir/logs/tools-rank<i>.log."""
-        rl, m = self.cfg.rl, self.cfg.model
-        tools, env = load_tools(rl.tools), load_environment(rl.environment)
-        self.schemas = all_schemas(tools, env)
-        folder = tokenizer_dir(m.tokenizer, m.path, run_dir, build=False)
-        self.tokenizer = use_chat_template(load_tokenizer(folder), self.cfg.data.chat_template)
-        logs = run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        self.tools = ToolRunner(tools, env, timeout_s=rl.tool_timeout_s, workers=rl.multi_turn.tool_workers,
-                                max_chars=max(4096, 16 * rl.multi_turn.max_tool_response_tokens),
-                                output=str(logs / f"tools-rank{self.runtime.rank}.log"))
+        self.schemas, self.tokenizer, self.tools = start_tools(self.cfg, run_dir, f"tools-rank{self.runtime.rank}")
 
     def _need(self, role: str) -> Any:
         obj = getattr(self, role)
