@@ -381,6 +381,8 @@ def main() -> int:
     p.add_argument("--engines", default="hf,vllm", help="shardwise's rollout engines, comma-separated")
     p.add_argument("--sleep-tool", action="store_true",
                    help=f"both sides call {SLEEP_TOOL} (the calculator after a 50 ms sleep) instead")
+    p.add_argument("--set", dest="shardwise_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for shardwise's runs (repeatable), e.g. rl.async.enabled=true")
     p.add_argument("--out", type=Path, default=REPO / "results" / "agentic")
     p.add_argument("--venv", type=Path, default=REPO / "results" / "venv-trl", help="TRL's venv")
     p.add_argument("--skip-trl-install", action="store_true", help="use --venv as it is")
@@ -411,7 +413,7 @@ def main() -> int:
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     setting_rows: list[Setting] = []
     for seed in seeds:
-        overrides = [f"model.path={model}", "train.log_every=1", f"run.seed={seed}", *tools]
+        overrides = [f"model.path={model}", "train.log_every=1", f"run.seed={seed}", *tools, *args.shardwise_set]
         cfg = load_config(config, [*overrides, f"train.max_steps={args.steps}"])
         setting_rows, fields = all_settings(cfg, args.nproc, args.steps)
         rows_per_step = cfg.train.global_batch_size * cfg.rl.rollout.n
@@ -434,8 +436,9 @@ def main() -> int:
                                              f"tools {r['tools_share'] or 0:.1%} of a step"), flush=True)
         per_seed[seed] = runs
     agg = aggregate(per_seed, args.window)
-    head = (f"TRL `GRPOTrainer(tools=[...])` vs `shardwise rl {config.relative_to(REPO) if config.is_relative_to(REPO) else config}` "
-            f"({', '.join(engines)} engines), the tool "
+    extra = f" with {' '.join(args.shardwise_set)}" if args.shardwise_set else ""
+    head = (f"TRL `GRPOTrainer(tools=[...])` vs `shardwise rl {config.relative_to(REPO) if config.is_relative_to(REPO) else config}`"
+            f"{extra} ({', '.join(engines)} engines), the tool "
             f"{'`' + SLEEP_TOOL + '` (the calculator after a 50 ms sleep)' if args.sleep_tool else 'of the config'}, "
             f"{args.steps} steps, {len(seeds)} seed(s) ({', '.join(map(str, seeds))}) per side, {args.nproc} CPU "
             f"processes each (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}), {platform.machine()} "
