@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = ["MARK_ENV", "PR_SET_CHILD_SUBREAPER", "PR_SET_NAME", "PR_SET_PDEATHSIG", "Contained", "Outcome",
-           "describe_exit", "kill_left_under", "prctl"]
+           "close_all", "describe_exit", "kill_left_under", "prctl"]
 
 MARK_ENV = "SHARDWISE_CONTAINED"
 """The environment variable that marks every process of one child (see `Contained.close`)."""
@@ -153,6 +153,10 @@ class Contained:
         if self._proc is None:
             return
         self._kill()  # interrupted (a second Ctrl-C), the next close kills what is left
+        self._forget()
+
+    def _forget(self) -> None:
+        """Close the pipes of a child that was killed and reaped."""
         for fd in (self._to_child, self._from_child):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -276,19 +280,40 @@ class Contained:
         """SIGKILL the keeper, the processes under it (a /proc walk, repeated until none is
         left: the keeper's own sweep may race with it) and every process carrying this
         child's mark; reap the keeper. Bounded: at most a few seconds."""
-        proc = self._proc
-        assert proc is not None
-        deadline = time.monotonic() + 5.0
-        while True:
-            pids = [*descendants(proc.pid), *_marked(self._mark)]
-            if proc.poll() is None:
-                pids.append(proc.pid)
-            for p in pids:
-                with contextlib.suppress(OSError):
-                    os.kill(p, signal.SIGKILL)
-            if not pids or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
+        assert self._proc is not None
+        _kill_trees([self])
+
+
+def close_all(children: Sequence[Contained]) -> None:
+    """`Contained.close` of every child in `children`, their trees killed together: each
+    walk of /proc serves all of them (closing a runner's children one after another cost
+    a walk or more each)."""
+    live = [c for c in children if c._proc is not None]
+    if live:
+        _kill_trees(live)
+    for c in live:
+        c._forget()
+
+
+def _kill_trees(children: Sequence[Contained]) -> None:
+    """SIGKILL each child's keeper, the processes under it and every process carrying its
+    mark, walking /proc again until none is left (a keeper's own sweep may race with it);
+    reap the keepers. Bounded: at most a few seconds."""
+    procs = [c._proc for c in children if c._proc is not None]
+    marks = [c._mark for c in children]
+    deadline = time.monotonic() + 5.0
+    while True:
+        tree = _process_tree()
+        pids = [p for proc in procs for p in descendants(proc.pid, tree)]
+        pids += _marked(*marks)
+        pids += [proc.pid for proc in procs if proc.poll() is None]
+        for p in pids:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        if not pids or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
 
@@ -302,8 +327,8 @@ def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def descendants(pid: int) -> list[int]:
-    """Process ids under `pid` (Linux /proc), deepest last; [] elsewhere."""
+def _process_tree() -> dict[int, list[int]]:
+    """Parent pid -> the pids of its children, from one walk of /proc (Linux; {} elsewhere)."""
     children: dict[int, list[int]] = {}
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
@@ -315,6 +340,13 @@ def descendants(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int, tree: dict[int, list[int]] | None = None) -> list[int]:
+    """Process ids under `pid` (Linux /proc; `tree`: a `_process_tree` already walked),
+    deepest last; [] elsewhere."""
+    children = _process_tree() if tree is None else tree
     out, stack = [], [pid]
     while stack:
         for c in children.get(stack.pop(), ()):
@@ -338,13 +370,13 @@ def kill_left_under(pid: int) -> list[int]:
     return out
 
 
-def _marked(mark: str) -> list[int]:
-    """Live processes (this user's) whose environment has ``MARK_ENV=mark``."""
-    if not mark:
+def _marked(*marks: str) -> list[int]:
+    """Live processes (this user's) whose environment has ``MARK_ENV=mark`` for one of `marks`."""
+    needles = {f"{MARK_ENV}={m}".encode() for m in marks if m}
+    if not needles:
         return []
-    needle = f"{MARK_ENV}={mark}".encode()
     with contextlib.suppress(OSError):
-        return [int(e) for e in os.listdir("/proc") if e.isdigit() and needle in _environ(int(e))]
+        return [int(e) for e in os.listdir("/proc") if e.isdigit() and not needles.isdisjoint(_environ(int(e)))]
     return []
 
 

@@ -50,7 +50,7 @@ from typing import Any
 
 from shardwise.agents.parsers import ToolCall
 from shardwise.agents.tools import EnvironmentSpec, ToolSpec, check_names
-from shardwise.contained import Contained, Outcome
+from shardwise.contained import Contained, Outcome, close_all
 from shardwise.errors import did_you_mean
 
 __all__ = ["Submitted", "ToolResult", "ToolRunner"]
@@ -327,12 +327,10 @@ class ToolRunner:
         self._closed = True
         for lane in self._lanes:
             lane.shutdown(wait=False, cancel_futures=True)
-        for child in self._children:  # a call still running ends with its child...
-            child.close()
+        close_all(self._children)  # a call still running ends with its child...
         for lane in self._lanes:  # ...so its thread ends (and starts no child: _serve checks _closed)
             lane.shutdown(wait=True)
-        for child in self._children:
-            child.close()
+        close_all(self._children)
         if self._own_output is not None:
             self._own_output.close()
 
