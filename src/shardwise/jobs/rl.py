@@ -17,6 +17,7 @@ config, the summary without the per-step history).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,8 @@ def _run(prepared: Prepared) -> dict[str, Any]:
     clock = prepared.clock
     clock.lap("controller")  # the launch line, the tokenizer, the controller
     writer = None
+    plotter = ThreadPoolExecutor(1)
+    plotted: Future[str] | None = None
     try:
         ctl.start(clock)
         resumed = ctl.resume()
@@ -313,6 +316,10 @@ def _run(prepared: Prepared) -> dict[str, Any]:
         startup = clock.metrics()
         summary["startup"] = {k.removeprefix("time/startup/"): v for k, v in startup.items()}
         history = ctl.fit(writer, startup)
+        # every metrics line is logged (each flushed as it is written): the plot is drawn
+        # while the model is exported and the worker groups stop, mostly waits for processes
+        if (ctl.run_dir / "metrics.jsonl").is_file():
+            plotted = plotter.submit(_plot, cfg, ctl)
         summary["steps"] = ctl.step
         summary["history"] = history
         summary["timing"] = mean_timing(history)
@@ -331,14 +338,21 @@ def _run(prepared: Prepared) -> dict[str, Any]:
         if writer is not None:
             writer.close(failed=True)
         ctl.close(graceful=False)
+        plotter.shutdown(cancel_futures=True)
         raise
-    else:
-        ctl.close()
     assert writer is not None
-    with writer:  # closed here; as failed if the plot raises
-        if (ctl.run_dir / "metrics.jsonl").is_file():
-            panels = plot_panels(cfg, ctl.on_policy_shortcut)
-            panels += val_panels(read_metrics(ctl.run_dir / "metrics.jsonl"))  # the evaluation's curves
-            summary["plot"] = str(plot_metrics(ctl.run_dir / "metrics.jsonl", ctl.run_dir / "rl.png", panels))
+    with writer, plotter:  # closed here; as failed if the plot raises
+        try:
+            ctl.close()
+        finally:
+            if plotted is not None:
+                summary["plot"] = plotted.result()
         writer.log_summary({k: v for k, v in summary.items() if k != "history"})  # the trackers have it as metrics
     return summary
+
+
+def _plot(cfg: Config, ctl: Controller) -> str:
+    """``run.dir/rl.png`` of the run's metrics; its path."""
+    metrics = ctl.run_dir / "metrics.jsonl"
+    panels = plot_panels(cfg, ctl.on_policy_shortcut) + val_panels(read_metrics(metrics))  # + the evaluation's
+    return str(plot_metrics(metrics, ctl.run_dir / "rl.png", panels))
