@@ -95,9 +95,8 @@ def async_worker_groups(cfg: Config) -> dict[str, list[str]]:
     """Worker groups of an asynchronous run, name -> roles: the synchronous run's without
     the rollout, and "gen" (the generator)."""
     groups = worker_groups(cfg)
-    # balanced: each side scores a share of the rows, so both hold the reference
-    moved = {"rollout", "ref"} if reference_on_generator(cfg) and cfg.rl.async_.reference_on == "generator" \
-        else {"rollout"}
+    # reference_on generator moves the reference; balanced has both sides score a share of the rows
+    moved = {"rollout", "ref"} if cfg.rl.async_.reference_on == "generator" else {"rollout"}
     groups["rl"] = [r for r in groups["rl"] if r not in moved]
     groups["gen"] = ["generator", "ref"] if reference_on_generator(cfg) else ["generator"]
     return groups
@@ -152,8 +151,8 @@ class AsyncController(Controller):
         """Whether this step published its version (a step without an update did not)."""
         self.reference_share = (0.0 if not reference_on_generator(cfg)
                                 else 1.0 if a.reference_on == "generator" else 0.5)
-        """The share of each batch's rows (from the first) whose reference log-probs the
-        generator adds (``rl.async.reference_on``: actor 0, generator 1, balanced moved
+        """The share of each batch's rows (the first of each generator rank's) whose
+        reference log-probs the generator adds (``rl.async.reference_on``: actor 0, generator 1, balanced moved
         after every step by `rebalanced_share`); the actor scores the rest."""
 
     # -- the worker groups
