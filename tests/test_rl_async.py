@@ -391,3 +391,14 @@ def test_balanced_reference_share_moves_toward_equal_waits():
     assert rebalanced_share(0.9, 2.0, 0.0, 0.2) == 1.0 and rebalanced_share(0.1, 0.0, 2.0, 0.2) == 0.0
     assert rebalanced_share(0.3, 1.0, 0.0, 0.0) == 0.3  # no reference seconds measured: nothing to go by
 
+
+def test_a_checkpoint_keeps_where_the_balance_moved_the_reference_share(tmp_path):
+    ctl = controller(tmp_path / "a", "rl.async.reference_on=balanced", "rl.reference.enabled=true")
+    assert ctl.reference_share == 0.5  # where it starts
+    ctl.reference_share = 0.8125
+    state = ctl.state_dict()
+    assert state["async"]["reference_share"] == 0.8125
+    resumed = controller(tmp_path / "b", "rl.async.reference_on=balanced", "rl.reference.enabled=true")
+    resumed.load_state_dict(state)
+    assert resumed.reference_share == 0.8125  # a resumed run splits the rows as the uninterrupted one would
+

@@ -41,9 +41,9 @@ with the reference on the generator, ``time/generator_ref`` (its reference forwa
 ``time/weight_gather`` and ``weight_sync/bytes``; the ``off_policy/*`` figures of
 ``rl.actor.off_policy``.
 
-Checkpoints hold, besides the synchronous run's state, the policy version and the steps in
-flight (submitted, not trained yet); the sampler position saved is the one before the first
-of those steps drew its prompts. A resumed run generates the steps that were in flight
+Checkpoints hold, besides the synchronous run's state, the policy version, the steps in
+flight (submitted, not trained yet) and the reference's share on the generator; the
+sampler position saved is the one before the first of those steps drew its prompts. A resumed run generates the steps that were in flight
 again, from the checkpoint's weights, with the same prompts and sampling seeds: at
 max_staleness 0 nothing was in flight and the resumed run equals the uninterrupted one; at
 S > 0 those steps now come from a newer policy than they would have (staleness 0 instead of
@@ -243,12 +243,15 @@ class AsyncController(Controller):
         state = super().state_dict()
         # the steps in flight are generated again on resume: the sampler goes back to the first
         state["sampler"] = self._sampler_at.get(self.step, state["sampler"])
-        state["async"] = {"policy_version": self.version, "in_flight": sorted(self.in_flight)}
+        state["async"] = {"policy_version": self.version, "in_flight": sorted(self.in_flight),
+                          "reference_share": self.reference_share}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.first_version = self.version = self._next_step = self.step
+        if self.cfg.rl.async_.reference_on == "balanced" and "reference_share" in state.get("async", {}):
+            self.reference_share = float(state["async"]["reference_share"])  # where the balance had moved it
         again = state.get("async", {}).get("in_flight", [])
         if again:
             log.info("resumed at step %d (policy version %d): steps %s were in flight and are generated again "
