@@ -76,14 +76,14 @@ from shardwise.models.vision import VisionInputs
 from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerGroup, gpus_for, init_ray
 from shardwise.rl.local import group_class, local_gpus
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, engine_metrics, worker_groups
-from shardwise.rl.workers.generator import GeneratorWorker
+from shardwise.rl.workers.generator import GeneratorWorker, reference_on_generator
 from shardwise.rl.workers.hybrid import RLWorker
 from shardwise.telemetry import PhaseTimer
 from shardwise.telemetry.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncController", "async_worker_groups", "rebalanced_share", "reference_on_generator"]
+__all__ = ["AsyncController", "async_worker_groups", "rebalanced_share"]
 
 MARGIN_S = 30.0
 """The controller waits this much longer than ``rl.async.timeout_s`` for a call whose worker
@@ -100,12 +100,6 @@ def async_worker_groups(cfg: Config) -> dict[str, list[str]]:
     groups["rl"] = [r for r in groups["rl"] if r not in moved]
     groups["gen"] = ["generator", "ref"] if reference_on_generator(cfg) else ["generator"]
     return groups
-
-
-def reference_on_generator(cfg: Config) -> bool:
-    """Whether the generator group hosts the reference policy (``rl.async.reference_on``
-    generator or balanced, with a reference)."""
-    return cfg.rl.reference.enabled and cfg.rl.async_.reference_on != "actor"
 
 
 def rebalanced_share(share: float, generator_wait: float, trainer_wait: float, reference_s: float) -> float:

@@ -56,10 +56,16 @@ from shardwise.rl.workers.hybrid import start_tools
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GeneratorWorker", "generator_config"]
+__all__ = ["GeneratorWorker", "generator_config", "reference_on_generator"]
 
 KEEP_PENDING = 3
 """Versions a rank of a multi-rank generator group keeps received and not yet swapped in."""
+
+
+def reference_on_generator(cfg: Config) -> bool:
+    """Whether the generator ranks host the reference policy (``rl.async.reference_on``
+    generator or balanced, with a reference)."""
+    return cfg.rl.reference.enabled and cfg.rl.async_.reference_on != "actor"
 
 
 def generator_config(cfg: Config) -> Config:
@@ -109,7 +115,7 @@ class GeneratorWorker:
                                                                    f"tools-gen{runtime.rank}")
             self.startup_s["tools"] = time.perf_counter() - clock
         self.ref: ReferenceWorker | None = None
-        if self.cfg.rl.reference.enabled and self.cfg.rl.async_.reference_on != "actor":
+        if reference_on_generator(self.cfg):
             clock = time.perf_counter()
             self.ref = ReferenceWorker(gen_cfg, runtime)
             self.startup_s["reference"] = time.perf_counter() - clock
@@ -193,17 +199,14 @@ class GeneratorWorker:
             out = self.rollout.generate_sequences(prompts)
         out.arrays["version"] = np.full(len(out), self.version, dtype=np.int64)
         metrics = {"time/generator_wait": idle + waited, "time/weight_sync": swap_s}
-        rows = min(len(out), round(float(reference) * len(out)))
+        rows = round(float(reference) * len(out))  # the share is within [0, 1]
         if rows:
             if self.ref is None:
                 raise RuntimeError("asked for reference log-probs, but this generator rank hosts no reference "
                                    "(rl.async.reference_on is actor)")
             start = time.perf_counter()
-            scored = out if rows == len(out) else out[:rows]
-            ref = self.ref.compute_ref_log_prob(scored).tensors["ref_log_probs"]
-            if rows < len(out):
-                ref = torch.cat([ref, ref.new_zeros((len(out) - rows, *ref.shape[1:]))])
-            out.tensors["ref_log_probs"] = ref
+            ref = self.ref.compute_ref_log_prob(out[:rows]).tensors["ref_log_probs"]
+            out.tensors["ref_log_probs"] = torch.cat([ref, ref.new_zeros((len(out) - rows, *ref.shape[1:]))])
             out.arrays["ref_scored"] = np.arange(len(out)) < rows
             metrics["time/generator_ref"] = time.perf_counter() - start
         out.meta.setdefault("metrics", {}).update(metrics)
