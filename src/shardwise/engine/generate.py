@@ -43,6 +43,20 @@ position ids, the model's own KV cache) that drops each row, and its cache, once
 written its EOS; HF ``generate`` (still used for images and per-rank sampling) decodes
 finished rows until the longest ends.
 
+Multi-turn rollouts continue rows instead of re-reading them: inside a
+`GenerationEngine.rollout_session` the HF engine keeps, for each row that ends (by its
+``sample_key``), the keys and values its tokens left in every attention layer's cache
+(`preallocated_cache`: one buffer per layer for the call, written in place). The next
+turn's call for that key (its prompt: the conversation so far, the row's turn and the
+tool's answer appended) forwards only what follows the longest prefix it shares with the
+kept tokens, after those keys and values, instead of the whole conversation. Keys and
+values depend only on the tokens before them (causal attention, the same position ids),
+so the forwards see the same values up to the kernels' rounding for other shapes: the
+rollout log-probs are those of the sampled tokens, as without it (the module's other
+rounding caveats). Nothing is kept outside a session (the weights may change between
+calls) or for a model with other than plain attention layers (sliding windows, linear
+attention).
+
 Rows that end early: an engine that `reports_ended_rows` takes ``on_row_end(i, tokens)``
 in ``generate_sequences`` and calls it, from inside the call, as soon as row i has written
 its EOS (`tokens`: its generated ids through that EOS, exactly the row's response), while
@@ -69,7 +83,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.cache_utils import DynamicLayer
 
 from shardwise.config.schema import SamplingConfig
 from shardwise.data.batch import Batch
@@ -83,8 +105,8 @@ from shardwise.fsdp.gather import fsdp_hooks_skipped, gathered_for_generation
 from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
-__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "RowEnd", "RowEnds", "RowSampler", "SamplingCall", "assemble_sequences",
-           "build_generator", "generate_on_ranks", "left_pad", "prompt_batch", "row_seed",
+__all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "PreallocatedLayer", "RowEnd", "RowEnds", "RowSampler", "SamplingCall", "assemble_sequences",
+           "build_generator", "generate_on_ranks", "left_pad", "preallocated_cache", "prompt_batch", "row_seed",
            "sample_keys", "sampling_call", "sampling_seed"]
 
 
@@ -288,6 +310,93 @@ class RowSampler(LogitsProcessor):
         return (order.gather(-1, index) if order is not None else index).squeeze(-1)
 
 
+class PreallocatedLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values live in one buffer of `capacity` positions,
+    written in place: ``keys`` / ``values`` are views of the filled part and hold what the
+    concatenating layer would. Past `capacity` the buffer is reallocated to fit."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = int(capacity)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Begin with `keys` / `values` ``(B, heads, n, dim)`` in the cache (kept rows)."""
+        self.lazy_initialization(keys, values)
+        self._k = self._v = None
+        self.update(keys, values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = 0 if self._k is None else self.keys.shape[-2]
+        end = n + key_states.shape[-2]
+        if self._k is None or self._v is None or end > self._k.shape[-2]:
+            size = max(self.capacity, end)
+            k = key_states.new_empty((*key_states.shape[:-2], size, key_states.shape[-1]))
+            v = value_states.new_empty((*value_states.shape[:-2], size, value_states.shape[-1]))
+            if n:
+                k[..., :n, :] = self.keys
+                v[..., :n, :] = self.values
+            self._k, self._v = k, v
+        self._k[..., n:end, :] = key_states
+        self._v[..., n:end, :] = value_states
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._k is None or self._v is None:
+            return
+        end = self.keys.shape[-2]
+        k = self._k.new_empty((len(indices), *self._k.shape[1:]))
+        v = self._v.new_empty((len(indices), *self._v.shape[1:]))
+        k[..., :end, :] = self.keys[indices]  # the filled part only
+        v[..., :end, :] = self.values[indices]
+        self._k, self._v = k, v
+        self.keys, self.values = k[..., :end, :], v[..., :end, :]
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        super().reset()
+
+
+def preallocated_cache(model: nn.Module, capacity: int) -> DynamicCache | None:
+    """The model's `DynamicCache` (layer types from its config) with every layer a
+    `PreallocatedLayer` of `capacity` positions; None when a layer is of another kind
+    (sliding window, linear attention, ...) or the model has no config to build one from:
+    the model then makes its own cache."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    try:
+        cache = DynamicCache(config=config)
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
+    return cache
+
+
+@dataclass
+class _Kept:
+    """A row's tokens that went through the model (its prompt's real ones and its turn up to,
+    not including, the last token sampled) and the keys / values they left in each layer,
+    ``(heads, len(ids), dim)``."""
+
+    ids: torch.Tensor
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _shared(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of 1-D `a` and `b`."""
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
 def _takes(model: nn.Module, name: str) -> bool:
     """Whether `model`'s forward takes the keyword `name`."""
     try:
@@ -401,6 +510,12 @@ class HFGenerator(GenerationEngine):
         prompts, set their group's data-parallel rank so they draw the same samples."""
         self._held = 0
         """Depth of `rollout_session` blocks: inside one, the units stay gathered."""
+        self._kept: dict[str, _Kept] | None = None
+        """Inside a session: each ended row's tokens and cache by sample key (module docstring)."""
+        self.keep_rows = True
+        """False: every turn of a session forwards its whole prompt (nothing kept)."""
+        self.reused_tokens = 0
+        """Prompt tokens the session's calls did not forward again (kept from an earlier turn)."""
 
     @contextlib.contextmanager
     def rollout_session(self) -> Iterator[None]:
@@ -412,10 +527,12 @@ class HFGenerator(GenerationEngine):
             return
         with gathered_for_generation(self.model):
             self._held += 1
+            self._kept = {}
             try:
                 yield
             finally:
                 self._held -= 1
+                self._kept = None
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to load: the engine samples with the model's own parameters. The iterable
@@ -455,7 +572,7 @@ class HFGenerator(GenerationEngine):
                 images = forward_kwargs(prompts.tensors)
                 keys = None if greedy else call.keys
                 seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images, keys,
-                                                 on_row_end)
+                                                 on_row_end, call.keys)
             else:  # nothing to generate; the gather above still matched the other ranks'
                 seqs = torch.empty((0, r), dtype=torch.long)
                 log_probs = torch.empty((0, r), dtype=torch.float32)
@@ -465,12 +582,14 @@ class HFGenerator(GenerationEngine):
                   seed: int, max_new_tokens: int,
                   images: dict[str, torch.Tensor] | None = None,
                   keys: Sequence[str] | None = None,
-                  on_row_end: RowEnd | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  on_row_end: RowEnd | None = None,
+                  row_keys: Sequence[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated tokens ``(B, L)`` (L <= R: HF stops when every row has hit EOS) and
         their log-probs ``(B, L)`` fp32 under logits / temperature, both on CPU. `images`:
         a VL prompt batch's ``pixel_values`` / ``image_grid_thw`` (`forward_kwargs`).
         `keys` (sampling only): each row drawn by `RowSampler` with `row_seed` ``(seed, key)``.
-        `on_row_end`: told of each row as it ends (`RowEnds`)."""
+        `on_row_end`: told of each row as it ends (`RowEnds`). `row_keys`: the rows'
+        sample keys, greedy or not (what a session keeps rows by)."""
         cfg = self.cfg
         device = self.runtime.device
         # HF's default top_k=50 would truncate what the rollout claims to sample: 0 turns it off.
@@ -506,7 +625,7 @@ class HFGenerator(GenerationEngine):
             if not images and (greedy or per_row) and gen_cfg.suppress_tokens is None:
                 sampler = processors[0] if per_row else None
                 return self._decode_ragged(ids.to(device), mask.to(device), temperature, max_new_tokens, sampler,
-                                           on_row_end)
+                                           on_row_end, row_keys)
             # HF derives position ids as cumsum(mask) - 1 (0 on left padding) and adds one per
             # step: default_position_ids of the final attention_mask, which the log-prob
             # recomputation uses.
@@ -527,7 +646,8 @@ class HFGenerator(GenerationEngine):
         return gen.cpu(), log_probs.float().cpu()
 
     def _decode_ragged(self, ids: torch.Tensor, mask: torch.Tensor, temperature: float, max_new_tokens: int,
-                       sampler: RowSampler | None, on_row_end: RowEnd | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       sampler: RowSampler | None, on_row_end: RowEnd | None,
+                       row_keys: Sequence[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`_generate`'s tokens and log-probs for text prompts, greedy or drawn by `sampler`
         (per-row seeds), by a decoding loop of its own that drops each row from the batch
         (and from the KV cache) once it has written its EOS: HF ``generate`` decodes finished
@@ -536,7 +656,8 @@ class HFGenerator(GenerationEngine):
         per step; the model's own cache) on fewer rows: a row's tokens are those HF would
         pick, its log-probs equal up to the kernels' rounding for a smaller batch (the
         module docstring). A cache that cannot drop rows keeps them (their tokens are
-        ignored)."""
+        ignored). Inside a session, with `row_keys`, rows continue from what an earlier
+        turn kept (`_prefill`) and leave their own behind as they end."""
         rows, width = ids.shape
         gen = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=ids.device)
         log_probs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=ids.device)
@@ -547,8 +668,15 @@ class HFGenerator(GenerationEngine):
         uniforms = None if sampler is None else sampler.uniforms.to(ids.device)
         # the prompt's forward scores its last position only, as HF generate's does
         keep_last = {"logits_to_keep": 1} if _takes(self.model, "logits_to_keep") else {}
-        out = self.model(input_ids=ids, attention_mask=am, position_ids=position, use_cache=True, **keep_last)
-        cache, last = out.past_key_values, position[:, -1]
+        kept = self._kept if self.keep_rows and row_keys is not None and len(row_keys) == rows else None
+        cache = preallocated_cache(self.model, width + max_new_tokens) if kept is not None else None
+        fed = [ids[i][mask[i].bool()] for i in range(rows)] if cache is not None else None
+        if cache is not None and fed is not None and row_keys is not None:
+            out, am, last = self._prefill(cache, fed, row_keys, max_new_tokens, keep_last)
+        else:
+            out = self.model(input_ids=ids, attention_mask=am, position_ids=position, use_cache=True, **keep_last)
+            last = position[:, -1]
+        cache = out.past_key_values
         steps = 0
         for t in range(max_new_tokens):
             logits = out.logits[:, -1, :].float()
@@ -565,6 +693,13 @@ class HFGenerator(GenerationEngine):
                 for i in ended.nonzero().flatten().tolist():
                     r = int(live[i])
                     on_row_end(r, gen[r, :steps].tolist())
+            if fed is not None and kept is not None and row_keys is not None and bool(ended.any()):
+                # the row's fed tokens and their keys / values, for its next turn
+                for i in ended.nonzero().flatten().tolist():
+                    r, cols = int(live[i]), am[i].bool()
+                    kept[row_keys[r]] = _Kept(
+                        torch.cat([fed[r], gen[r, :t]]).cpu(),
+                        [(layer.keys[i][:, cols], layer.values[i][:, cols]) for layer in cache.layers])
             done |= ended
             if bool(done.all()) or steps == max_new_tokens:
                 break
@@ -581,6 +716,53 @@ class HFGenerator(GenerationEngine):
             out = self.model(input_ids=token[:, None], attention_mask=am, position_ids=last[:, None],
                              past_key_values=cache, use_cache=True)
         return gen[:, :steps].cpu(), log_probs[:, :steps].cpu()
+
+    def _prefill(self, cache: DynamicCache, fed: list[torch.Tensor], row_keys: Sequence[str],
+                 max_new_tokens: int, keep_last: dict[str, int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The prompts' forward into `cache` (all `PreallocatedLayer`), each row after the
+        longest prefix of its real tokens `fed[i]` that the session kept for its key (at
+        least its last token forwarded): the kept keys / values left-padded to the longest
+        kept part ``C``, the rest left-padded to ``S`` after them, the 2-D mask ``(B, C + S)``
+        with both paddings 0, each token at its position in the row. Returns the model's
+        output, that mask and each row's last position."""
+        rows = len(fed)
+        kept = self._kept or {}
+        device = fed[0].device
+        use = []
+        for i in range(rows):
+            k = kept.get(row_keys[i])
+            n = 0 if k is None else min(_shared(k.ids, fed[i].cpu()), len(fed[i]) - 1)
+            use.append((k, n))
+        c = max(n for _, n in use)
+        s = max(len(fed[i]) - use[i][1] for i in range(rows))
+        self.reused_tokens += sum(n for _, n in use)
+        for layer in cache.layers:
+            layer.capacity = c + s + max_new_tokens
+        past = torch.zeros((rows, c), dtype=torch.long, device=device)
+        new = torch.full((rows, s), self.pad_id, dtype=torch.long, device=device)
+        new_mask = torch.zeros((rows, s), dtype=torch.long, device=device)
+        for i, (_, n) in enumerate(use):
+            rest = fed[i][n:]
+            new[i, s - len(rest):] = rest
+            new_mask[i, s - len(rest):] = 1
+            if n:
+                past[i, c - n:] = 1
+        am = torch.cat([past, new_mask], dim=1)
+        position = default_position_ids(am)[:, c:]
+        if c:
+            for li, layer in enumerate(cache.layers):
+                ref_k, ref_v = next(k.layers[li] for k, n in use if n)
+                keys = ref_k.new_zeros((rows, ref_k.shape[0], c, ref_k.shape[-1]), device=device)
+                values = ref_v.new_zeros((rows, ref_v.shape[0], c, ref_v.shape[-1]), device=device)
+                for i, (k, n) in enumerate(use):
+                    if n:
+                        keys[i, :, c - n:] = k.layers[li][0][:, :n]
+                        values[i, :, c - n:] = k.layers[li][1][:, :n]
+                assert isinstance(layer, PreallocatedLayer)
+                layer.start(keys, values)
+        out = self.model(input_ids=new, attention_mask=am, position_ids=position, past_key_values=cache,
+                         use_cache=True, **keep_last)
+        return out, am, position[:, -1]
 
     def _assemble(self, prompts: Batch, ids: torch.Tensor, mask: torch.Tensor, gen: torch.Tensor,
                   gen_log_probs: torch.Tensor, r: int) -> Batch:
