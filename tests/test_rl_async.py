@@ -174,6 +174,7 @@ def test_async_at_staleness_one_runs_ahead_within_the_bound(runs):
         for key in ("async/dropped", "time/trainer_wait", "time/generator_wait", "time/weight_sync",
                     "time/weight_gather", "weight_sync/bytes", "reward/mean", "actor/grad_norm"):
             assert isinstance(m[key], float), key
+        assert m["time/generate"] > 0, m  # the generator's own seconds
     assert lines[0]["async/staleness_max"] == 0  # the first step has no older policy to come from
     for m in lines:  # reference_on generator: every row scored there, none by the actor
         assert m["async/reference_share"] == 1.0 and m["time/generator_ref"] > 0 and "time/ref" not in m, m

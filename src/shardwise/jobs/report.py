@@ -228,16 +228,18 @@ def rl(cfg: Config, summary: dict) -> None:
     timing = summary.get("timing") or {}
     if timing.get("time/step"):
         step_s = timing["time/step"]
-        # rl.async: the generator's own seconds (idle, swapping weights in, the reference's
-        # forward) and the gather inside the publish are not phases of the controller's step
-        other = ("time/generator_wait", "time/weight_sync", "time/generator_ref", "time/weight_gather") \
-            if "time/trainer_wait" in timing else ()
+        # rl.async: the generator's own seconds (generating, idle, swapping weights in, the
+        # reference's forward) and the gather inside the publish are not phases of the
+        # controller's step
+        other = ("time/generate", "time/generator_wait", "time/weight_sync", "time/generator_ref",
+                 "time/weight_gather") if "time/trainer_wait" in timing else ()
         phases = {k[5:]: v for k, v in timing.items() if k != "time/step" and k not in other}
         print(f"  seconds per step {step_s:.2f} (mean; "
               + ", ".join(f"{k} {v / step_s:.0%}" for k, v in phases.items()) + ")")
         if other:
             ref = timing.get("time/generator_ref")
-            print(f"  generator per step: idle {timing.get('time/generator_wait', 0.0):.2f} s, swapping weights in "
+            print(f"  generator per step: generating {timing.get('time/generate', 0.0):.2f} s, "
+                  f"idle {timing.get('time/generator_wait', 0.0):.2f} s, swapping weights in "
                   f"{timing.get('time/weight_sync', 0.0):.2f} s"
                   + ("" if ref is None else f", reference forward {ref:.2f} s") + "; trainer waiting for batches "
                   f"{timing.get('time/trainer_wait', 0.0):.2f} s")

@@ -34,7 +34,8 @@ in the background and overlaps the next generation).
 
 Metrics, besides the synchronous run's: ``async/staleness_mean``, ``async/staleness_max``
 (over the step's rows), ``async/dropped`` (rows dropped as too old), ``time/trainer_wait``,
-``time/publish``; from the generator ``time/generator_wait`` (its idle time since its
+``time/publish``; from the generator ``time/generate`` (its seconds generating the batch,
+beside the trainer's step, not a phase of it), ``time/generator_wait`` (its idle time since its
 previous batch plus its wait for weights), ``time/weight_sync`` (swapping weights in) and,
 with the reference on the generator, ``time/generator_ref`` (its reference forward) and
 ``async/reference_share`` (the share of the step's rows it scored); from the actor

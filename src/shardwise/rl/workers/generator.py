@@ -176,8 +176,9 @@ class GeneratorWorker:
         it, at most the bridge's timeout_s: then one line naming this rank and the version),
         the newest every generator rank holds swapped in first. The rows carry
         ``arrays["version"]`` (int64); ``meta["metrics"]`` gains ``time/generator_wait``
-        (seconds idle since this rank's previous call returned plus waiting for the version)
-        and ``time/weight_sync`` (seconds swapping weights in; 0 when none).
+        (seconds idle since this rank's previous call returned plus waiting for the version),
+        ``time/weight_sync`` (seconds swapping weights in; 0 when none) and ``time/generate``
+        (seconds generating the batch, a multi-turn rollout's tools included).
 
         `reference` > 0 (this rank hosts the reference: ``rl.async.reference_on``): the
         first round(`reference` x rows) rows of this rank's (all of them at 1) get their
@@ -191,6 +192,7 @@ class GeneratorWorker:
         self._wait_for(int(min_version))
         waited = time.perf_counter() - start
         swap_s = self._swap_in()
+        generating = time.perf_counter()
         if self.tools is not None:  # rl.multi_turn: trajectories with tool calls, as the hybrid engine's
             prompts.meta.setdefault("max_new_tokens", self.cfg.rl.rollout.max_new_tokens)  # per assistant turn
             out = run_multi_turn(self.rollout, prompts, self.tokenizer, self.tools, self.cfg.rl.multi_turn,
@@ -198,7 +200,8 @@ class GeneratorWorker:
         else:
             out = self.rollout.generate_sequences(prompts)
         out.arrays["version"] = np.full(len(out), self.version, dtype=np.int64)
-        metrics = {"time/generator_wait": idle + waited, "time/weight_sync": swap_s}
+        metrics = {"time/generator_wait": idle + waited, "time/weight_sync": swap_s,
+                   "time/generate": time.perf_counter() - generating}
         rows = round(float(reference) * len(out))  # the share is within [0, 1]
         if rows:
             if self.ref is None:
