@@ -378,6 +378,31 @@ def test_sample_key_seeds_each_row_whichever_rank_position_or_batch(ranks):
     assert not torch.equal(whole[0]["responses"][0], whole[0]["responses"][1])  # one prompt, two keys
 
 
+def test_preallocated_layer_holds_what_the_concatenating_layer_holds():
+    """`PreallocatedLayer` (the ragged loop's cache): prompt, decoding steps past its first
+    buffer and past `capacity`, rows dropped between them: the same keys and values as
+    transformers' `DynamicLayer` at every step, bitwise (copies only)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from shardwise.engine.generate import PreallocatedLayer
+
+    torch.manual_seed(0)
+    ours, theirs = PreallocatedLayer(capacity=12), DynamicLayer()
+    rows = 5
+    for step, width in enumerate([4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]):
+        k, v = torch.randn(rows, 2, width, 8), torch.randn(rows, 2, width, 6)
+        a, b = ours.update(k, v), theirs.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        if step in (3, 9):  # rows leave the batch
+            keep = torch.tensor([0, 2, 3][: rows - 1])
+            ours.batch_select_indices(keep)
+            theirs.batch_select_indices(keep)
+            rows = len(keep)
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    assert ours.get_seq_length() == 17  # past capacity 12: grown to fit
+
+
 def test_row_sampler_draws_the_tempered_nucleus_distribution():
     """RowSampler.draw (inverse CDF of softmax(logits / T), cut to the top-p nucleus) on
     fixed logits against the distribution computed here: 20000 uniforms per setting, the

@@ -46,7 +46,7 @@ finished rows until the longest ends.
 Multi-turn rollouts continue rows instead of re-reading them: inside a
 `GenerationEngine.rollout_session` the HF engine keeps, for each row that ends (by its
 ``sample_key``), the keys and values its tokens left in every attention layer's cache
-(`preallocated_cache`: one buffer per layer for the call, written in place). The next
+(`preallocated_cache`: a buffer per layer, written in place). The next
 turn's call for that key (its prompt: the conversation so far, the row's turn and the
 tool's answer appended) forwards only what follows the longest prefix it shares with the
 kept tokens, after those keys and values, instead of the whole conversation. Keys and
@@ -311,9 +311,12 @@ class RowSampler(LogitsProcessor):
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values live in one buffer of `capacity` positions,
-    written in place: ``keys`` / ``values`` are views of the filled part and hold what the
-    concatenating layer would. Past `capacity` the buffer is reallocated to fit."""
+    """A `DynamicLayer` whose keys and values live in a buffer written in place: ``keys`` /
+    ``values`` are views of the filled part and hold what the concatenating layer would.
+    The buffer doubles when full, up to `capacity` positions (the call's most), so it holds
+    at most twice what the concatenating layer would (never more than `capacity`) and is
+    copied about log2(capacity / prompt) times instead of at every step; past `capacity` it
+    grows to fit."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -334,7 +337,7 @@ class PreallocatedLayer(DynamicLayer):
         n = 0 if self._k is None else self.keys.shape[-2]
         end = n + key_states.shape[-2]
         if self._k is None or self._v is None or end > self._k.shape[-2]:
-            size = max(self.capacity, end)
+            size = max(end, min(self.capacity, 2 * end))
             k = key_states.new_empty((*key_states.shape[:-2], size, key_states.shape[-1]))
             v = value_states.new_empty((*value_states.shape[:-2], size, value_states.shape[-1]))
             if n:
@@ -350,7 +353,7 @@ class PreallocatedLayer(DynamicLayer):
         if self._k is None or self._v is None:
             return
         end = self.keys.shape[-2]
-        k = self._k.new_empty((len(indices), *self._k.shape[1:]))
+        k = self._k.new_empty((len(indices), *self._k.shape[1:]))  # the same room left
         v = self._v.new_empty((len(indices), *self._v.shape[1:]))
         k[..., :end, :] = self.keys[indices]  # the filled part only
         v[..., :end, :] = self.values[indices]
