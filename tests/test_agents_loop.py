@@ -354,10 +354,10 @@ def test_sample_keys_seed_each_trajectory_whatever_shares_its_turns(tok, model, 
 def test_later_turns_continue_from_the_rows_kept_cache(tmp_path):
     """Inside a session the HF engine forwards only what a row's next turn adds after what it
     kept (the module docstring of `shardwise.engine.generate`): the tool model (every turn
-    calls the calculator) sampled with per-row keys writes the same trajectories as with
-    nothing kept, its rollout log-probs equal up to fp32 rounding of the attention's sums
-    over other shapes (far below 1e-5 on log-probs of a few units), and nothing is kept
-    once the session ends."""
+    calls the calculator), sampled with per-row keys and greedy without them (rows kept by
+    the loop's ``row_key``), writes the same trajectories as with nothing kept, its rollout
+    log-probs equal up to fp32 rounding of the attention's sums over other shapes (far below
+    1e-5 on log-probs of a few units), and nothing is kept once the session ends."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = build_tool_model(tmp_path / "model")
@@ -368,24 +368,26 @@ def test_later_turns_continue_from_the_rows_kept_cache(tmp_path):
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     cfg = MultiTurnConfig(enabled=True, max_turns=3, max_response_tokens=60, max_tool_response_tokens=8)
 
-    def rollout(keep: bool) -> tuple[Batch, HFGenerator]:
+    def rollout(keep: bool, sampled: bool) -> tuple[Batch, HFGenerator]:
         engine = HFGenerator(model, RolloutConfig(temperature=0.5), runtime, pad_id=0, eos_id=tok.eos_token_id)
         engine.keep_rows = keep
         records = [{"prompt": f"{2 + i}*3=", "response": str(6 + 3 * i)} for i in range(5)]
         prompts = agent_prompt_batch(tok, records, 64, [f"u{i}" for i in range(5)], schemas)
-        prompts.meta.update(seed=5, max_new_tokens=20)
-        prompts.arrays["sample_key"] = np.array([f"u{i}/0" for i in range(5)], dtype=object)
+        prompts.meta.update(seed=5, max_new_tokens=20, greedy=not sampled)
+        if sampled:
+            prompts.arrays["sample_key"] = np.array([f"u{i}/0" for i in range(5)], dtype=object)
         with ToolRunner(specs, None, timeout_s=20, workers=2) as runner:
             return run_multi_turn(engine, prompts, tok, runner, cfg, schemas, barrier=True), engine
 
-    kept, engine = rollout(True)
-    fresh, plain = rollout(False)
-    assert engine.reused_tokens > 0 and plain.reused_tokens == 0 and engine._kept is None
-    assert (kept.arrays["num_turns"] == 3).all()
-    for key in ("input_ids", "attention_mask", "response_mask"):
-        assert torch.equal(kept.tensors[key], fresh.tensors[key]), key
-    torch.testing.assert_close(kept.tensors["rollout_log_probs"], fresh.tensors["rollout_log_probs"],
-                               atol=1e-5, rtol=0)
+    for sampled in (True, False):
+        kept, engine = rollout(True, sampled)
+        fresh, plain = rollout(False, sampled)
+        assert engine.reused_tokens > 0 and plain.reused_tokens == 0 and engine._kept is None
+        assert (kept.arrays["num_turns"] == 3).all()
+        for key in ("input_ids", "attention_mask", "response_mask"):
+            assert torch.equal(kept.tensors[key], fresh.tensors[key]), key
+        torch.testing.assert_close(kept.tensors["rollout_log_probs"], fresh.tensors["rollout_log_probs"],
+                                   atol=1e-5, rtol=0)
 
 
 TINY = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "

@@ -338,6 +338,9 @@ def _run_turns(engine: GenerationEngine, prompts: Batch, trajs: list[Trajectory]
             rows = [t.prompt + t.ids for t in active]
             turn_ids, turn_mask = left_pad(rows, pad)
             keyed = {"sample_key": [t.sample_key for t in active]} if "sample_key" in prompts.arrays else {}
+            # each trajectory's identity over the turns: an engine that keeps a row's cache
+            # continues it from there (the HF engine inside its session)
+            keyed["row_key"] = [t.traj_id for t in active]
             call = Batch.from_dict({"prompt_ids": turn_ids, "prompt_mask": turn_mask}, keyed,
                                    meta={"seed": turn_seed(seed, turn), "max_new_tokens": max(1, min(per_turn, room)),
                                          **({"greedy": prompts.meta["greedy"]} if "greedy" in prompts.meta else {})})

@@ -9,7 +9,8 @@ The layout (``B`` rows, ``P`` prompt width, ``R`` = ``max_new_tokens``, ``T = P 
   int64, LEFT-padded with the pad id, and ``prompt_mask`` ``(B, P)`` int64 (1 on real
   tokens); arrays ``prompt`` (str), ``ground_truth`` (str), ``uid`` (group id, str);
   meta ``seed`` (int, sampling seed of this call) and optionally ``greedy`` (bool);
-  optionally array ``sample_key`` (str, see below).
+  optionally array ``sample_key`` (str, see below) and array ``row_key`` (str: a row's
+  identity over the calls of a session, see below).
 - sequences (``generate_sequences`` ->): the prompt part plus ``input_ids`` ``(B, T)``
   (prompt left-padded, response right-padded to exactly ``R`` with the pad id),
   ``attention_mask`` ``(B, T)``, ``position_ids`` ``(B, T)`` (=
@@ -45,6 +46,7 @@ finished rows until the longest ends.
 
 Multi-turn rollouts continue rows instead of re-reading them: inside a
 `GenerationEngine.rollout_session` the HF engine keeps, for each row that ends (by its
+``arrays["row_key"]``, a row's identity across the session's calls, else its
 ``sample_key``), the keys and values its tokens left in every attention layer's cache
 (`preallocated_cache`: a buffer per layer, written in place). The next
 turn's call for that key (its prompt: the conversation so far, the row's turn and the
@@ -574,8 +576,10 @@ class HFGenerator(GenerationEngine):
             if len(ids):
                 images = forward_kwargs(prompts.tensors)
                 keys = None if greedy else call.keys
+                row_keys = (tuple(str(k) for k in prompts.arrays["row_key"].tolist())
+                            if "row_key" in prompts.arrays else call.keys)
                 seqs, log_probs = self._generate(ids, mask, greedy, temperature, call.seed, r, images, keys,
-                                                 on_row_end, call.keys)
+                                                 on_row_end, row_keys)
             else:  # nothing to generate; the gather above still matched the other ranks'
                 seqs = torch.empty((0, r), dtype=torch.long)
                 log_probs = torch.empty((0, r), dtype=torch.float32)
@@ -591,8 +595,8 @@ class HFGenerator(GenerationEngine):
         their log-probs ``(B, L)`` fp32 under logits / temperature, both on CPU. `images`:
         a VL prompt batch's ``pixel_values`` / ``image_grid_thw`` (`forward_kwargs`).
         `keys` (sampling only): each row drawn by `RowSampler` with `row_seed` ``(seed, key)``.
-        `on_row_end`: told of each row as it ends (`RowEnds`). `row_keys`: the rows'
-        sample keys, greedy or not (what a session keeps rows by)."""
+        `on_row_end`: told of each row as it ends (`RowEnds`). `row_keys`: what a session
+        keeps rows by (``arrays["row_key"]``, else the sample keys), greedy or not."""
         cfg = self.cfg
         device = self.runtime.device
         # HF's default top_k=50 would truncate what the rollout claims to sample: 0 turns it off.
