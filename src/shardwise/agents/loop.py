@@ -349,12 +349,14 @@ def _run_turns(engine: GenerationEngine, prompts: Batch, trajs: list[Trajectory]
             # else after it. Either way the same calls with the same arguments, sent once.
             sent: dict[int, _Sent] = {}
 
-            def row_ended(i: int, tokens: list[int], active=active, sent=sent) -> None:
-                if i in sent:
-                    return
-                gen, ended, parsed = _read_turn(active[i], tokens, budget, eos, parse, tokenizer)
-                if ended and parsed.calls:
-                    sent[i] = _send_calls(active[i], parsed.calls, gen, runner, cfg)
+            def row_ended(i: int, tokens: list[int], active=active, sent=sent, turn=turn) -> bool:
+                """Send row i's calls; whether its trajectory goes on (the engine keeps its
+                cache only then)."""
+                if i not in sent:
+                    gen, ended, parsed = _read_turn(active[i], tokens, budget, eos, parse, tokenizer)
+                    if ended and parsed.calls:
+                        sent[i] = _send_calls(active[i], parsed.calls, gen, runner, cfg)
+                return i in sent and turn < cfg.max_turns - 1
 
             if getattr(engine, "reports_ended_rows", False):
                 out = engine.generate_sequences(call, on_row_end=row_ended)

@@ -56,7 +56,8 @@ values depend only on the tokens before them (causal attention, the same positio
 so the forwards see the same values up to the kernels' rounding for other shapes: the
 rollout log-probs are those of the sampled tokens, as without it (the module's other
 rounding caveats). Nothing is kept outside a session (the weights may change between
-calls) or for a model with other than plain attention layers (sliding windows, linear
+calls), of a row whose `RowEnd` said its conversation ends (a turn without a tool call),
+or for a model with other than plain attention layers (sliding windows, linear
 attention).
 
 Rows that end early: an engine that `reports_ended_rows` takes ``on_row_end(i, tokens)``
@@ -112,9 +113,10 @@ __all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "PreallocatedLayer",
            "sample_keys", "sampling_call", "sampling_seed"]
 
 
-RowEnd = Callable[[int, list[int]], None]
+RowEnd = Callable[[int, list[int]], "bool | None"]
 """``on_row_end(i, tokens)``: row i of a ``generate_sequences`` call wrote its EOS; `tokens`
-are its generated ids through it (see the module docstring)."""
+are its generated ids through it (see the module docstring). It may return False: the
+row's conversation ends there, so an engine keeps nothing of it for a later call."""
 
 
 class GenerationEngine(abc.ABC):
@@ -696,13 +698,18 @@ class HFGenerator(GenerationEngine):
             log_probs[live, t] = F.log_softmax(logits / temperature, dim=-1).gather(-1, token[:, None]).squeeze(-1)
             steps = t + 1
             ended = (token == self.eos_id) & ~done
+            ends = ended.nonzero().flatten().tolist() if bool(ended.any()) else []
+            last_turn: set[int] = set()  # rows whose conversation ends here (`RowEnd` said so)
             if on_row_end is not None:
-                for i in ended.nonzero().flatten().tolist():
+                for i in ends:
                     r = int(live[i])
-                    on_row_end(r, gen[r, :steps].tolist())
-            if fed is not None and kept is not None and row_keys is not None and bool(ended.any()):
+                    if on_row_end(r, gen[r, :steps].tolist()) is False:
+                        last_turn.add(i)
+            if fed is not None and kept is not None and row_keys is not None:
                 # the row's fed tokens and their keys / values, for its next turn
-                for i in ended.nonzero().flatten().tolist():
+                for i in ends:
+                    if i in last_turn:
+                        continue
                     r, cols = int(live[i]), am[i].bool()
                     kept[row_keys[r]] = _Kept(
                         torch.cat([fed[r], gen[r, :t]]).cpu(),
