@@ -389,6 +389,15 @@ def test_later_turns_continue_from_the_rows_kept_cache(tmp_path):
         torch.testing.assert_close(kept.tensors["rollout_log_probs"], fresh.tensors["rollout_log_probs"],
                                    atol=1e-5, rtol=0)
 
+    # a row whose conversation ends leaves nothing behind: with one turn, every row's call is
+    # its last act (inspected inside an enclosing session, which the loop's joins)
+    engine = HFGenerator(model, RolloutConfig(temperature=0.5), runtime, pad_id=0, eos_id=tok.eos_token_id)
+    prompts = agent_prompt_batch(tok, [{"prompt": "2*3=", "response": "6"}], 64, ["u0"], schemas)
+    prompts.meta.update(seed=5, max_new_tokens=20, greedy=True)
+    with ToolRunner(specs, None, timeout_s=20, workers=2) as runner, engine.rollout_session():
+        run_multi_turn(engine, prompts, tok, runner, cfg.model_copy(update={"max_turns": 1}), schemas, barrier=True)
+        assert engine._kept == {}
+
 
 TINY = ("model.config={model_type: qwen3, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
         "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, vocab_size: 72, "
