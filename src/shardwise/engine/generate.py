@@ -518,7 +518,7 @@ class HFGenerator(GenerationEngine):
         self._held = 0
         """Depth of `rollout_session` blocks: inside one, the units stay gathered."""
         self._kept: dict[str, _Kept] | None = None
-        """Inside a session: each ended row's tokens and cache by sample key (module docstring)."""
+        """Inside a session: each ended row's tokens and cache by its row key (module docstring)."""
         self.keep_rows = True
         """False: every turn of a session forwards its whole prompt (nothing kept)."""
         self.reused_tokens = 0
