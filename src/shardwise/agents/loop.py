@@ -103,7 +103,7 @@ from shardwise.config.schema import MultiTurnConfig
 from shardwise.data import chat
 from shardwise.data.batch import Batch
 from shardwise.data.tokenizer import pad_token_id
-from shardwise.engine.generate import GenerationEngine, left_pad, prompt_batch
+from shardwise.engine.generate import GenerationEngine, common_prefix, left_pad, prompt_batch
 from shardwise.engine.infer import default_position_ids
 
 __all__ = ["Trajectory", "agent_prompt_batch", "as_messages", "run_multi_turn", "tool_turn_ids",
@@ -159,15 +159,6 @@ def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, to
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def tool_turn_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None,
                   eos_id: int | None) -> tuple[list[int], bool]:
     """The ids that follow a generated assistant turn (the last of `messages`, ending in
@@ -186,7 +177,7 @@ def tool_turn_ids(tokenizer, messages: list[dict], new: list[dict], tools: list[
         glue = base[last + 1:]
     if full[:len(base)] == base:
         return glue + full[len(base):], True
-    n = _common_prefix(base, full)
+    n = common_prefix(base, full)
     return glue + full[n:], False
 
 

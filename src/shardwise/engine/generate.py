@@ -109,7 +109,7 @@ from shardwise.models import vision
 from shardwise.models.vision import VisionInputs, forward_kwargs, vision_token_ids
 
 __all__ = ["GENERATORS", "GenerationEngine", "HFGenerator", "PreallocatedLayer", "RowEnd", "RowEnds", "RowSampler", "SamplingCall", "assemble_sequences",
-           "build_generator", "generate_on_ranks", "left_pad", "preallocated_cache", "prompt_batch", "row_seed",
+           "build_generator", "common_prefix", "generate_on_ranks", "left_pad", "preallocated_cache", "prompt_batch", "row_seed",
            "sample_keys", "sampling_call", "sampling_seed"]
 
 
@@ -393,15 +393,18 @@ class _Kept:
     not including, the last token sampled) and the keys / values they left in each layer,
     ``(heads, len(ids), dim)``."""
 
-    ids: torch.Tensor
+    ids: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _shared(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Length of the longest common prefix of 1-D `a` and `b`."""
-    n = min(len(a), len(b))
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if len(differ) else n
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of the token sequences `a` and `b`."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _takes(model: nn.Module, name: str) -> bool:
@@ -677,10 +680,12 @@ class HFGenerator(GenerationEngine):
         uniforms = None if sampler is None else sampler.uniforms.to(ids.device)
         # the prompt's forward scores its last position only, as HF generate's does
         keep_last = {"logits_to_keep": 1} if _takes(self.model, "logits_to_keep") else {}
+        # inside a session, with keys to keep rows by and a cache that can hold them: the
+        # rows' real tokens (what each continues from, and what it leaves behind)
         kept = self._kept if self.keep_rows and row_keys is not None and len(row_keys) == rows else None
         cache = preallocated_cache(self.model, width + max_new_tokens) if kept is not None else None
         fed = [ids[i][mask[i].bool()] for i in range(rows)] if cache is not None else None
-        if cache is not None and fed is not None and row_keys is not None:
+        if fed is not None:
             out, am, last = self._prefill(cache, fed, row_keys, max_new_tokens, keep_last)
         else:
             out = self.model(input_ids=ids, attention_mask=am, position_ids=position, use_cache=True, **keep_last)
@@ -705,14 +710,13 @@ class HFGenerator(GenerationEngine):
                     r = int(live[i])
                     if on_row_end(r, gen[r, :steps].tolist()) is False:
                         last_turn.add(i)
-            if fed is not None and kept is not None and row_keys is not None:
-                # the row's fed tokens and their keys / values, for its next turn
+            if fed is not None:  # each ended row's fed tokens and their keys / values, for its next turn
                 for i in ends:
                     if i in last_turn:
                         continue
                     r, cols = int(live[i]), am[i].bool()
                     kept[row_keys[r]] = _Kept(
-                        torch.cat([fed[r], gen[r, :t]]).cpu(),
+                        fed[r].tolist() + gen[r, :t].tolist(),
                         [(layer.keys[i][:, cols], layer.values[i][:, cols]) for layer in cache.layers])
             done |= ended
             if bool(done.all()) or steps == max_new_tokens:
@@ -745,7 +749,7 @@ class HFGenerator(GenerationEngine):
         use = []
         for i in range(rows):
             k = kept.get(row_keys[i])
-            n = 0 if k is None else min(_shared(k.ids, fed[i].cpu()), len(fed[i]) - 1)
+            n = 0 if k is None else min(common_prefix(k.ids, fed[i].tolist()), len(fed[i]) - 1)
             use.append((k, n))
         c = max(n for _, n in use)
         s = max(len(fed[i]) - use[i][1] for i in range(rows))
