@@ -15,6 +15,7 @@ import shutil
 import socket
 import struct
 import sys
+import time
 
 import pytest
 from dist.common import TINY_QWEN3, import_optional
@@ -73,6 +74,19 @@ def _item_key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+def _finished_records(path, wait_s: float = 30.0) -> list:
+    """The records of an offline run's file once wandb has written its ``exit`` record.
+    `run.finish()` returns before wandb's service process has written everything: under
+    load the file was read without its history row (which appeared a moment later)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = list(_wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path}: no exit record {wait_s:.0f} s after the run finished"
+        time.sleep(0.1)
+
+
 def _wandb_run(run_dir):
     """{"id", "config", "history" (step -> {key: value}), "summary"} of each offline run
     folder under run_dir/wandb, oldest first."""
@@ -80,7 +94,7 @@ def _wandb_run(run_dir):
     for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
         (path,) = folder.glob("run-*.wandb")
         out = {"id": None, "config": {}, "history": {}, "summary": {}}
-        for record in _wandb_records(path):
+        for record in _finished_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 out["id"] = record.run.run_id
