@@ -257,18 +257,52 @@ def test_async_multi_turn_at_staleness_zero_equals_the_synchronous_run(tmp_path)
     assert (zero / "logs" / "tools-gen0.log").is_file()  # the generator rank ran the tools
 
 
+def test_async_lora_from_an_adapter_folder_generates_with_the_actors_merged_policy(tmp_path):
+    """A LoRA actor started from an adapter folder (model.lora.path, B not 0: its policy is not
+    the base's) at staleness 0, the reference's forward on the generator: the generator rank
+    waits for the first push (version 0, the adapters merged into the base) before its first
+    batch and takes every later version merged, so its behaviour log-probs are the actor's
+    own on the same tokens up to the merge's fp32 rounding (~5e-7 here; the base's would be
+    off by the adapters' whole effect), from step 1 on."""
+    from peft import LoraConfig, get_peft_model
+
+    from shardwise.config import load_config
+    from shardwise.models.loading import build_full_model
+
+    base = build_full_model(load_config(None, [TINY_QWEN3]).model, seed=0)
+    full_bytes = sum(p.numel() * 4 for p in base.parameters())
+    adapter = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                              init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={tmp_path / 'run'}", *COMMON, *ASYNC,
+                   "rl.async.max_staleness=0", "rl.async.reference_on=generator", "model.lora.enabled=true",
+                   f"model.lora.path={tmp_path / 'adapter'}", "train.max_steps=2", "rl.heldout_eval=false"],
+                  timeout=400, cwd=tmp_path)
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    steps = metrics(tmp_path / "run")
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["async/staleness_max"] == 0 and m["actor/grad_norm"] > 0, m
+        assert m["rollout/log_prob_diff_abs_max"] < 1e-5, m  # the generator's policy is the actor's
+        assert m["weight_sync/bytes"] == full_bytes, m  # pushed merged: the base's tensors, not the adapters
+        assert m["actor/kl_loss"] > 1e-4, m  # the reference is the base, the policy the adapter folder's
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("nproc,extra,key,words", [
     (2, ["rl.async.generator_ranks=2"], "rl.async.generator_ranks", "leave none of the 2 to train on"),
     (1, [], "rl.async.generator_ranks", "run with --nproc 2 or more"),
     (3, ["train.global_batch_size=1", "rl.rollout.n=3"], "train.global_batch_size",
      "do not split over 2 data-parallel ranks"),
     (3, ["parallel.ulysses_size=2"], "parallel.ulysses_size", "does not run Ulysses"),
-    (2, ["model.lora.enabled=true"], "model.lora.enabled", "LoRA"),
+    (2, ["model.lora.enabled=true", "rl.rollout.engine=vllm", "rl.rollout.vllm.lora_sync=adapter"],
+     "rl.rollout.vllm.lora_sync", "merged"),
     (2, ["rl.filter_groups=zero_variance", "rl.filter_groups_refill=true"], "rl.filter_groups_refill", "refill"),
     (2, ["rl.async.max_staleness=-1"], "rl.async.max_staleness", ">= 0"),
     (2, ["rl.async.reference_on=balanced", "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false"],
      "rl.async.reference_on", "rl.reference.enabled is false"),
-], ids=["no_trainer_left", "one_rank", "rows", "ulysses", "lora", "refill", "staleness", "no_reference"])
+], ids=["no_trainer_left", "one_rank", "rows", "ulysses", "lora_adapter_push", "refill", "staleness", "no_reference"])
 def test_what_async_cannot_do_exits_2_before_ray(nproc, extra, key, words, tmp_path, capsys, monkeypatch):
     from shardwise.cli import main
 

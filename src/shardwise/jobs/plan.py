@@ -68,7 +68,13 @@ def show(cfg: Config, world_size: int | None = None, config_ranks: int | None = 
     if projection is not None:
         print("\n" + report.format_projection(projection, hw))
     if rl and cfg.model.lora.enabled and cfg.rl.reference.enabled:
-        print("rl: the reference policy is the actor with its LoRA adapters disabled (no reference model in memory)")
+        print("rl: the reference policy is the actor with its LoRA adapters disabled (no reference model in memory)"
+              if groups is None or cfg.rl.async_.reference_on == "actor" else
+              "rl: the reference policy is the base model (the actor with its LoRA adapters disabled); the generator "
+              "ranks hold a copy of it for their share of its forwards")
+    if rl and cfg.model.lora.enabled and groups is not None:
+        print("rl.async: the generator ranks hold the whole policy, the LoRA adapters merged into the base at "
+              "every push")
 
 
 def rl_groups(cfg: Config, world: int) -> list[dict]:

@@ -167,8 +167,9 @@ def check_rl_agents(cfg: Config) -> list[dict] | None:
 def check_rl_async(cfg: Config) -> None:
     """ConfigError naming the key when ``rl.async`` meets what the asynchronous run does not
     do yet: Ulysses sequence parallel, refilled group filtering (its
-    extra rounds would generate inside a step), a LoRA actor (the generator group takes
-    full weights) and a vision-language policy (the generator group takes text prompts)."""
+    extra rounds would generate inside a step), a LoRA actor's adapters pushed alone
+    (``vllm.lora_sync: adapter``: the generator group takes the weights merged) and a
+    vision-language policy (the generator group takes text prompts)."""
     if not cfg.rl.async_.enabled:
         return
     off = "or set rl.async.enabled=false"
@@ -182,9 +183,9 @@ def check_rl_async(cfg: Config) -> None:
         raise ConfigError("rl.async.reference_on", f"{cfg.rl.async_.reference_on} puts the reference policy's forward "
                           "on the generator ranks, but rl.reference.enabled is false", "set rl.async.reference_on=actor, "
                           "or rl.reference.enabled=true")
-    if cfg.model.lora.enabled:
-        raise ConfigError("model.lora.enabled", "asynchronous RL (rl.async) pushes full weights to its generator "
-                          "group and does not train LoRA adapters yet", f"set model.lora.enabled=false, {off}")
+    if cfg.model.lora.enabled and cfg.rl.rollout.vllm.lora_sync == "adapter":
+        raise ConfigError("rl.rollout.vllm.lora_sync", "asynchronous RL (rl.async) pushes a LoRA actor's weights "
+                          "merged to its generator group, not its adapters", f"set it to merged, {off}")
     if is_vision_language(load_hf_config(cfg.model)):
         raise ConfigError("model.path", "asynchronous RL (rl.async) generates from text prompts and does not "
                           "train a vision-language policy yet", off.removeprefix("or "))
