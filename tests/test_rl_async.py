@@ -17,6 +17,9 @@ the CLI process.
   process of the run behind;
 - multi-turn rollouts with a real tool on the generator rank: at staleness 0 the same
   trajectories, metrics and weights as the synchronous run;
+- Ulysses on the training ranks: at staleness 0 the synchronous Ulysses run, bitwise; a
+  LoRA actor from an adapter folder: the generator samples with its merged policy from the
+  first step on;
 - what the asynchronous run cannot do is refused before Ray starts (exit 2, one line), and
   ``shardwise plan --rl`` shows both groups.
 """
@@ -257,6 +260,38 @@ def test_async_multi_turn_at_staleness_zero_equals_the_synchronous_run(tmp_path)
     assert (zero / "logs" / "tools-gen0.log").is_file()  # the generator rank ran the tools
 
 
+def test_async_with_ulysses_on_the_training_ranks_equals_the_synchronous_ulysses_run(tmp_path):
+    """parallel.ulysses_size 2 on the training ranks (--nproc 3, one generator rank: one
+    data-parallel rank of two sequence-parallel peers) at staleness 0 equals the synchronous
+    run on the same two-peer layout (--nproc 2): the same batches, metrics and weights, bitwise.
+    The generator group runs no Ulysses (its ranks hold whole sequences)."""
+    from shardwise.data.batch import Batch
+
+    (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
+    common = [*COMMON, "parallel.ulysses_size=2", "train.max_steps=2", "rl.heldout_eval=false", "rl.record_batches=2"]
+
+    def rl(name: str, nproc: int, *extra: str) -> Path:
+        res = run_cli(["rl", GRPO, "--nproc", str(nproc), f"run.dir={tmp_path / name}", *common, *extra],
+                      timeout=400, cwd=tmp_path)
+        assert res.returncode == 0, f"{name}: {res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+        return tmp_path / name
+
+    sync, zero = at_once(lambda: rl("sync", 2), lambda: rl("zero", 3, *ASYNC, "rl.async.max_staleness=0"))
+    a, b = metrics(sync), metrics(zero)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2] and a[1]["actor/grad_norm"] > 0
+    for m, n in zip(a, b):
+        assert {k: v for k, v in m.items() if not k.startswith(("time", "perf/"))} == \
+            {k: v for k, v in n.items() if k in m and not k.startswith(("time", "perf/"))}
+    for step in (1, 2):
+        x = Batch.from_bytes((sync / "batches" / f"step_{step:08d}.batch").read_bytes())
+        y = Batch.from_bytes((zero / "batches" / f"step_{step:08d}.batch").read_bytes())
+        for key, t in x.tensors.items():
+            assert torch.equal(t, y.tensors[key]), (step, key)
+    assert (sync / "hf" / "model.safetensors").read_bytes() == (zero / "hf" / "model.safetensors").read_bytes()
+    places = json.loads((zero / "workers.json").read_text())
+    assert len(places["rl"]) == 2 and len(places["gen"]) == 1
+
+
 def test_async_lora_from_an_adapter_folder_generates_with_the_actors_merged_policy(tmp_path):
     """A LoRA actor started from an adapter folder (model.lora.path, B not 0: its policy is not
     the base's) at staleness 0, the reference's forward on the generator: the generator rank
@@ -295,14 +330,14 @@ def test_async_lora_from_an_adapter_folder_generates_with_the_actors_merged_poli
     (1, [], "rl.async.generator_ranks", "run with --nproc 2 or more"),
     (3, ["train.global_batch_size=1", "rl.rollout.n=3"], "train.global_batch_size",
      "do not split over 2 data-parallel ranks"),
-    (3, ["parallel.ulysses_size=2"], "parallel.ulysses_size", "does not run Ulysses"),
+    (2, ["parallel.ulysses_size=2"], "parallel.ulysses_size", "does not divide the 1 training rank(s)"),
     (2, ["model.lora.enabled=true", "rl.rollout.engine=vllm", "rl.rollout.vllm.lora_sync=adapter"],
      "rl.rollout.vllm.lora_sync", "merged"),
     (2, ["rl.filter_groups=zero_variance", "rl.filter_groups_refill=true"], "rl.filter_groups_refill", "refill"),
     (2, ["rl.async.max_staleness=-1"], "rl.async.max_staleness", ">= 0"),
     (2, ["rl.async.reference_on=balanced", "rl.reference.enabled=false", "rl.actor.kl_loss.enabled=false"],
      "rl.async.reference_on", "rl.reference.enabled is false"),
-], ids=["no_trainer_left", "one_rank", "rows", "ulysses", "lora_adapter_push", "refill", "staleness", "no_reference"])
+], ids=["no_trainer_left", "one_rank", "rows", "ulysses_training_ranks", "lora_adapter_push", "refill", "staleness", "no_reference"])
 def test_what_async_cannot_do_exits_2_before_ray(nproc, extra, key, words, tmp_path, capsys, monkeypatch):
     from shardwise.cli import main
 

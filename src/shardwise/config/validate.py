@@ -51,13 +51,14 @@ class MeshSpec:
         return d
 
 
-def mesh_spec(parallel: ParallelConfig, world_size: int) -> MeshSpec:
-    """Shape of the mesh for this config and world size. Raises ConfigError if sizes clash."""
+def mesh_spec(parallel: ParallelConfig, world_size: int, ranks: str | None = None) -> MeshSpec:
+    """Shape of the mesh for this config and world size. Raises ConfigError if sizes clash;
+    `ranks` names the ranks in its message (default: "the world size N")."""
     if world_size < 1:
         raise ConfigError("world_size", f"must be >= 1, got {world_size}")
     uly = parallel.ulysses_size
     if world_size % uly:
-        raise ConfigError("parallel.ulysses_size", f"{uly} does not divide the world size {world_size}",
+        raise ConfigError("parallel.ulysses_size", f"{uly} does not divide {ranks or f'the world size {world_size}'}",
                           f"use one of {_divisors(world_size)}")
     strategy = parallel.sharding_strategy
     size = parallel.fsdp_size

@@ -103,7 +103,9 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     clock = clock or StartupClock(launched_at())
     clock.lap("launch")  # the interpreter, imports, the config and the command's own checks
     train_ranks = rl_train_ranks(cfg, world_size)  # rl.async: the generator group takes the rest
-    spec = mesh_spec(cfg.parallel, train_ranks)
+    spec = mesh_spec(cfg.parallel, train_ranks, None if train_ranks == world_size else
+                     f"the {train_ranks} training rank(s) (--nproc {world_size} less rl.async.generator_ranks "
+                     f"{world_size - train_ranks})")
     check_causal_task(cfg, "`shardwise rl`")
     check_ray_address()  # a cluster that is not there fails here, not after minutes of Ray's retries
     rows = check_rl_rows(cfg, spec.dp_size)
@@ -166,16 +168,13 @@ def check_rl_agents(cfg: Config) -> list[dict] | None:
 
 def check_rl_async(cfg: Config) -> None:
     """ConfigError naming the key when ``rl.async`` meets what the asynchronous run does not
-    do yet: Ulysses sequence parallel, refilled group filtering (its
+    do yet: refilled group filtering (its
     extra rounds would generate inside a step), a LoRA actor's adapters pushed alone
     (``vllm.lora_sync: adapter``: the generator group takes the weights merged) and a
     vision-language policy (the generator group takes text prompts)."""
     if not cfg.rl.async_.enabled:
         return
     off = "or set rl.async.enabled=false"
-    if cfg.parallel.ulysses_size > 1:
-        raise ConfigError("parallel.ulysses_size", "asynchronous RL (rl.async) does not run Ulysses sequence "
-                          "parallel yet", f"set parallel.ulysses_size=1, {off}")
     if cfg.rl.filter_groups != "none" and cfg.rl.filter_groups_refill:
         raise ConfigError("rl.filter_groups_refill", "asynchronous RL (rl.async) generates each step's prompts "
                           "ahead and cannot refill a step with more rounds", f"set rl.filter_groups_refill=false, {off}")
@@ -193,16 +192,18 @@ def check_rl_async(cfg: Config) -> None:
 
 def check_rl_ulysses(cfg: Config, sp: int) -> None:
     """ConfigError naming the key when Ulysses (``parallel.ulysses_size`` > 1) meets what it
-    cannot split in RL: rows not packed, a rollout engine other than HF's (whose generation
-    runs whole sequences on every rank of a group), a head count sp does not divide."""
+    cannot split in RL: rows not packed, a rollout engine other than HF's on the training
+    ranks (whose generation runs whole sequences on every rank of a group; with ``rl.async``
+    the generator group's ranks generate, without Ulysses), a head count sp does not divide."""
     if sp == 1:
         return
     if cfg.rl.packing is False:
         raise ConfigError("rl.packing", "Ulysses sequence parallel in RL splits packed rows",
                           "leave rl.packing unset (or true), or set parallel.ulysses_size=1")
-    if cfg.rl.rollout.engine != "hf":
+    if cfg.rl.rollout.engine != "hf" and not cfg.rl.async_.enabled:  # rl.async: the generator group's own ranks
         raise ConfigError("rl.rollout.engine", f"the {cfg.rl.rollout.engine} engine is not run under Ulysses "
-                          "sequence parallel yet", "use hf, or set parallel.ulysses_size=1")
+                          "sequence parallel yet", "use hf, set rl.async.enabled=true (the generator ranks run "
+                          "no Ulysses), or set parallel.ulysses_size=1")
     if cfg.rl.reward.model is not None:
         raise ConfigError("rl.reward.model", "a reward model is not run under Ulysses sequence parallel yet",
                           "use a rule-based reward (rl.reward.function), or set parallel.ulysses_size=1")

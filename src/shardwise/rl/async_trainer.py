@@ -172,7 +172,7 @@ class AsyncController(Controller):
                 return group_cls(GeneratorWorker, self.generator_ranks, cfg_dict, self.pad_id, self.eos_id,
                                  name=name, use_gpu=gpu, log_dir=logs)
             return group_cls(RLWorker, self.world_size, cfg_dict, roles, self.pad_id, self.eos_id, name=name,
-                             use_gpu=gpu, log_dir=logs)
+                             sp=self.cfg.parallel.ulysses_size, use_gpu=gpu, log_dir=logs)
 
         with ThreadPoolExecutor(len(plan)) as pool:
             started = {name: pool.submit(build, name, roles) for name, roles in plan.items()}
