@@ -232,32 +232,50 @@ def test_async_multi_turn_at_staleness_zero_equals_the_synchronous_run(tmp_path)
     common = [f"model.path={folder}", "train.global_batch_size=4", "rl.rollout.n=4", "train.micro_batch_size=16",
               "rl.rollout.max_new_tokens=8", "rl.rollout.temperature=0.5", "rl.multi_turn.max_turns=2", "rl.multi_turn.max_response_tokens=40",
               "rl.multi_turn.max_tool_response_tokens=8", "rl.multi_turn.tool_workers=2", "data.max_length=32",
-              "rl.reward.function=length_reward:by_length", "train.optimizer.lr=1e-3", "train.max_steps=2",
-              "rl.heldout_eval=false", "checkpoint.every_steps=0", "checkpoint.async=false", "rl.record_batches=2"]
+              "rl.reward.function=length_reward:by_length", "train.optimizer.lr=1e-3",
+              "rl.heldout_eval=false", "checkpoint.every_steps=0", "checkpoint.async=false"]
 
-    def rl(name: str, nproc: int, *extra: str):
-        res = run_cli(["rl", GRPO_TOOLS, "--nproc", str(nproc), f"run.dir={tmp_path / name}", *common, *extra],
-                      timeout=400, cwd=tmp_path)
+    sync, zero = sync_and_async_at_zero(tmp_path, GRPO_TOOLS, common, 1)
+    a = same_runs(sync, zero)
+    assert all(m["tools/calls_per_trajectory"] > 0 and m["actor/grad_norm"] > 0 for m in a), [
+        {k: v for k, v in m.items() if k.startswith(("tools/", "multi_turn/", "actor/grad"))} for m in a]
+    for step in (1, 2):
+        x = Batch.from_bytes((sync / "batches" / f"step_{step:08d}.batch").read_bytes())
+        assert 0 < int(x.tensors["response_mask"].sum()) < int(x.tensors["attention_mask"].sum())  # tool turns
+    assert (zero / "logs" / "tools-gen0.log").is_file()  # the generator rank ran the tools
+
+
+def sync_and_async_at_zero(tmp_path: Path, config: str, overrides: list[str], nproc: int) -> tuple[Path, Path]:
+    """At once: the synchronous run of `config` on `nproc` ranks and the asynchronous one at
+    staleness 0 on one generator rank more (their run folders under `tmp_path`, both
+    recording their 2 steps' batches)."""
+    def rl(name: str, ranks: int, *extra: str) -> Path:
+        res = run_cli(["rl", config, "--nproc", str(ranks), f"run.dir={tmp_path / name}", *overrides,
+                       "train.max_steps=2", "rl.record_batches=2", *extra], timeout=400, cwd=tmp_path)
         assert res.returncode == 0, f"{name}: {res.stdout[-2000:]}\n{res.stderr[-4000:]}"
         return tmp_path / name
 
-    sync, zero = at_once(lambda: rl("sync", 1), lambda: rl("zero", 2, *ASYNC, "rl.async.max_staleness=0"))
+    return at_once(lambda: rl("sync", nproc), lambda: rl("zero", nproc + 1, *ASYNC, "rl.async.max_staleness=0"))
+
+
+def same_runs(sync: Path, zero: Path) -> list[dict]:
+    """Assert the two runs' steps 1 and 2 alike: metrics (timings apart), batches and exported
+    weights, bitwise; the synchronous run's metrics."""
+    from shardwise.data.batch import Batch
+
     a, b = metrics(sync), metrics(zero)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
     for m, n in zip(a, b):
         for key, value in m.items():
             if not key.startswith(("time", "perf/")):
                 assert n[key] == value, key
-    assert all(m["tools/calls_per_trajectory"] > 0 and m["actor/grad_norm"] > 0 for m in a), [
-        {k: v for k, v in m.items() if k.startswith(("tools/", "multi_turn/", "actor/grad"))} for m in a]
     for step in (1, 2):
         x = Batch.from_bytes((sync / "batches" / f"step_{step:08d}.batch").read_bytes())
         y = Batch.from_bytes((zero / "batches" / f"step_{step:08d}.batch").read_bytes())
         for key, t in x.tensors.items():
             assert torch.equal(t, y.tensors[key]), (step, key)
-        assert 0 < int(x.tensors["response_mask"].sum()) < int(x.tensors["attention_mask"].sum())  # tool turns
     assert (sync / "hf" / "model.safetensors").read_bytes() == (zero / "hf" / "model.safetensors").read_bytes()
-    assert (zero / "logs" / "tools-gen0.log").is_file()  # the generator rank ran the tools
+    return a
 
 
 def test_async_with_ulysses_on_the_training_ranks_equals_the_synchronous_ulysses_run(tmp_path):
@@ -265,29 +283,9 @@ def test_async_with_ulysses_on_the_training_ranks_equals_the_synchronous_ulysses
     data-parallel rank of two sequence-parallel peers) at staleness 0 equals the synchronous
     run on the same two-peer layout (--nproc 2): the same batches, metrics and weights, bitwise.
     The generator group runs no Ulysses (its ranks hold whole sequences)."""
-    from shardwise.data.batch import Batch
-
     (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
-    common = [*COMMON, "parallel.ulysses_size=2", "train.max_steps=2", "rl.heldout_eval=false", "rl.record_batches=2"]
-
-    def rl(name: str, nproc: int, *extra: str) -> Path:
-        res = run_cli(["rl", GRPO, "--nproc", str(nproc), f"run.dir={tmp_path / name}", *common, *extra],
-                      timeout=400, cwd=tmp_path)
-        assert res.returncode == 0, f"{name}: {res.stdout[-2000:]}\n{res.stderr[-4000:]}"
-        return tmp_path / name
-
-    sync, zero = at_once(lambda: rl("sync", 2), lambda: rl("zero", 3, *ASYNC, "rl.async.max_staleness=0"))
-    a, b = metrics(sync), metrics(zero)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2] and a[1]["actor/grad_norm"] > 0
-    for m, n in zip(a, b):
-        assert {k: v for k, v in m.items() if not k.startswith(("time", "perf/"))} == \
-            {k: v for k, v in n.items() if k in m and not k.startswith(("time", "perf/"))}
-    for step in (1, 2):
-        x = Batch.from_bytes((sync / "batches" / f"step_{step:08d}.batch").read_bytes())
-        y = Batch.from_bytes((zero / "batches" / f"step_{step:08d}.batch").read_bytes())
-        for key, t in x.tensors.items():
-            assert torch.equal(t, y.tensors[key]), (step, key)
-    assert (sync / "hf" / "model.safetensors").read_bytes() == (zero / "hf" / "model.safetensors").read_bytes()
+    sync, zero = sync_and_async_at_zero(tmp_path, GRPO, [*COMMON, "parallel.ulysses_size=2", "rl.heldout_eval=false"], 2)
+    assert same_runs(sync, zero)[1]["actor/grad_norm"] > 0
     places = json.loads((zero / "workers.json").read_text())
     assert len(places["rl"]) == 2 and len(places["gen"]) == 1
 
