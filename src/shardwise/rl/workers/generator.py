@@ -82,9 +82,6 @@ def generator_config(cfg: Config) -> Config:
 class GeneratorWorker:
     """A generator rank (see the module docstring)."""
 
-    initial_version = 0
-    """The version of ``model.path``'s weights (-1 with LoRA: see the module docstring)."""
-
     def __init__(self, cfg: dict[str, Any], pad_id: int, eos_id: int, *, runtime: Runtime):
         self.cfg = config_from_dict(cfg)
         self.runtime = runtime
@@ -123,8 +120,10 @@ class GeneratorWorker:
             clock = time.perf_counter()
             self.ref = ReferenceWorker(gen_cfg, runtime)
             self.startup_s["reference"] = time.perf_counter() - clock
-        self.version = -1 if self.cfg.model.lora.enabled else self.initial_version
-        """The policy version the next batch is generated with (unless a newer one is swapped in)."""
+        self.version = -1 if self.cfg.model.lora.enabled else 0
+        """The policy version the next batch is generated with (unless a newer one is swapped in):
+        0, model.path's weights; -1 with LoRA, nothing to generate with before the first push
+        (the module docstring)."""
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         """Versions received and not yet swapped in."""
         self._cond = threading.Condition()
