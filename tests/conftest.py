@@ -20,11 +20,9 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
     workers' shared temp root, and the others wait for it and read the same folder (~70 s
     saved for the SFT demo model). A build that failed leaves no mark, so the next asker
     builds again and fails the same way in its own test."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        folder = tmp_path_factory.mktemp(name)
-        build(folder)
-        return folder
-    root = tmp_path_factory.getbasetemp().parent  # pytest-of-<user>/pytest-N: the run's, shared by its workers
+    root = tmp_path_factory.getbasetemp()  # one process: the run's own temp root
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-N: the run's, shared by its workers
     folder, done = root / name, root / f"{name}.built"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
