@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test lint demo plan bench clean
+.PHONY: setup bytecode test lint demo plan bench clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Every shardwise process (the launcher, torchrun's ranks, Ray workers, tool workers) imports
+# the package; where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) none of
+# them writes its bytecode, so each compiled the source again (~0.6 s of CPU a process).
+# Compiled once here; only changed files are compiled again.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q src tests/dist >/dev/null
 
 # vLLM for the rollout / infer engine `vllm` (make test runs its tests): the CPU build here;
 # `make test VLLM=vllm` on a CUDA machine. It pins transformers (<5.20 for 0.32.0). Its
@@ -48,10 +55,12 @@ lint: $(STAMP)
 # Two pytest-xdist workers, each taking whole files (a file's module fixtures are built once;
 # the session's through tests/conftest.py built_once). Many tests wait on processes, Ray and
 # timeouts more than they compute: two at a time took the suite from 3193 s to 1793 s on this
-# 2-core machine. `make test TEST_WORKERS=0` runs it in one process.
+# 2-core machine. The tests' `shardwise` commands are forked from a process that imported
+# shardwise once (tests/dist/launcher.py run_cli): 2466 s -> 1677 s on a slower day.
+# `make test TEST_WORKERS=0` runs it in one process.
 # vllm and the trackers are installed here, so their tests must run: a broken install fails them, never skips
 TEST_WORKERS ?= 2
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) bytecode
 	SHARDWISE_REQUIRED_MODULES=vllm,verl,tensorboard,wandb,mlflow,sqlalchemy $(PY) -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile
 
@@ -60,7 +69,7 @@ test: $(STAMP) $(VLLM_STAMP)
 # (Ray workers, FSDP2 actor + rollout + reference) makes the reversal its greedy answer.
 # Prints the held-out accuracy and pass@k before and after RL; `shardwise infer` then
 # answers the held-out prompts with the RL model (FSDP2 infer engine).
-demo: $(STAMP)
+demo: $(STAMP) bytecode
 	rm -rf runs/sft_reverse runs/grpo_reverse runs/infer_reverse
 	$(VENV)/bin/shardwise plan examples/sft_reverse.yaml --world-size $(NPROC)
 	$(VENV)/bin/shardwise train examples/sft_reverse.yaml --nproc $(NPROC)
@@ -70,7 +79,7 @@ demo: $(STAMP)
 
 # Sharding / memory configurations, the step's speed, rollout engines, shardwise rl against
 # TRL's GRPOTrainer, asynchronous RL against synchronous, side by side (about 50 minutes): results/
-bench: $(STAMP) $(VLLM_STAMP)
+bench: $(STAMP) $(VLLM_STAMP) bytecode
 	$(PY) benchmarks/train_configs.py
 	$(PY) benchmarks/plan_vs_published.py    # the plan's projected step time vs published torchtitan runs (seconds)
 	$(PY) benchmarks/encoder_memory.py    # seed 002's DDP vs FSDP memory table, measured on a BERT (~1.5 min)
