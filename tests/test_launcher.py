@@ -6,6 +6,7 @@ provoked for real: a raising rank, a rank that dies, a collective that never com
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist.common import TINY_QWEN3
 from dist.launcher import free_port, run_cli, run_ranks, run_torchrun
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -233,8 +235,30 @@ def test_run_torchrun_timeout_kills_the_workers(tmp_path: Path) -> None:
     _assert_all_dead(pids)
 
 
+def test_a_forked_command_is_the_command_a_fresh_process_runs(tmp_path: Path) -> None:
+    """`run_cli` forks its commands from a server that imported shardwise once; a command so
+    started answers what `python -m shardwise.cli` answers (status, stdout, stderr), in its
+    working directory (a user module there is importable), with the environment given."""
+    (tmp_path / "cfg.yaml").write_text("train:\n  max_stepz: 3\n")
+    (tmp_path / "scorer.py").write_text("import os\n"
+                                        "def score(prompt, response, ground_truth):\n"
+                                        "    return float(os.environ['SCORE'])\n")
+    cases = [["plan", "cfg.yaml"], ["--help"], ["config", "--only", "train.max_steps"]]
+    for argv in cases:
+        forked, fresh = (run_cli(argv, timeout=120, cwd=tmp_path, env={"SCORE": "1"}, fresh=f) for f in (False, True))
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), argv
+    assert "max_stepz" in run_cli(cases[0], timeout=60, cwd=tmp_path).stderr
+    out = tmp_path / "gen.jsonl"
+    res = run_cli(["infer", str(Path(__file__).resolve().parents[1] / "examples" / "infer_arithmetic.yaml"),
+                   "model.path=null", TINY_QWEN3, "infer.num_prompts=2", "infer.max_new_tokens=1",
+                   "infer.reward=scorer:score", f"infer.output={out}", f"run.dir={tmp_path / 'run'}"],
+                  timeout=300, cwd=tmp_path, env={"SCORE": "0.5"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [json.loads(x)["score"] for x in out.read_text().splitlines()] == [0.5, 0.5]
+
+
 def test_run_cli_runs_the_shardwise_cli_from_any_directory(tmp_path: Path) -> None:
-    proc = run_cli(["--help"], timeout=60, cwd=tmp_path)  # src/ reaches the child via PYTHONPATH
+    proc = run_cli(["--help"], timeout=60, cwd=tmp_path, fresh=True)  # src/ reaches the child via PYTHONPATH
     assert proc.args == [sys.executable, "-m", "shardwise.cli", "--help"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "usage" in (proc.stdout + proc.stderr).lower()

@@ -10,7 +10,7 @@ Public interface::
     free_port() -> int
     run_ranks(fn, world_size, *args, timeout=180.0, init_pg=False, env=None) -> list
     run_torchrun(argv, nproc, timeout=300.0, env=None, cwd=None) -> subprocess.CompletedProcess
-    run_cli(argv, timeout=120.0, env=None, cwd=None) -> subprocess.CompletedProcess
+    run_cli(argv, timeout=120.0, env=None, cwd=None, fresh=False) -> subprocess.CompletedProcess
     run_python(argv, timeout=120.0, env=None, cwd=None) -> subprocess.CompletedProcess
     at_once(*calls) -> list
 
@@ -342,11 +342,15 @@ def _rank_entry(
     sys.exit(0 if payload["ok"] else 1)
 
 
+CLI_PRELOAD = ["shardwise.cli", "shardwise.jobs.commands", "shardwise.jobs.rl"]
+"""What ``python -m shardwise.cli`` imports before it reads its config; `run_cli` forks its
+commands from a server that has imported them."""
+
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",
     "transformers.models.qwen3.modeling_qwen3", "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3_moe.modeling_qwen3_moe", "shardwise.engine.train", "shardwise.engine.infer",
-    "shardwise.fsdp.build", "shardwise.checkpoint.dcp",
+    "shardwise.fsdp.build", "shardwise.checkpoint.dcp", *CLI_PRELOAD,
 ]
 """Modules the forkserver imports once; every rank is forked from it with them loaded (a
 rank started from scratch spends ~5 s importing them, most of a small test's time)."""
@@ -630,9 +634,103 @@ def run_cli(
     timeout: float = 120.0,
     env: Mapping[str, str | None] | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m shardwise.cli *argv``, killable and captured like ``run_torchrun``."""
-    return _run_killable([sys.executable, "-m", "shardwise.cli", *map(str, argv)], timeout, env, cwd)
+    """``python -m shardwise.cli *argv``, killable and captured like ``run_torchrun``.
+
+    The command's process is forked from the harness's forkserver, which has imported
+    shardwise's commands once (`CLI_PRELOAD`): a command started from scratch spends ~9 s
+    of CPU importing torch, transformers and the jobs before it reads its config, in every
+    test that runs one, which was most of the suite's time. The child is then what
+    ``python -m shardwise.cli`` is: a process of its own, in a session of its own, with
+    the environment, working directory, ``sys.argv``, stdin (/dev/null) and fds 1 / 2 of
+    that command; it runs ``shardwise.cli`` as ``__main__`` (the RL controller under its
+    supervisor, as there), waits for its threads, runs its atexit handlers and exits with
+    the command's status (negative: the signal that ended it). The processes it starts
+    (torchrun, ranks, Ray) are started as by the command. ``fresh=True`` starts a new
+    interpreter instead, for tests of what only a fresh process shows (its imports'
+    warnings on stderr, the command found from any directory)."""
+    cmd = [sys.executable, "-m", "shardwise.cli", *map(str, argv)]
+    if fresh:
+        return _run_killable(cmd, timeout, env, cwd)
+    workdir = Path(tempfile.mkdtemp(prefix="shardwise-cli-"))
+    out_path, err_path = workdir / "stdout", workdir / "stderr"
+    child_env = _subprocess_env(env)
+    ctx = _rank_context()
+    with _start_lock:
+        proc = ctx.Process(target=_cli_entry, args=(cmd[3:], str(Path(cwd or os.getcwd()).resolve()), child_env,
+                                                    str(out_path), str(err_path)))
+        proc.start()
+    try:
+        proc.join(timeout)
+        timed_out = proc.exitcode is None
+        if timed_out:
+            _kill_tree(proc.pid)  # its group and every descendant, e.g. torchrun's workers
+            proc.join(10)
+        stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out_path, err_path))
+        if timed_out:
+            raise AssertionError(
+                f"timed out after {timeout:.1f} s, killed the process group and its descendants: "
+                f"{shlex.join(cmd)}\n"
+                f"--- stdout (tail) ---\n{_tail(stdout, OUTPUT_TAIL_LINES)}\n"
+                f"--- stderr (tail) ---\n{_tail(stderr, OUTPUT_TAIL_LINES)}")
+    except BaseException:
+        if proc.exitcode is None:
+            _kill_tree(proc.pid)
+            proc.join(10)
+        raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+
+
+_start_lock = threading.Lock()
+"""Commands started side by side (`at_once`) ask the forkserver one at a time."""
+
+
+def _cli_entry(argv: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str) -> None:
+    """Body of a `run_cli` command (in the child, forked by the forkserver): become
+    ``python -m shardwise.cli *argv`` and end as that process would."""
+    import atexit
+    import runpy
+
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    if sys.path and sys.path[0] in ("", "."):  # `python -m`: the working directory, in full
+        sys.path[0] = cwd
+    else:
+        sys.path.insert(0, cwd)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        new = os.open(path, flags, 0o644)
+        os.dup2(new, fd)  # fd level: what torchrun and the ranks print lands there too
+        os.close(new)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+    sys.argv = ["-m", *argv]  # run_module puts the module's file first, as `python -m` does
+    sys.modules.pop("shardwise.cli", None)  # `python -m` runs it before any import of it (its imports stay)
+    status = 0
+    try:
+        runpy.run_module("shardwise.cli", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    except BaseException:  # what the interpreter prints for an uncaught exception, and its status
+        traceback.print_exc()
+        status = 1
+    # The interpreter's shutdown, in its order: wait for the threads, then the atexit handlers.
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def run_python(
