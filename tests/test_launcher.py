@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist.common import TINY_QWEN3
-from dist.launcher import free_port, run_cli, run_ranks, run_torchrun
+from dist.launcher import REPO_ROOT, free_port, run_cli, run_ranks, run_torchrun
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "OMP_NUM_THREADS", "SHARDWISE_TEST_MARK")
@@ -249,7 +249,7 @@ def test_a_forked_command_is_the_command_a_fresh_process_runs(tmp_path: Path) ->
         assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), argv
     assert "max_stepz" in run_cli(cases[0], timeout=60, cwd=tmp_path).stderr
     out = tmp_path / "gen.jsonl"
-    res = run_cli(["infer", str(Path(__file__).resolve().parents[1] / "examples" / "infer_arithmetic.yaml"),
+    res = run_cli(["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"),
                    "model.path=null", TINY_QWEN3, "infer.num_prompts=2", "infer.max_new_tokens=1",
                    "infer.reward=scorer:score", f"infer.output={out}", f"run.dir={tmp_path / 'run'}"],
                   timeout=300, cwd=tmp_path, env={"SCORE": "0.5"})

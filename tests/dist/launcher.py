@@ -566,6 +566,14 @@ def _subprocess_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
     return merged
 
 
+def _timed_out(cmd: list[str], timeout: float, stdout: str, stderr: str) -> AssertionError:
+    """The failure of a command the harness killed at its timeout, with its output's tail."""
+    return AssertionError(
+        f"timed out after {timeout:.1f} s, killed the process group and its descendants: {shlex.join(cmd)}\n"
+        f"--- stdout (tail) ---\n{_tail(stdout, OUTPUT_TAIL_LINES)}\n"
+        f"--- stderr (tail) ---\n{_tail(stderr, OUTPUT_TAIL_LINES)}")
+
+
 def _run_killable(
     cmd: list[str],
     timeout: float,
@@ -596,12 +604,7 @@ def _run_killable(
                 with contextlib.suppress(Exception):
                     pipe.close()  # type: ignore[union-attr]
             proc.wait()
-        raise AssertionError(
-            f"timed out after {timeout:.1f} s, killed the process group and its descendants: "
-            f"{shlex.join(cmd)}\n"
-            f"--- stdout (tail) ---\n{_tail(_as_text(stdout), OUTPUT_TAIL_LINES)}\n"
-            f"--- stderr (tail) ---\n{_tail(_as_text(stderr), OUTPUT_TAIL_LINES)}"
-        ) from None
+        raise _timed_out(cmd, timeout, _as_text(stdout), _as_text(stderr)) from None
     except BaseException:
         _kill_tree(proc.pid)
         proc.wait()
@@ -669,11 +672,7 @@ def run_cli(
             proc.join(10)
         stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out_path, err_path))
         if timed_out:
-            raise AssertionError(
-                f"timed out after {timeout:.1f} s, killed the process group and its descendants: "
-                f"{shlex.join(cmd)}\n"
-                f"--- stdout (tail) ---\n{_tail(stdout, OUTPUT_TAIL_LINES)}\n"
-                f"--- stderr (tail) ---\n{_tail(stderr, OUTPUT_TAIL_LINES)}")
+            raise _timed_out(cmd, timeout, stdout, stderr)
     except BaseException:
         if proc.exitcode is None:
             _kill_tree(proc.pid)
