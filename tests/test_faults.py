@@ -35,6 +35,7 @@ from dist.launcher import (
     at_once,
     environ_of,
     free_port,
+    rank_of,
     run_cli,
 )
 
@@ -405,7 +406,7 @@ def test_a_rank_killed_by_a_signal_is_named_and_its_report_kept(tmp_path):
     job = Job(tmp_path)
     try:
         job.wait_for_checkpoint()
-        rank1 = next(p for p in job.pids() if environ_of(p).get("RANK") == "1")
+        rank1 = next(p for p in job.pids() if rank_of(p) == 1)
         os.kill(rank1, signal.SIGKILL)
         job.proc.wait(timeout=60)
         out = job.output()

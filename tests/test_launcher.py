@@ -238,7 +238,8 @@ def test_run_torchrun_timeout_kills_the_workers(tmp_path: Path) -> None:
 def test_a_forked_command_is_the_command_a_fresh_process_runs(tmp_path: Path) -> None:
     """`run_cli` forks its commands from a server that imported shardwise once; a command so
     started answers what `python -m shardwise.cli` answers (status, stdout, stderr), in its
-    working directory (a user module there is importable), with the environment given."""
+    working directory (a user module there is importable), with the environment given. The
+    ranks torchrun forks (`launch.fork_ranks`: no GPU here) write what fresh ranks write."""
     (tmp_path / "cfg.yaml").write_text("train:\n  max_stepz: 3\n")
     (tmp_path / "scorer.py").write_text("import os\n"
                                         "def score(prompt, response, ground_truth):\n"
@@ -248,13 +249,17 @@ def test_a_forked_command_is_the_command_a_fresh_process_runs(tmp_path: Path) ->
         forked, fresh = (run_cli(argv, timeout=120, cwd=tmp_path, env={"SCORE": "1"}, fresh=f) for f in (False, True))
         assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), argv
     assert "max_stepz" in run_cli(cases[0], timeout=60, cwd=tmp_path).stderr
-    out = tmp_path / "gen.jsonl"
-    res = run_cli(["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"),
-                   "model.path=null", TINY_QWEN3, "infer.num_prompts=2", "infer.max_new_tokens=1",
-                   "infer.reward=scorer:score", f"infer.output={out}", f"run.dir={tmp_path / 'run'}"],
-                  timeout=300, cwd=tmp_path, env={"SCORE": "0.5"})
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [json.loads(x)["score"] for x in out.read_text().splitlines()] == [0.5, 0.5]
+    written = []
+    for fresh_ranks in ("0", "1"):
+        out = tmp_path / f"gen{fresh_ranks}.jsonl"
+        res = run_cli(["infer", str(REPO_ROOT / "examples" / "infer_arithmetic.yaml"), "--nproc", "2",
+                       "model.path=null", TINY_QWEN3, "infer.num_prompts=4", "infer.max_new_tokens=2",
+                       "infer.reward=scorer:score", f"infer.output={out}", f"run.dir={tmp_path / ('run' + fresh_ranks)}"],
+                      timeout=300, cwd=tmp_path, env={"SCORE": "0.5", "SHARDWISE_FRESH_RANKS": fresh_ranks})
+        assert res.returncode == 0, res.stderr[-3000:]
+        written.append(out.read_text())
+    assert [json.loads(x)["score"] for x in written[0].splitlines()] == [0.5] * 4
+    assert written[0] == written[1]
 
 
 def test_run_cli_runs_the_shardwise_cli_from_any_directory(tmp_path: Path) -> None:

@@ -178,6 +178,18 @@ def environ_of(pid: int) -> dict[str, str]:
     return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
 
 
+def rank_of(pid: int) -> int | None:
+    """The torchrun rank process `pid` is: RANK in its environment (a fresh rank), else its
+    name ``sw-rank<r>`` (a rank torchrun forked: /proc shows the environment it was forked
+    from); None for any other process."""
+    rank = environ_of(pid).get("RANK")
+    if rank is None:
+        with contextlib.suppress(OSError):
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            rank = name[len("sw-rank"):] if name.startswith("sw-rank") else None
+    return int(rank) if rank is not None and rank.isdigit() else None
+
+
 def alive(pids: Sequence[int]) -> list[int]:
     """The processes of `pids` still running (a zombie counts as gone)."""
     out = []

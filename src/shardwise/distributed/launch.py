@@ -88,6 +88,14 @@ PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "remote worker crashing")
 """Words of the errors a rank gets when another process of the job ended under it (gloo's
 pair.cc, the c10d store's socket): a consequence, never the cause."""
+FORK_RANKS_ENV = "SHARDWISE_FORK_RANKS"
+"""Set by `launch_torchrun` for the torchrun wrapper whose ranks it forks (`fork_ranks`):
+the modules, comma-separated, the wrapper imports before it forks them."""
+FRESH_RANKS_ENV = "SHARDWISE_FRESH_RANKS"
+"""'1': every rank is a fresh interpreter, also where `fork_ranks` would fork them."""
+RANK_PRELOAD = {"shardwise.cli": ("shardwise.cli", "shardwise.jobs.commands")}
+"""What a forked rank of ``-m <module>`` finds imported (the module itself otherwise): for
+`shardwise train` and `shardwise infer`, torch, transformers and the jobs."""
 CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
 SAVED_CPP_LOG_ENV = "SHARDWISE_SAVED_TORCH_CPP_LOG_LEVEL"
 """The ranks' own TORCH_CPP_LOG_LEVEL ('' for none), while the torchrun wrapper runs with
@@ -104,6 +112,30 @@ def under_torchrun() -> bool:
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV) == "1"
+
+
+def local_gpus() -> int:
+    """GPUs this machine shows (``CUDA_VISIBLE_DEVICES``, else the ``/dev/nvidiaN`` device
+    files), without initialising CUDA in the controller (its forked ranks could not)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return sum(1 for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit())
+    except OSError:
+        return 0
+
+
+def fork_ranks(nodes: Nodes | None, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torchrun forks this job's ranks from its own process, which imported the
+    ranks' code once (`RANK_PRELOAD`), rather than starting a fresh interpreter per rank that
+    imports torch, transformers and the jobs again (seconds of CPU each): on one machine
+    without a GPU (`local_gpus`, as ``rl.backend: auto`` decides), unless
+    ``SHARDWISE_FRESH_RANKS=1``. A machine with GPUs keeps fresh ranks (a process that
+    forks must not have touched CUDA, and what an import does there is not checked here);
+    so does a multi-node job, whose torchrun logs C++ at FATAL while it waits for the other
+    nodes (`SAVED_CPP_LOG_ENV`) and gives fresh ranks their own level."""
+    return nodes is None and env.get(FRESH_RANKS_ENV) != "1" and not local_gpus()
 
 
 # ------------------------------------------------------------------ several nodes
@@ -528,7 +560,8 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
     """Run ``python -m <module> <argv>`` (``shardwise <argv>``) in `nproc` local processes
     under torchrun and wait. With `nodes`, these are this node's ranks of a multi-node job
     (torchrun meets the other nodes' launchers at `nodes.endpoint`, ``--max-restarts 0``);
-    without, the job is this machine's alone (a free port on 127.0.0.1).
+    without, the job is this machine's alone (a free port on 127.0.0.1). Where `fork_ranks`,
+    torchrun forks the ranks from its process, which imported their code once.
 
     Signals SIGINT / SIGTERM received meanwhile are forwarded; a second one, or `grace_s`
     seconds without the ranks ending, kills the whole tree. Returns the exit status, the
@@ -539,7 +572,9 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
     child_env.update(env or {})
     child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env[ERROR_DIR_ENV] = error_dir
-    if not debug_enabled():
+    if fork_ranks(nodes, child_env):  # the ranks are forks of the wrapper: it keeps their C++ log level
+        child_env[FORK_RANKS_ENV] = ",".join(RANK_PRELOAD.get(module, (module,)))
+    elif not debug_enabled():
         child_env[SAVED_CPP_LOG_ENV] = child_env.get(CPP_LOG_ENV, "")
         child_env[CPP_LOG_ENV] = "FATAL"
     where = (["--master-addr=127.0.0.1", f"--master-port={free_port()}"] if nodes is None

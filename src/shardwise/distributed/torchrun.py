@@ -1,7 +1,7 @@
 """torchrun as `shardwise.distributed.launch` runs it: ``python -m shardwise.distributed.torchrun
 <torchrun arguments>``.
 
-The same launcher (`torch.distributed.run`), with three differences: it dies with the
+The same launcher (`torch.distributed.run`), with four differences: it dies with the
 process that started it; its own logging (C++ included: the launching side starts it with
 ``TORCH_CPP_LOG_LEVEL=FATAL``, and it gives the ranks their own level back) and its
 multi-line failure report stay off the terminal (the `shardwise` process prints one line
@@ -11,29 +11,44 @@ without writing an error file (killed by a signal, out of memory) is described i
 nodes (one of them never came within the timeout) in ``launcher.json``. The rendezvous of a
 multi-node job has a bound of its own (`launch.rendezvous_bound_s`): where torch's timeouts
 do not reach (a program squatting the port that accepts connections and never answers), a
-watch thread ends the node with the same line.
+watch thread ends the node with the same line. And where the launching side asks for it
+(``SHARDWISE_FORK_RANKS``, `launch.fork_ranks`: one machine without a GPU), this process
+imports the ranks' code once and torchrun forks each rank from it (its ``--start-method
+fork`` for a function, as ``--run-path`` does), instead of starting an interpreter per rank
+that imports torch, transformers and the jobs again: `run_module` makes the fork what
+``python -u -m <module> <args>`` would have been.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import importlib
+import io
 import json
 import logging
 import os
+import runpy
+import signal
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
-from torch.distributed.run import parse_args, run
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, parse_args, run
 
+from shardwise.contained import PR_SET_NAME, PR_SET_PDEATHSIG, prctl
 from shardwise.distributed.launch import (
     CPP_LOG_ENV,
     ERROR_DIR_ENV,
+    FORK_RANKS_ENV,
     LAUNCHER_FILE,
     RENDEZVOUS_FAILED,
     SAVED_CPP_LOG_ENV,
@@ -42,6 +57,7 @@ from shardwise.distributed.launch import (
     descendants,
     describe_exit,
     die_with_parent,
+    leave,
     rendezvous_bound_s,
 )
 from shardwise.telemetry import activity
@@ -52,6 +68,14 @@ def _note(folder: str | None, name: str, **fields: object) -> None:
     if folder:
         note = {"user": False, "time": time.time(), **fields}
         (Path(folder) / name).write_text(json.dumps(note))
+
+
+def _note_exit(folder: str | None, rank: int, exitcode: int, traceback: str) -> None:
+    """Rank `rank` ended with `exitcode` (negative: killed by that signal) without its own
+    error file: how it ended, and what it was doing (its activity file)."""
+    doing = activity.read_file(str(Path(folder) / activity_file(rank))).get("doing") if folder else None
+    _note(folder, f"launcher-rank{rank}.json", rank=rank, type="ProcessExit",
+          message=describe_exit(exitcode) + (f" in {doing}" if doing else ""), traceback=traceback)
 
 
 def _endpoint(args) -> str:
@@ -100,6 +124,89 @@ def _bound_rendezvous(args, folder: str | None) -> None:
     threading.Thread(target=watch, name="shardwise-rendezvous-bound", daemon=True).start()
 
 
+def run_module(module: str, *argv: str) -> None:
+    """A rank torchrun forked from this process (the function of ``elastic_launch``):
+    ``python -u -m <module> <argv>``, run in a child of this fork, which waits for it.
+
+    torchrun reports one failed process of those it forked, and reaps the others without a
+    word; a rank that died without writing its error (a signal, user code calling
+    os._exit) is named by its waiting parent instead, which knows its exit
+    (``launcher-rank<r>.json``, as the wrapper writes for a fresh rank). That parent passes
+    the signals torchrun sends on to the rank and ends as the rank ended (its status, or the
+    same signal); with status 0 the function returns, which torchrun waits for."""
+    rank = os.environ.get("RANK", "")
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _rank_main(module, argv)
+        finally:
+            os._exit(1)  # never returns into torchrun's code
+    _name(f"sw-rank{rank}-wait")
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    _, status = os.waitpid(pid, 0)  # retried after each signal handler (PEP 475)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        return
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if rank.isdigit() and not (folder and (Path(folder) / f"rank{rank}.json").exists()):
+        _note_exit(folder, int(rank), code, traceback="")
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code > 0 else 128 - code)
+
+
+def _name(title: str) -> None:
+    """This process's name in ps and /proc (a fork shows torchrun's command line and environment)."""
+    prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
+
+
+def _rank_main(module: str, argv: tuple[str, ...]) -> NoReturn:
+    """The rank: it starts as a fresh interpreter would (named ``sw-rank<r>``; Python's signal
+    handlers, not torchrun's; unbuffered stdout and stderr; ``sys.argv``; the module run as
+    ``__main__``) and ends as one does: its non-daemon threads joined, its atexit handlers
+    run (unless it `leave`s, which skips them, as in a fresh rank)."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # until die_with_parent says the same
+    _name(f"sw-rank{os.environ.get('RANK', '')}")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    for name, fd in (("stdout", 1), ("stderr", 2)):  # what -u gives
+        old = getattr(sys, name)
+        setattr(sys, name, io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False),  # noqa: SIM115
+                                            encoding=old.encoding, errors=old.errors, write_through=True))
+    sys.argv = ["-m", *argv]  # run_module puts the module's file first, as `python -m` does
+    sys.modules.pop(module, None)  # `python -m` runs it before any import of it (its imports stay)
+    status: object = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        status = e.code
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught one
+        traceback.print_exc()
+        status = 1
+    if status is not None and not isinstance(status, int):  # sys.exit("message")
+        print(status, file=sys.stderr)
+        status = 1
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit runs; os._exit skips it
+    leave(status or 0)
+
+
+def _launch_forked(args, preload: list[str]) -> None:
+    """torchrun's `run` for a ``-m <module>`` job whose ranks are forked from this process."""
+    for name in preload:
+        importlib.import_module(name)
+    config, _cmd, cmd_args = config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config=config, entrypoint=run_module)(*cmd_args[cmd_args.index("-m") + 1:])
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()
     if not debug_enabled():
@@ -114,19 +221,21 @@ def main(argv: list[str]) -> int:
             os.environ[CPP_LOG_ENV] = saved
         else:
             os.environ.pop(CPP_LOG_ENV, None)
+    preload = [m for m in os.environ.pop(FORK_RANKS_ENV, "").split(",") if m]
     args = parse_args(argv)
     folder = os.environ.get(ERROR_DIR_ENV)
     _bound_rendezvous(args, folder)
     try:
-        run(args)
+        if preload and args.module:
+            _launch_forked(args, preload)
+        else:
+            run(args)
     except ChildFailedError as e:
         # Every rank that failed without a word (a signal, the OOM killer): one of them is
         # likely the cause, and its peers' files only say that they lost it.
         for r, f in e.failures.items():
             if not (folder and (Path(folder) / f"rank{r}.json").exists()):
-                doing = activity.read_file(str(Path(folder) / activity_file(r))).get("doing") if folder else None
-                _note(folder, f"launcher-rank{r}.json", rank=r, type="ProcessExit",
-                      message=describe_exit(f.exitcode) + (f" in {doing}" if doing else ""), traceback=str(e))
+                _note_exit(folder, r, f.exitcode, traceback=str(e))
         rank, failure = e.get_first_failure()
         if debug_enabled():
             print(str(e), file=sys.stderr)

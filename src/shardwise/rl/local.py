@@ -43,6 +43,7 @@ import torch
 
 from shardwise.config.schema import Config
 from shardwise.contained import PR_SET_NAME, PR_SET_PDEATHSIG, describe_exit, prctl
+from shardwise.distributed.launch import local_gpus
 from shardwise.distributed.runtime import free_port, teardown
 from shardwise.errors import ShardwiseError
 from shardwise.rl.cluster import (
@@ -320,18 +321,6 @@ def resolve_backend(cfg: Config) -> str:
 def group_class(cfg: Config) -> type[WorkerGroup]:
     """The worker-group class of ``rl.backend`` (`resolve_backend`)."""
     return LocalWorkerGroup if resolve_backend(cfg) == "local" else RayWorkerGroup
-
-
-def local_gpus() -> int:
-    """GPUs this machine shows (``CUDA_VISIBLE_DEVICES``, else the ``/dev/nvidiaN`` device
-    files), without initialising CUDA in the controller (its forked ranks could not)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        return sum(1 for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit())
-    except OSError:
-        return 0
 
 
 _next_device = 0
