@@ -391,8 +391,9 @@ def test_kill_9_of_a_launcher_leaves_no_rank_running(victim, tmp_path):
         if victim == "shardwise":
             target = job.proc.pid
         else:
-            target = next(p for p in pids if "shardwise.distributed.torchrun" in
-                          Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+            target = next(p for p in pids if "shardwise.distributed.torchrun" in  # fresh, or the launcher's fork
+                          Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                          or Path(f"/proc/{p}/comm").read_text().strip() == "sw-torchrun")
         os.kill(target, signal.SIGKILL)
         _gone_within([p for p in pids if p != job.proc.pid or victim == "shardwise"], 20)
     finally:

@@ -9,7 +9,8 @@ Two sides of one contract:
   alive after `GRACE_S` seconds is killed. When the ranks are gone it reads the error
   folder and prints ONE line for the first failure: a user error (`ShardwiseError`,
   exit status 2) before any other, else the earliest one (exit status 1); the rest are
-  usually peers that lost the failed rank.
+  usually peers that lost the failed rank. On one machine without a GPU (`fork_ranks`),
+  the wrapper is a fork of the launching process (`Zygote`) and the ranks are its forks.
 - The rank side (`die_with_parent`, `record_failure`, `exit_after_failure`): a rank
   dies with its parent (a parent-death signal plus a watchdog thread, so kill -9 of
   torchrun or of the `shardwise` process leaves nothing running); a rank that raises
@@ -53,7 +54,7 @@ from typing import Literal, NoReturn
 
 import torch.distributed as dist
 
-from shardwise.contained import descendants, describe_exit
+from shardwise.contained import PR_SET_NAME, descendants, describe_exit, prctl
 from shardwise.distributed.runtime import free_port
 from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
 from shardwise.telemetry import activity
@@ -554,9 +555,103 @@ class LaunchResult:
         return self.returncode if self.returncode >= 0 else 128 - self.returncode
 
 
+class Zygote:
+    """A fork of the launching `shardwise`, taken while nothing of the job has run (`fork`:
+    its imports done, no other thread, no tokenizer or torch op used, before the job's
+    checks), that waits until `launch_torchrun` makes it the torchrun wrapper
+    (`shardwise.distributed.torchrun`), whose ranks are its forks (`fork_ranks`): no process
+    of the job imports torch, transformers or the jobs again. It has a session of its own
+    (a Ctrl-C in the terminal reaches the launching process alone) and dies with the
+    launching process; `close` ends one that was not used (a failed check)."""
+
+    def __init__(self, pid: int, pipe: int) -> None:
+        self.pid = pid
+        self._pipe: int | None = pipe
+        self.returncode: int | None = None
+
+    @classmethod
+    def fork(cls, nodes: Nodes | None) -> Zygote | None:
+        """The zygote of a job whose ranks torchrun forks (`fork_ranks`); None for fresh ranks,
+        on platforms without fork, and while another thread runs here (a fork copies only
+        this one, and whatever lock another held)."""
+        if not (fork_ranks(nodes) and sys.platform.startswith("linux") and threading.active_count() == 1):
+            return None
+        read, write = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(write)
+                os.setsid()
+                die_with_parent()
+                with os.fdopen(read, "rb") as f:
+                    order = f.read()
+                code = _become_wrapper(**json.loads(order)) if order else 0  # nothing: not needed
+            except BaseException:  # noqa: BLE001 - never return into the launcher's code
+                with contextlib.suppress(Exception):
+                    traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(read)
+        assert os.getpid() == parent
+        return cls(pid, write)
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        """Become ``python -m shardwise.distributed.torchrun <argv>`` in environment `env`."""
+        assert self._pipe is not None, "a zygote starts once"
+        with os.fdopen(self._pipe, "wb") as f:
+            self._pipe = None
+            f.write(json.dumps({"argv": list(argv), "env": dict(env)}).encode())
+
+    def close(self) -> None:
+        """End the zygote: one not started reads nothing and leaves; one started and still
+        running (its launcher failed) is killed. Then reap it."""
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+        elif self.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+    def poll(self) -> int | None:
+        """The exit status once it ended (negative: the signal), as `subprocess.Popen.poll`."""
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+
+def _become_wrapper(argv: list[str], env: dict[str, str]) -> int:
+    """The zygote's torchrun wrapper: what ``python -m shardwise.distributed.torchrun <argv>``
+    does in a fresh interpreter with environment `env`."""
+    from shardwise.distributed import torchrun  # the ranks' side: imported where it runs
+
+    prctl(PR_SET_NAME, ctypes.c_char_p(b"sw-torchrun"))  # its command line is the launcher's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [torchrun.__file__, *argv]
+    # sys.path[0] as `python -m` sets it (the launcher's may be its script's folder)
+    sys.path[0:0 if sys.flags.safe_path else 1] = [os.getcwd()]
+    return torchrun.main(argv)
+
+
 def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
                     grace_s: float = GRACE_S, module: str = "shardwise.cli",
-                    nodes: Nodes | None = None) -> LaunchResult:
+                    nodes: Nodes | None = None, zygote: Zygote | None = None) -> LaunchResult:
     """Run ``python -m <module> <argv>`` (``shardwise <argv>``) in `nproc` local processes
     under torchrun and wait. With `nodes`, these are this node's ranks of a multi-node job
     (torchrun meets the other nodes' launchers at `nodes.endpoint`, ``--max-restarts 0``);
@@ -566,6 +661,8 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
     Signals SIGINT / SIGTERM received meanwhile are forwarded; a second one, or `grace_s`
     seconds without the ranks ending, kills the whole tree. Returns the exit status, the
     failure to report (see the module docstring) and the signal that interrupted the run.
+    With a `zygote` (`Zygote.fork`, where `fork_ranks`), the wrapper is that fork of this
+    process rather than a fresh interpreter.
     """
     error_dir = tempfile.mkdtemp(prefix="shardwise-errors-")
     child_env = dict(os.environ)
@@ -584,7 +681,12 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
     interrupted: list[tuple[signal.Signals, float]] = []  # (signal, monotonic time received)
     # A session of its own: a Ctrl-C in the terminal reaches this process alone, which
     # stops the job through torchrun (one signal, one path).
-    proc = subprocess.Popen(cmd, env=child_env, start_new_session=True)
+    proc: subprocess.Popen | Zygote
+    if zygote is not None and FORK_RANKS_ENV in child_env:
+        zygote.start(cmd[3:], child_env)
+        proc = zygote
+    else:
+        proc = subprocess.Popen(cmd, env=child_env, start_new_session=True)
 
     def forward(signum: int, _frame: object) -> None:
         sig = signal.Signals(signum)
@@ -602,12 +704,8 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, forward)
     try:
-        while True:
-            try:
-                code = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        while (code := proc.poll()) is None:
+            time.sleep(0.1)
             if interrupted and time.monotonic() - interrupted[0][1] > grace_s:
                 _kill_all([*descendants(proc.pid), proc.pid])
     finally:

@@ -16,7 +16,8 @@ watch thread ends the node with the same line. And where the launching side asks
 imports the ranks' code once and torchrun forks each rank from it (its ``--start-method
 fork`` for a function, as ``--run-path`` does), instead of starting an interpreter per rank
 that imports torch, transformers and the jobs again: `run_module` makes the fork what
-``python -u -m <module> <args>`` would have been.
+``python -u -m <module> <args>`` would have been. This process is then itself a fork of the
+launching `shardwise` where that could take one (`launch.Zygote`), named ``sw-torchrun``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+import torch
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -171,6 +173,9 @@ def _rank_main(module: str, argv: tuple[str, ...]) -> NoReturn:
     run (unless it `leave`s, which skips them, as in a fresh rank)."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # until die_with_parent says the same
     _name(f"sw-rank{os.environ.get('RANK', '')}")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read its count when torch was imported
+        torch.set_num_threads(int(threads))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)

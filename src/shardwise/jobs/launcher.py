@@ -75,10 +75,15 @@ def _launch(job: ModuleType, cfg: Config, nproc: int, nodes: launch.Nodes | None
     """The launching side: prepare, start the ranks, say how they ended."""
     job_key = nodes.job if nodes else None
     RunDirLock(cfg.run.dir, command_line(), job_key).check_free()
-    planned = job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1)).planned
-    print(check_plan(nproc, planned and planned[1], cfg.fsdp.offload.enabled).line(), file=sys.stderr)
-    with RunDirLock(cfg.run.dir, command_line(), job_key) as lock:
-        res = launch.launch_torchrun(nproc, argv, env=lock.child_env(), nodes=nodes)
+    zygote = launch.Zygote.fork(nodes)  # before the checks: nothing of the job has run yet
+    try:
+        planned = job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1)).planned
+        print(check_plan(nproc, planned and planned[1], cfg.fsdp.offload.enabled).line(), file=sys.stderr)
+        with RunDirLock(cfg.run.dir, command_line(), job_key) as lock:
+            res = launch.launch_torchrun(nproc, argv, env=lock.child_env(), nodes=nodes, zygote=zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
     line = res.line(lambda: resume_line(cfg.run.dir))
     if line is None:
         return 0
