@@ -54,7 +54,7 @@ from typing import Literal, NoReturn
 
 import torch.distributed as dist
 
-from shardwise.contained import PR_SET_NAME, descendants, describe_exit, prctl
+from shardwise.contained import descendants, describe_exit
 from shardwise.distributed.runtime import free_port
 from shardwise.errors import ConfigError, ShardwiseError, as_disk_full
 from shardwise.telemetry import activity
@@ -570,10 +570,11 @@ class Zygote:
         self.returncode: int | None = None
 
     @classmethod
-    def fork(cls, nodes: Nodes | None) -> Zygote | None:
+    def fork(cls, nodes: Nodes | None, wrapper: Callable[[list[str], dict[str, str]], int]) -> Zygote | None:
         """The zygote of a job whose ranks torchrun forks (`fork_ranks`); None for fresh ranks,
         on platforms without fork, and while another thread runs here (a fork copies only
-        this one, and whatever lock another held)."""
+        this one, and whatever lock another held). Started, it returns ``wrapper(argv, env)``
+        (`shardwise.distributed.torchrun.become`) as its exit status."""
         if not (fork_ranks(nodes) and sys.platform.startswith("linux") and threading.active_count() == 1):
             return None
         read, write = os.pipe()
@@ -589,7 +590,7 @@ class Zygote:
                 die_with_parent()
                 with os.fdopen(read, "rb") as f:
                     order = f.read()
-                code = _become_wrapper(**json.loads(order)) if order else 0  # nothing: not needed
+                code = wrapper(**json.loads(order)) if order else 0  # nothing: not needed
             except BaseException:  # noqa: BLE001 - never return into the launcher's code
                 with contextlib.suppress(Exception):
                     traceback.print_exc()
@@ -630,23 +631,6 @@ class Zygote:
 
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
-
-
-def _become_wrapper(argv: list[str], env: dict[str, str]) -> int:
-    """The zygote's torchrun wrapper: what ``python -m shardwise.distributed.torchrun <argv>``
-    does in a fresh interpreter with environment `env`."""
-    from shardwise.distributed import torchrun  # the ranks' side: imported where it runs
-
-    prctl(PR_SET_NAME, ctypes.c_char_p(b"sw-torchrun"))  # its command line is the launcher's
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.argv = [torchrun.__file__, *argv]
-    # sys.path[0] as `python -m` sets it (the launcher's may be its script's folder)
-    sys.path[0:0 if sys.flags.safe_path else 1] = [os.getcwd()]
-    return torchrun.main(argv)
 
 
 def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None,

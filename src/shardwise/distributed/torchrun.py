@@ -212,6 +212,21 @@ def _launch_forked(args, preload: list[str]) -> None:
     elastic_launch(config=config, entrypoint=run_module)(*cmd_args[cmd_args.index("-m") + 1:])
 
 
+def become(argv: list[str], env: dict[str, str]) -> int:
+    """A zygote (`launch.Zygote`) becomes the wrapper: what ``python -m
+    shardwise.distributed.torchrun <argv>`` does in a fresh interpreter with environment `env`."""
+    _name("sw-torchrun")  # its command line is the launcher's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [__file__, *argv]
+    # sys.path[0] as `python -m` sets it (the launcher's may be its script's folder)
+    sys.path[0:0 if sys.flags.safe_path else 1] = [os.getcwd()]
+    return main(argv)
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()
     if not debug_enabled():

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.dcp import CHECKPOINTS_DIR, resume_line
 from shardwise.config.schema import Config
-from shardwise.distributed import launch
+from shardwise.distributed import launch, torchrun
 from shardwise.distributed.capacity import check_plan
 from shardwise.distributed.runtime import Runtime, init_distributed, seed_everything, teardown
 from shardwise.errors import EXIT_DISK_FULL, ConfigError
@@ -75,7 +75,7 @@ def _launch(job: ModuleType, cfg: Config, nproc: int, nodes: launch.Nodes | None
     """The launching side: prepare, start the ranks, say how they ended."""
     job_key = nodes.job if nodes else None
     RunDirLock(cfg.run.dir, command_line(), job_key).check_free()
-    zygote = launch.Zygote.fork(nodes)  # before the checks: nothing of the job has run yet
+    zygote = launch.Zygote.fork(nodes, torchrun.become)  # before the checks: nothing of the job has run yet
     try:
         planned = job.prepare(cfg, world_size=nproc * (nodes.count if nodes else 1)).planned
         print(check_plan(nproc, planned and planned[1], cfg.fsdp.offload.enabled).line(), file=sys.stderr)
