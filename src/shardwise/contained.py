@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = ["MARK_ENV", "PR_SET_CHILD_SUBREAPER", "PR_SET_NAME", "PR_SET_PDEATHSIG", "Contained", "Outcome",
-           "close_all", "describe_exit", "kill_left_under", "prctl"]
+           "close_all", "describe_exit", "kill_left_under", "prctl", "set_process_name"]
 
 MARK_ENV = "SHARDWISE_CONTAINED"
 """The environment variable that marks every process of one child (see `Contained.close`)."""
@@ -397,6 +397,12 @@ def prctl(option: int, value: Any) -> None:
     PR_SET_CHILD_SUBREAPER); nothing where it is not available."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def set_process_name(title: str) -> None:
+    """This process's name in ps, top and /proc/<pid>/comm (15 bytes at most), where a
+    fork would otherwise show its parent's."""
+    prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
 
 
 def _write_line(fd: int, obj: dict) -> None:

@@ -702,8 +702,7 @@ _start_lock = threading.Lock()
 def _cli_entry(argv: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str) -> None:
     """Body of a `run_cli` command (in the child, forked by the forkserver): become
     ``python -m shardwise.cli *argv`` and end as that process would."""
-    import atexit
-    import runpy
+    from shardwise.distributed.torchrun import exec_module
 
     os.setsid()
     os.environ.clear()
@@ -721,27 +720,7 @@ def _cli_entry(argv: list[str], cwd: str, env: dict[str, str], out_path: str, er
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
-    sys.argv = ["-m", *argv]  # run_module puts the module's file first, as `python -m` does
-    sys.modules.pop("shardwise.cli", None)  # `python -m` runs it before any import of it (its imports stay)
-    status = 0
-    try:
-        runpy.run_module("shardwise.cli", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            status = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            status = 1
-    except BaseException:  # what the interpreter prints for an uncaught exception, and its status
-        traceback.print_exc()
-        status = 1
-    # The interpreter's shutdown, in its order: wait for the threads, then the atexit handlers.
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)
+    exec_module("shardwise.cli", argv)  # as the forked ranks of `shardwise train` run theirs
 
 
 def run_python(

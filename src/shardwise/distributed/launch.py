@@ -289,8 +289,12 @@ _PR_SET_PDEATHSIG = 1
 
 def die_with_parent(poll_s: float = 1.0) -> None:
     """End this process when its parent ends (Linux: a parent-death SIGKILL; elsewhere and
-    as a fallback, a daemon thread that exits when the parent process id changes)."""
+    as a fallback, a daemon thread that exits when the parent process id changes). Once per
+    process and parent: the zygote that becomes torchrun's wrapper asked already."""
+    global _watching
     parent = os.getppid()
+    if _watching == (os.getpid(), parent):
+        return
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             libc = ctypes.CDLL(None, use_errno=True)
@@ -305,6 +309,11 @@ def die_with_parent(poll_s: float = 1.0) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="shardwise-parent-watch", daemon=True).start()
+    _watching = (os.getpid(), parent)
+
+
+_watching: tuple[int, int] | None = None
+"""(process, parent) for which `die_with_parent` runs its watch."""
 
 
 @dataclass(frozen=True)

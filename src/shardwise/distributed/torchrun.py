@@ -23,7 +23,6 @@ launching `shardwise` where that could take one (`launch.Zygote`), named ``sw-to
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib
 import io
 import json
@@ -35,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -46,7 +46,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args, run
 
-from shardwise.contained import PR_SET_NAME, PR_SET_PDEATHSIG, prctl
+from shardwise.contained import PR_SET_PDEATHSIG, prctl, set_process_name
 from shardwise.distributed.launch import (
     CPP_LOG_ENV,
     ERROR_DIR_ENV,
@@ -145,7 +145,7 @@ def run_module(module: str, *argv: str) -> None:
             _rank_main(module, argv)
         finally:
             os._exit(1)  # never returns into torchrun's code
-    _name(f"sw-rank{rank}-wait")
+    set_process_name(f"sw-rank{rank}-wait")
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
     _, status = os.waitpid(pid, 0)  # retried after each signal handler (PEP 475)
@@ -161,30 +161,38 @@ def run_module(module: str, *argv: str) -> None:
     os._exit(code if code > 0 else 128 - code)
 
 
-def _name(title: str) -> None:
-    """This process's name in ps and /proc (a fork shows torchrun's command line and environment)."""
-    prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
-
-
 def _rank_main(module: str, argv: tuple[str, ...]) -> NoReturn:
     """The rank: it starts as a fresh interpreter would (named ``sw-rank<r>``; Python's signal
-    handlers, not torchrun's; unbuffered stdout and stderr; ``sys.argv``; the module run as
-    ``__main__``) and ends as one does: its non-daemon threads joined, its atexit handlers
-    run (unless it `leave`s, which skips them, as in a fresh rank)."""
+    handlers, not torchrun's; unbuffered stdout and stderr) and runs `exec_module`."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # until die_with_parent says the same
-    _name(f"sw-rank{os.environ.get('RANK', '')}")
+    set_process_name(f"sw-rank{os.environ.get('RANK', '')}")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # OpenMP read its count when torch was imported
         torch.set_num_threads(int(threads))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
+    _fresh_signal_handlers()
     for name, fd in (("stdout", 1), ("stderr", 2)):  # what -u gives
         old = getattr(sys, name)
         setattr(sys, name, io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False),  # noqa: SIM115
                                             encoding=old.encoding, errors=old.errors, write_through=True))
+    exec_module(module, argv)
+
+
+def _fresh_signal_handlers() -> None:
+    """The handlers a fresh interpreter starts with, for those this launcher's code sets."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def exec_module(module: str, argv: Sequence[str]) -> NoReturn:
+    """``python -m <module> <argv>`` in this process, a fork of one that imported what the
+    module needs: ``sys.argv`` as `python -m` sets it, the module run as ``__main__`` (not
+    the copy already imported), then the end an interpreter gives it (an uncaught error's
+    traceback; the non-daemon threads joined; the atexit handlers run unless the module
+    `leave`s, which skips them as it does in a fresh process; the streams flushed) and the
+    process's exit with the module's status."""
     sys.argv = ["-m", *argv]  # run_module puts the module's file first, as `python -m` does
-    sys.modules.pop(module, None)  # `python -m` runs it before any import of it (its imports stay)
+    sys.modules.pop(module, None)
     status: object = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -215,10 +223,8 @@ def _launch_forked(args, preload: list[str]) -> None:
 def become(argv: list[str], env: dict[str, str]) -> int:
     """A zygote (`launch.Zygote`) becomes the wrapper: what ``python -m
     shardwise.distributed.torchrun <argv>`` does in a fresh interpreter with environment `env`."""
-    _name("sw-torchrun")  # its command line is the launcher's
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
+    set_process_name("sw-torchrun")  # its command line is the launcher's
+    _fresh_signal_handlers()
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [__file__, *argv]

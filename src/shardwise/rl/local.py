@@ -25,7 +25,6 @@ controller (``PR_SET_PDEATHSIG``) and ignores Ctrl-C (the controller stops it).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 
 from shardwise.config.schema import Config
-from shardwise.contained import PR_SET_NAME, PR_SET_PDEATHSIG, describe_exit, prctl
+from shardwise.contained import PR_SET_PDEATHSIG, describe_exit, prctl, set_process_name
 from shardwise.distributed.launch import local_gpus
 from shardwise.distributed.runtime import free_port, teardown
 from shardwise.errors import ShardwiseError
@@ -138,7 +137,7 @@ def _serve(conn: Connection, parent: int) -> None:
 
 def _setup(rank: int, world_size: int, port: int, local_rank: int, env: dict[str, str], log_path: str | None,
            title: str, worker_cls: type, args: tuple, kwargs: dict) -> Any:
-    prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
+    set_process_name(title)
     os.environ.update(env)
     # torch was imported by the controller before the fork: its thread count is set here
     torch.set_num_threads(max(int(env.get("OMP_NUM_THREADS", "1") or 1), 1))
