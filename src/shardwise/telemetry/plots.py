@@ -138,7 +138,13 @@ def plot_metrics(
             stacklevel=2,
         )
 
-    fig = Figure(figsize=(8.0, 2.6 * len(drawn) + 0.6), layout="constrained")
+    # Margins in inches, fixed: a layout engine measuring every label ("constrained") took
+    # half of the plot's second, at the end of every run
+    rows, panel_h, top, bottom, gap = len(drawn), 2.6, 0.4, 0.55, 0.45
+    height = rows * panel_h + 0.6
+    fig = Figure(figsize=(8.0, height))
+    fig.subplots_adjust(left=0.11, right=0.97, top=1 - top / height, bottom=bottom / height,
+                        hspace=gap / ((height - top - bottom - gap * (rows - 1)) / rows))
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (title, lines) in zip(axes, drawn):
