@@ -363,9 +363,12 @@ FORKSERVER_PRELOAD = [
     "transformers.models.qwen3.modeling_qwen3", "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3_moe.modeling_qwen3_moe", "shardwise.engine.train", "shardwise.engine.infer",
     "shardwise.fsdp.build", "shardwise.checkpoint.dcp", *CLI_PRELOAD,
+    "matplotlib.figure", "matplotlib.backends.backend_agg",
 ]
 """Modules the forkserver imports once; every rank is forked from it with them loaded (a
-rank started from scratch spends ~5 s importing them, most of a small test's time)."""
+rank started from scratch spends ~5 s importing them, most of a small test's time). The
+plot every train and rl command draws at its end imports matplotlib (~0.6 s of CPU a
+command, the only import left to a forked command)."""
 
 _context: Any = None
 
