@@ -157,7 +157,8 @@ def run_module(module: str, *argv: str) -> None:
     if rank.isdigit() and not (folder and (Path(folder) / f"rank{rank}.json").exists()):
         _note_exit(folder, int(rank), code, traceback="")
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # its handler cannot be set (EINVAL); it needs none
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code if code > 0 else 128 - code)
 
