@@ -22,7 +22,6 @@ launching `shardwise` where that could take one (`launch.Zygote`), named ``sw-to
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import io
 import json
@@ -60,7 +59,6 @@ from shardwise.distributed.launch import (
     describe_exit,
     die_with_parent,
     end_process,
-    leave,
     rendezvous_bound_s,
 )
 from shardwise.telemetry import activity
@@ -194,7 +192,7 @@ def exec_module(module: str, argv: Sequence[str]) -> NoReturn:
     `leave`s, which skips them as it does in a fresh process; the streams flushed) and the
     process's exit with the module's status."""
     sys.argv = ["-m", *argv]  # run_module puts the module's file first, as `python -m` does
-    sys.modules.pop(module, None)
+    sys.modules.pop(module, None)  # `python -m` runs it before any import of it (its imports stay)
     status: object = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -209,8 +207,7 @@ def exec_module(module: str, argv: Sequence[str]) -> NoReturn:
     for t in threading.enumerate():
         if t is not threading.current_thread() and not t.daemon:
             t.join()
-    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit runs; os._exit skips it
-    leave(status or 0)
+    end_process(status or 0)  # its threads are joined: the atexit handlers, then the exit
 
 
 def _launch_forked(args, preload: list[str]) -> None:
