@@ -430,6 +430,25 @@ def test_tokenize_pair_masks_only_response_and_eos(tokenizer):
     assert tokenize_prompt(tokenizer, "12+34=", max_length=3) == [7, 8, 17]
 
 
+def test_encode_records_batched_texts_give_each_texts_own_ids(tokenizer, qwen_tool_tokenizer):
+    """`encode_records` tokenizes the plain texts of many records in one call
+    (`encode_texts`): the ids, masks and lengths are those of one call per text, for the
+    char tokenizer and a byte-level BPE one (merges across spaces), repeated, empty and
+    non-ASCII texts, cut or not, pairs and text prompts."""
+    from shardwise.data.encode import BATCH, encode_prompt, encode_record, encode_records
+
+    bpe = qwen_tool_tokenizer[0]
+    texts = ["12+34=", "46", "", " the  answer is 7 ", "héllo wörld ✓", "12+34=", "x" * 40]
+    records = [{"prompt": texts[i % len(texts)], "response": texts[(3 * i + 1) % len(texts)]}
+               for i in range(BATCH + 5)]  # more than one batch
+    for tok in (tokenizer, bpe):
+        for max_length in (8, 64):
+            got = encode_records(tok, records, max_length)
+            assert got == [encode_record(tok, r, max_length) for r in records]
+            got = encode_records(tok, records, max_length, prompts=True)
+            assert got == [encode_prompt(tok, r["prompt"], max_length) for r in records]
+
+
 def _ex(ids, mask):
     return {"input_ids": list(ids), "loss_mask": list(mask)}
 

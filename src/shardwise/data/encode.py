@@ -57,7 +57,7 @@ from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry.progress import Heartbeat
 
 __all__ = ["Encoded", "Example", "conversation_example", "encode_prompt", "encode_record", "encode_records",
-           "prompt_ids", "prompt_text", "summarize_truncation", "tokenize_pair", "tokenize_prompt",
+           "encode_texts", "prompt_ids", "prompt_text", "summarize_truncation", "tokenize_pair", "tokenize_prompt",
            "truncation_note"]
 
 UNLIMITED = 2**62
@@ -99,12 +99,13 @@ class Encoded:
 
 
 def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int, train_on: str = "assistant",
-                  image_tokens: Sequence[int] = ()) -> Encoded:
+                  image_tokens: Sequence[int] = (), known: dict[str, list[int]] | None = None) -> Encoded:
     """One training record (a plain pair or a conversation, with its ``"tools"`` schemas
     when it has them) as ids, loss mask and what truncation cut; the first `max_length`
     tokens are kept. `train_on` (``data.train_on``) applies to conversations (a tool
     conversation's ``tool`` turns are never assistant turns); `image_tokens` (a VL example's image, see
-    `shardwise.models.vision`) follow bos, part of the prompt, and must fit."""
+    `shardwise.models.vision`) follow bos, part of the prompt, and must fit. `known`: texts
+    already tokenized (`encode_texts`), looked up before the tokenizer is called."""
     where = record.get("where", "a record")
     if max_length < 1:
         raise DataError(f"max_length must be >= 1, got {max_length}")
@@ -116,19 +117,19 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int, train
         tools = chat.check_tools(record.get("tools"), where)
         ids, mask = _conversation(tokenizer, record["messages"], train_on, where, tools)
     else:
-        ids, mask = _pair(tokenizer, record["prompt"], record["response"], image_tokens)
+        ids, mask = _pair(tokenizer, record["prompt"], record["response"], image_tokens, known)
         _check_image_fits(tokenizer, image_tokens, max_length)
     return Encoded(ids[:max_length], mask[:max_length], len(ids), sum(mask[max_length:]))
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_length: int,
                   image_tokens: Sequence[int] = (), where: str = "prompt",
-                  tools: list[dict] | None = None) -> Encoded:
+                  tools: list[dict] | None = None, known: dict[str, list[int]] | None = None) -> Encoded:
     """A prompt as the ids a model is asked: ``[bos] + prompt`` (no eos), or chat messages
     rendered with the template's generation prompt (and the function schemas `tools`, as
     ``apply_chat_template(tools=...)`` gets them); the last `max_length` tokens kept so
     the text just before the answer survives. `image_tokens` (a VL prompt's image) follow
-    bos and are always kept; the text is cut instead."""
+    bos and are always kept; the text is cut instead. `known`: as `encode_record`'s."""
     if max_length < 1:
         raise DataError(f"max_length must be >= 1, got {max_length}")
     if isinstance(prompt, list):
@@ -136,7 +137,7 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_length
             raise DataError(f"{where}: chat messages with an image are not supported yet; use text prompts")
         ids = prompt_ids(tokenizer, prompt, where, tools)
         return Encoded(ids[-max_length:], None, len(ids), 0)
-    text = _encode(tokenizer, prompt)
+    text = _encode(tokenizer, prompt, known)
     if image_tokens:
         _check_image_fits(tokenizer, image_tokens, max_length)
         head = _prefix(tokenizer) + list(image_tokens)
@@ -148,19 +149,52 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], max_length
 def encode_records(tokenizer: Any, records: Sequence[dict[str, Any]], max_length: int, train_on: str = "assistant",
                    image_tokens: Sequence[int] = (), prompts: bool = False, progress: bool = False) -> list[Encoded]:
     """`encode_record` (or with `prompts`, `encode_prompt` of each record's ``"prompt"``)
-    for every record, in order. `progress` (rank 0 / the launcher): lines on stderr while
-    it takes more than a few seconds (`shardwise.telemetry.progress.Heartbeat`)."""
+    for every record, in order. The plain texts (pairs' prompts and responses, text
+    prompts) of `BATCH` records at a time are tokenized in one call (`encode_texts`).
+    `progress` (rank 0 / the launcher): lines on stderr while it takes more than a few
+    seconds (`shardwise.telemetry.progress.Heartbeat`)."""
     out = []
     with Heartbeat("data", len(records), enabled=progress) as beat:
-        for r in records:
-            if prompts:
-                out.append(encode_prompt(tokenizer, r["prompt"], max_length, image_tokens,
-                                         where=r.get("where", "prompt"),
-                                         tools=chat.check_tools(r.get("tools"), r.get("where", "prompt"))))
-            else:
-                out.append(encode_record(tokenizer, r, max_length, train_on, image_tokens))
-            beat.done += 1
+        for start in range(0, len(records), BATCH):
+            chunk = records[start:start + BATCH]
+            known = encode_texts(tokenizer, [t for r in chunk for t in _plain_texts(r, prompts)])
+            for r in chunk:
+                if prompts:
+                    out.append(encode_prompt(tokenizer, r["prompt"], max_length, image_tokens,
+                                             where=r.get("where", "prompt"),
+                                             tools=chat.check_tools(r.get("tools"), r.get("where", "prompt")),
+                                             known=known))
+                else:
+                    out.append(encode_record(tokenizer, r, max_length, train_on, image_tokens, known))
+                beat.done += 1
     return out
+
+
+BATCH = 1024
+"""Records whose plain texts `encode_records` tokenizes in one call."""
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> dict[str, list[int]]:
+    """Each distinct text of `texts` -> its ids as `_encode` gives them (no special tokens
+    added), in one tokenizer call: a list goes through the tokenizer's own batch path,
+    which encodes each text alone (a fast tokenizer's backend `encode_batch`, the one a
+    single text goes through too), so the ids are the same without a call's Python
+    overhead per text (about 3x faster on short texts)."""
+    distinct = list(dict.fromkeys(texts))
+    if not distinct:
+        return {}
+    return {t: list(ids) for t, ids in zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"],
+                                           strict=True)}
+
+
+def _plain_texts(record: dict[str, Any], prompts: bool) -> list[str]:
+    """The texts of `record` that `_encode` tokenizes as they are (a conversation or chat
+    prompt is rendered first: none)."""
+    if prompts:
+        return [record["prompt"]] if isinstance(record.get("prompt"), str) else []
+    if "messages" in record:
+        return []
+    return [t for t in (record.get("prompt"), record.get("response")) if isinstance(t, str)]
 
 
 def prompt_text(tokenizer: Any, prompt: str | list[dict[str, Any]], where: str = "prompt",
@@ -226,11 +260,12 @@ def tokenize_pair(tokenizer: Any, prompt: str, response: str, max_length: int,
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
 
 
-def _pair(tokenizer: Any, prompt: str, response: str, image_tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+def _pair(tokenizer: Any, prompt: str, response: str, image_tokens: Sequence[int],
+          known: dict[str, list[int]] | None = None) -> tuple[list[int], list[int]]:
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token; set one so responses can end")
-    prompt_part = _prefix(tokenizer) + list(image_tokens) + _encode(tokenizer, prompt)
-    response_part = _encode(tokenizer, response) + [tokenizer.eos_token_id]
+    prompt_part = _prefix(tokenizer) + list(image_tokens) + _encode(tokenizer, prompt, known)
+    response_part = _encode(tokenizer, response, known) + [tokenizer.eos_token_id]
     return prompt_part + response_part, [0] * len(prompt_part) + [1] * len(response_part)
 
 
@@ -245,7 +280,9 @@ def _prefix(tokenizer: Any) -> list[int]:
     return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: Any, text: str, known: dict[str, list[int]] | None = None) -> list[int]:
+    if known is not None and (ids := known.get(text)) is not None:
+        return list(ids)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
