@@ -358,12 +358,15 @@ def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace
     start = lines[0]["time"] - lines[0]["time/step"]
     parts = {k.removeprefix("time/startup/"): v for k, v in lines[0].items() if k.startswith("time/startup/")}
     accuracy = [ln.strip() for ln in job["stdout"].splitlines() if "held-out" in ln]
-    tokens = update_tokens(run_dir / "batches", load_config(cfg_path, overrides), args.nproc)
+    cfg = load_config(cfg_path, overrides)
+    # the ranks that train: asynchronous RL's generator ranks only generate
+    trainers = args.nproc - (cfg.rl.async_.generator_ranks if cfg.rl.async_.enabled else 0)
+    tokens = update_tokens(run_dir / "batches", cfg, trainers)
     steps = []
     for m in lines:
         real, padded = tokens.get(m["step"], (None, None))
-        # per rank, as TRL's rank-0 counts: the rows split evenly over the ranks
-        per_rank = (lambda x: None if x is None else x / args.nproc)
+        # per rank, as TRL's rank-0 counts: the rows split evenly over the training ranks
+        per_rank = (lambda x: None if x is None else x / trainers)
         steps.append({"step": m["step"], "reward": m["reward/mean"], "t": m["time"] - start,
                       "phases": {k: v for k, v in m.items() if k.startswith("time/") and
                                  not k.startswith("time/startup/")},
