@@ -198,6 +198,22 @@ def test_async_at_staleness_one_runs_ahead_within_the_bound(runs):
     assert extra["async"]["in_flight"] and all(t >= step for t in extra["async"]["in_flight"]), extra
 
 
+def test_balanced_the_generator_scores_more_rows_while_the_trainer_is_busy(tmp_path):
+    """reference_on balanced at staleness 1: step 2's batch is generated while the actor
+    still updates step 1 (20 policy epochs), so the generator scores the rest of its rows
+    beyond the share (a half at first) instead of waiting for version 1; step 1's batch,
+    which the trainer waits for, gets the share only."""
+    (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
+    run = tmp_path / "run"
+    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={run}", *COMMON, *ASYNC, "rl.async.max_staleness=1",
+                   "rl.async.reference_on=balanced", "rl.reference.enabled=true", "rl.actor.ppo_epochs=20",
+                   "train.max_steps=2", "rl.heldout_eval=false"], timeout=400, cwd=tmp_path)
+    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    first, second = metrics(run)
+    assert first["async/reference_share"] == 0.5 and first["time/ref"] > 0, first
+    assert second["async/reference_share"] == 1.0 and "time/ref" not in second, second
+
+
 def test_a_killed_generator_rank_is_named_with_the_last_checkpoint_and_nothing_is_left(runs):
     k = runs["killed"]
     run, code, text, pid, mark = k["run"], k["code"], k["text"], k["pid"], k["mark"]
@@ -390,10 +406,11 @@ class GeneratorGroup:
         self.calls: list[tuple[list[str], int]] = []
         self.versions, self.width = versions, width
 
-    def submit(self, name, prompts, min_version, reference_share):
+    def submit(self, name, prompts, min_version, reference_share, step=None):
         from shardwise.engine.generate import assemble_sequences
 
-        assert name == "generate_sequences" and reference_share == 0.0  # the reference stays on the actor
+        # the reference stays on the actor: no share of it, and no rows scored while it is busy
+        assert name == "generate_sequences" and reference_share == 0.0 and step is None
         self.calls.append((list(prompts.arrays["uid"]), min_version))
         n, width = len(prompts), self.width(len(self.calls))
         g = torch.Generator().manual_seed(len(self.calls))
@@ -461,6 +478,23 @@ def test_balanced_reference_share_moves_toward_equal_waits():
     assert rebalanced_share(0.5, 0.0, 0.4, 0.2) == pytest.approx(0.25)  # the trainer waited: the actor takes more
     assert rebalanced_share(0.9, 2.0, 0.0, 0.2) == 1.0 and rebalanced_share(0.1, 0.0, 2.0, 0.2) == 0.0
     assert rebalanced_share(0.3, 1.0, 0.0, 0.0) == 0.3  # no reference seconds measured: nothing to go by
+
+
+def test_the_generator_scores_parts_only_while_the_trainer_is_busy():
+    from shardwise.rl.workers.generator import steal_rows
+
+    def never(*_):
+        raise AssertionError("called")
+
+    parts = []
+    answers = iter([True, True, False])
+    assert steal_rows(3, 20, 4, lambda: next(answers), lambda a, b: parts.append((a, b))) == 11
+    assert parts == [(3, 7), (7, 11)]  # asked before each part; the third answer stopped it
+    assert steal_rows(5, 20, 4, lambda: False, never) == 5  # the trainer waits: nothing more
+    parts = []
+    assert steal_rows(5, 20, 4, lambda: True, lambda a, b: parts.append((a, b))) == 20
+    assert parts == [(5, 9), (9, 13), (13, 17), (17, 20)]  # every row once, the last part short
+    assert steal_rows(20, 20, 4, never, never) == 20  # nothing left: the trainer is not even asked
 
 
 def test_a_checkpoint_keeps_where_the_balance_moved_the_reference_share(tmp_path):

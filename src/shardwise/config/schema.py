@@ -717,7 +717,9 @@ class AsyncConfig(Section):
     the trainer's side, for when the generator idles (time/generator_wait) while the trainer
     is busy. balanced: the generator scores a share of each batch's rows
     (async/reference_share) and the actor the rest, the share moved after every step toward
-    equal waits on both sides (time/generator_wait against time/trainer_wait)."""
+    equal waits on both sides (time/generator_wait against time/trainer_wait); and while
+    the actor is still updating an earlier step, the generator scores more of the batch's
+    rows, an eighth at a time, instead of waiting for its weights."""
 
 
 class RLConfig(Section):

@@ -12,7 +12,8 @@ rest, so the actor's next update is not blocked):
 
 1. the root announces push n in the store (key ``push/<n>`` = the version; ``stop`` when
    it closes): a receiver idles on the store, never inside a collective, so a long
-   training step is no timeout;
+   training step is no timeout; it tells its optional `on_announce` callback (the
+   generator then knows the actor has finished the update, before the tensors arrive);
 2. broadcast of the header's length (int64 ``(1,)``), then of the header: UTF-8 JSON as a
    uint8 tensor (version, names, shapes, dtypes by name, and where each tensor sits in
    which bucket). Never pickle: a receiver reads data, never code;
@@ -342,18 +343,22 @@ class WeightBridge:
 
     # -- a receiver
 
-    def start_receiving(self, on_weights: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+    def start_receiving(self, on_weights: Callable[[int, dict[str, torch.Tensor]], None],
+                        on_announce: Callable[[int], None] | None = None) -> None:
         """Receive every push in a thread, calling ``on_weights(version, {name: tensor})``
-        after each complete one (in the thread). A failure stops it and stays in `error`.
-        Receivers only."""
+        after each complete one (in the thread), and ``on_announce(version)`` as soon as the
+        root has announced it, before its tensors come (the root has finished what made
+        them). A failure stops it and stays in `error`. Receivers only."""
         if self.rank == 0:
             raise RuntimeError(f"{self.name}: the root sends; ranks >= 1 receive")
         if self._thread is not None:
             raise RuntimeError(f"{self.name}: already receiving")
-        self._thread = threading.Thread(target=self._receive, args=(on_weights,), name="bridge-receive", daemon=True)
+        self._thread = threading.Thread(target=self._receive, args=(on_weights, on_announce), name="bridge-receive",
+                                        daemon=True)
         self._thread.start()
 
-    def _receive(self, on_weights: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+    def _receive(self, on_weights: Callable[[int, dict[str, torch.Tensor]], None],
+                 on_announce: Callable[[int], None] | None) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         seq = 0
@@ -371,6 +376,8 @@ class WeightBridge:
                 if announced == _STOP:
                     return
                 version = int(announced)
+                if on_announce is not None:
+                    on_announce(version)
                 deadline = time.monotonic() + self.timeout_s
                 what = "the header"
                 length = torch.zeros(1, dtype=torch.int64, device=self.device)

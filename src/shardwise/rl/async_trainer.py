@@ -285,7 +285,10 @@ class AsyncController(Controller):
             self._sampler_at[t] = self.sampler.state_dict()
             prompts = self.next_prompts(step=t)
             least = self.first_version if self.on_stale == "drop" else max(self.first_version, t - s)
-            self.in_flight[t] = (self.gen.submit("generate_sequences", prompts, least, self.reference_share),
+            # balanced: the generator also scores rows while the trainer is still before step t
+            steal = t if self.cfg.rl.async_.reference_on == "balanced" and self.cfg.rl.reference.enabled else None
+            self.in_flight[t] = (self.gen.submit("generate_sequences", prompts, least, self.reference_share,
+                                                 step=steal),
                                  prompts)
             self._next_step += 1
 

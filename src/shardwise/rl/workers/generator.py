@@ -26,7 +26,11 @@ policy (a `ReferenceWorker` from ``model.path``, sharded over the generator rank
 actor's reference over its ranks) and adds ``ref_log_probs`` to the rows the controller
 asks it to score (a share of each batch, its first rows): the forward the trainer would
 run in the step that trains them, moved to ranks that otherwise wait for weights or for
-their next call.
+their next call. With ``balanced`` it goes on with the next rows, a part at a time, for as
+long as the actor has not announced the version of the step that trains the batch
+(`steal_rows`): the actor is then still updating an earlier step, and this rank would only
+wait for its weights, so the reference's forward fills that time and leaves the trainer's
+side; the trainer waits at most for the part under way.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +64,28 @@ from shardwise.rl.workers.hybrid import start_tools
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GeneratorWorker", "generator_config", "reference_on_generator"]
+__all__ = ["GeneratorWorker", "generator_config", "reference_on_generator", "steal_rows"]
 
 KEEP_PENDING = 3
 """Versions a rank of a multi-rank generator group keeps received and not yet swapped in."""
+
+STEAL_PARTS = 8
+"""With the reference here and the batch's step given: a batch's rows in this many parts,
+scored one part at a time while the trainer is still busy with an earlier step
+(`steal_rows`)."""
+
+
+def steal_rows(start: int, total: int, part: int, busy: Callable[[], bool],
+               score: Callable[[int, int], None]) -> int:
+    """Rows ``[start, total)`` given to ``score(a, b)`` `part` rows at a time, each part
+    only while ``busy()`` (asked before it) says the trainer does not need the batch yet;
+    the end of the rows scored."""
+    end = start
+    while end < total and busy():
+        nxt = min(total, end + part)
+        score(end, nxt)
+        end = nxt
+    return end
 
 
 def reference_on_generator(cfg: Config) -> bool:
@@ -126,6 +149,8 @@ class GeneratorWorker:
         (the module docstring)."""
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         """Versions received and not yet swapped in."""
+        self._announced = -1
+        """The newest version the actor has announced (its update done), received or not."""
         self._cond = threading.Condition()
         self._agreeing = False
         self.bridge: WeightBridge | None = None
@@ -147,7 +172,12 @@ class GeneratorWorker:
         device = self.runtime.device
         self.bridge = WeightBridge(addr, port, 1 + self.runtime.rank, world, device, timeout_s,
                                    name="weight bridge (actor -> gen)")
-        self.bridge.start_receiving(self._on_weights)
+        self.bridge.start_receiving(self._on_weights, self._on_announce)
+
+    def _on_announce(self, version: int) -> None:
+        """In the bridge's receiver thread: the actor has finished the update of `version`."""
+        with self._cond:
+            self._announced = max(self._announced, int(version))
 
     def _on_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """In the bridge's receiver thread: keep the push until it is swapped in."""
@@ -174,7 +204,8 @@ class GeneratorWorker:
     # -- generation
 
     @register(Dispatch.DP_COMPUTE)
-    def generate_sequences(self, prompts: Batch, min_version: int, reference: float = 0.0) -> Batch:
+    def generate_sequences(self, prompts: Batch, min_version: int, reference: float = 0.0,
+                           step: int | None = None) -> Batch:
         """Generate this rank's prompts with a policy version >= `min_version` (waiting for
         it, at most the bridge's timeout_s: then one line naming this rank and the version),
         the newest every generator rank holds swapped in first. The rows carry
@@ -188,7 +219,14 @@ class GeneratorWorker:
         reference log-probs, in ``ref_log_probs`` (0 on the other rows) with
         ``arrays["ref_scored"]`` saying which; ``time/generator_ref`` is its seconds. The
         ranks of a group get equal row counts (the dispatch pads), so they run the
-        reference's collective forward alike."""
+        reference's collective forward alike.
+
+        `step` (the step that trains the batch; this rank hosting the reference): the rows
+        after those are scored too, in `STEAL_PARTS` parts, while the actor has not yet
+        announced version `step` (it is still updating an earlier step, so nobody waits for
+        this batch): time this rank would otherwise spend waiting for that version, taken
+        from the actor's reference forward (`steal_rows`; every rank of the group agrees
+        before each part)."""
         start = time.perf_counter()
         idle = 0.0 if self._last_return is None else start - self._last_return
         self._raise_bridge_error()
@@ -206,18 +244,38 @@ class GeneratorWorker:
         metrics = {"time/generator_wait": idle + waited, "time/weight_sync": swap_s,
                    "time/generate": time.perf_counter() - generating}
         rows = round(float(reference) * len(out))  # the share is within [0, 1]
+        if rows and self.ref is None:
+            raise RuntimeError("asked for reference log-probs, but this generator rank hosts no reference "
+                               "(rl.async.reference_on is actor)")
+        start = time.perf_counter()
+        parts: list[torch.Tensor] = []
         if rows:
-            if self.ref is None:
-                raise RuntimeError("asked for reference log-probs, but this generator rank hosts no reference "
-                                   "(rl.async.reference_on is actor)")
-            start = time.perf_counter()
-            ref = self.ref.compute_ref_log_prob(out[:rows]).tensors["ref_log_probs"]
+            parts.append(self.ref.compute_ref_log_prob(out[:rows]).tensors["ref_log_probs"])
+        if step is not None and self.ref is not None:
+            ref_worker = self.ref
+            rows = steal_rows(rows, len(out), max(1, -(-len(out) // STEAL_PARTS)),
+                              lambda: self._trainer_busy(int(step)),
+                              lambda a, b: parts.append(ref_worker.compute_ref_log_prob(out[a:b])
+                                                        .tensors["ref_log_probs"]))
+        if rows:
+            ref = torch.cat(parts)
             out.tensors["ref_log_probs"] = torch.cat([ref, ref.new_zeros((len(out) - rows, *ref.shape[1:]))])
             out.arrays["ref_scored"] = np.arange(len(out)) < rows
             metrics["time/generator_ref"] = time.perf_counter() - start
         out.meta.setdefault("metrics", {}).update(metrics)
         self._last_return = time.perf_counter()
         return out
+
+    def _trainer_busy(self, step: int) -> bool:
+        """Whether the actor has announced no version `step` yet, on every rank of the group
+        (a MIN all-reduce: the ranks score the same parts)."""
+        with self._cond:
+            busy = max(self._newest(), self._announced) < step
+        if dist.get_world_size() > 1:
+            flag = torch.tensor([int(busy)], dtype=torch.int64, device=self.runtime.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            busy = bool(flag.item())
+        return busy
 
     def _raise_bridge_error(self) -> None:
         if self.bridge is not None and self.bridge.error is not None:
