@@ -30,7 +30,8 @@ their next call. With ``balanced`` it goes on with the next rows, a part at a ti
 long as the actor has not announced the version of the step that trains the batch
 (`steal_rows`): the actor is then still updating an earlier step, and this rank would only
 wait for its weights, so the reference's forward fills that time and leaves the trainer's
-side; the trainer waits at most for the part under way.
+side; the trainer then waits at most for the part under way (and the bridge's store poll,
+`shardwise.distributed.bridge.POLL_S`, to see the announcement).
 """
 
 from __future__ import annotations
