@@ -9,6 +9,8 @@ the CLI process.
   ``reference_on: balanced`` the generator rank scores half of each batch's rows with the
   reference and the actor rank the other half: together the reference log-probs the
   synchronous run's actor rank gives;
+- ``reference_on: balanced`` at staleness 1 with two generator ranks: a batch made while
+  the actor is still busy with an earlier step is scored on the generator beyond the share;
 - ``max_staleness: 1`` (with ``on_stale: drop``, which runs ahead without waiting for
   weights) measures the held-out accuracy through the generator group, logs its staleness
   (never above 1) and the idle figures of both sides, and checkpoints the policy version and
@@ -199,13 +201,15 @@ def test_async_at_staleness_one_runs_ahead_within_the_bound(runs):
 
 
 def test_balanced_the_generator_scores_more_rows_while_the_trainer_is_busy(tmp_path):
-    """reference_on balanced at staleness 1: step 2's batch is generated while the actor
-    still updates step 1 (20 policy epochs), so the generator scores the rest of its rows
-    beyond the share (a half at first) instead of waiting for version 1; step 1's batch,
-    which the trainer waits for, gets the share only."""
+    """reference_on balanced at staleness 1, two generator ranks: step 2's batch is
+    generated while the actor still updates step 1 (20 policy epochs), so the generator
+    ranks score the rest of their rows beyond the share (a half at first), agreeing before
+    each part, instead of waiting for version 1; step 1's batch, which the trainer waits
+    for, gets the share only."""
     (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
     run = tmp_path / "run"
-    res = run_cli(["rl", GRPO, "--nproc", "2", f"run.dir={run}", *COMMON, *ASYNC, "rl.async.max_staleness=1",
+    res = run_cli(["rl", GRPO, "--nproc", "3", f"run.dir={run}", *COMMON, "rl.async.enabled=true",
+                   "rl.async.generator_ranks=2", "rl.async.max_staleness=1",
                    "rl.async.reference_on=balanced", "rl.reference.enabled=true", "rl.actor.ppo_epochs=20",
                    "train.max_steps=2", "rl.heldout_eval=false"], timeout=400, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
