@@ -73,6 +73,7 @@ from typing import Any
 from _rl_job import run_rl
 
 from shardwise.config import Config, load_config
+from shardwise.config.validate import rl_train_ranks
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.engine.optim import lr_factor
 from shardwise.jobs.inputs import check_data
@@ -359,8 +360,7 @@ def run_shardwise(cfg_path: Path, overrides: list[str], args: argparse.Namespace
     parts = {k.removeprefix("time/startup/"): v for k, v in lines[0].items() if k.startswith("time/startup/")}
     accuracy = [ln.strip() for ln in job["stdout"].splitlines() if "held-out" in ln]
     cfg = load_config(cfg_path, overrides)
-    # the ranks that train: asynchronous RL's generator ranks only generate
-    trainers = args.nproc - (cfg.rl.async_.generator_ranks if cfg.rl.async_.enabled else 0)
+    trainers = rl_train_ranks(cfg, args.nproc)  # asynchronous RL's generator ranks only generate
     tokens = update_tokens(run_dir / "batches", cfg, trainers)
     steps = []
     for m in lines:

@@ -57,7 +57,7 @@ from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry.progress import Heartbeat
 
 __all__ = ["Encoded", "Example", "conversation_example", "encode_prompt", "encode_record", "encode_records",
-           "encode_texts", "prompt_ids", "prompt_text", "summarize_truncation", "tokenize_pair", "tokenize_prompt",
+           "prompt_ids", "prompt_text", "summarize_truncation", "tokenize_pair", "tokenize_prompt",
            "truncation_note"]
 
 UNLIMITED = 2**62
@@ -105,7 +105,7 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int, train
     tokens are kept. `train_on` (``data.train_on``) applies to conversations (a tool
     conversation's ``tool`` turns are never assistant turns); `image_tokens` (a VL example's image, see
     `shardwise.models.vision`) follow bos, part of the prompt, and must fit. `known`: texts
-    already tokenized (`encode_texts`), looked up before the tokenizer is called."""
+    already tokenized (`_encode_texts`), looked up before the tokenizer is called."""
     where = record.get("where", "a record")
     if max_length < 1:
         raise DataError(f"max_length must be >= 1, got {max_length}")
@@ -150,14 +150,14 @@ def encode_records(tokenizer: Any, records: Sequence[dict[str, Any]], max_length
                    image_tokens: Sequence[int] = (), prompts: bool = False, progress: bool = False) -> list[Encoded]:
     """`encode_record` (or with `prompts`, `encode_prompt` of each record's ``"prompt"``)
     for every record, in order. The plain texts (pairs' prompts and responses, text
-    prompts) of `BATCH` records at a time are tokenized in one call (`encode_texts`).
+    prompts) of `BATCH` records at a time are tokenized in one call (`_encode_texts`).
     `progress` (rank 0 / the launcher): lines on stderr while it takes more than a few
     seconds (`shardwise.telemetry.progress.Heartbeat`)."""
     out = []
     with Heartbeat("data", len(records), enabled=progress) as beat:
         for start in range(0, len(records), BATCH):
             chunk = records[start:start + BATCH]
-            known = encode_texts(tokenizer, [t for r in chunk for t in _plain_texts(r, prompts)])
+            known = _encode_texts(tokenizer, [t for r in chunk for t in _plain_texts(r, prompts)])
             for r in chunk:
                 if prompts:
                     out.append(encode_prompt(tokenizer, r["prompt"], max_length, image_tokens,
@@ -174,7 +174,7 @@ BATCH = 1024
 """Records whose plain texts `encode_records` tokenizes in one call."""
 
 
-def encode_texts(tokenizer: Any, texts: Sequence[str]) -> dict[str, list[int]]:
+def _encode_texts(tokenizer: Any, texts: Sequence[str]) -> dict[str, list[int]]:
     """Each distinct text of `texts` -> its ids as `_encode` gives them (no special tokens
     added), in one tokenizer call: a list goes through the tokenizer's own batch path,
     which encodes each text alone (a fast tokenizer's backend `encode_batch`, the one a
@@ -183,8 +183,7 @@ def encode_texts(tokenizer: Any, texts: Sequence[str]) -> dict[str, list[int]]:
     distinct = list(dict.fromkeys(texts))
     if not distinct:
         return {}
-    return {t: list(ids) for t, ids in zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"],
-                                           strict=True)}
+    return dict(zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"], strict=True))
 
 
 def _plain_texts(record: dict[str, Any], prompts: bool) -> list[str]:
