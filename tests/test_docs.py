@@ -6,7 +6,8 @@ What is read:
 
 - config keys: the inline code spans (`rl.actor.clip_ratio`, `data.packing: true`,
   `eval.k=[1,8]`, `run.dir/hf/`) whose text starts with a section of the schema followed by
-  a dotted key, and every leaf of a YAML example whose top-level keys are sections. A key
+  a dotted key, and every key of a YAML example whose top-level keys are sections (which
+  then loads as a config, values checked too). A key
   under a free-form mapping (`model.config.hidden_size`, `fsdp.module_precision.lm_head`) is
   that mapping's; `*` is a glob (`data.*_key`). A YAML example of another system's config is
   skipped when its first line is a comment naming it (`# verl`, `# ROLL`, ...:
@@ -44,7 +45,7 @@ from dist.launcher import REPO_ROOT
 
 from shardwise.cli import build_parser
 from shardwise.config.describe import schema_keys
-from shardwise.config.load import load_config
+from shardwise.config.load import config_from_dict, load_config
 from shardwise.errors import ConfigError, did_you_mean
 
 DOCS = REPO_ROOT / "docs"
@@ -270,10 +271,14 @@ def test_every_config_key_the_docs_name_is_in_the_schema():
             data = yaml.safe_load(block)
             if not isinstance(data, dict) or not set(data) & schema()[1]:
                 continue
-            for key in yaml_keys(data):
-                named += 1
-                if problem := key_problem(key):
-                    problems.append(f"{_where(page, line)}: YAML example: {problem}")
+            keyed = [p for key in yaml_keys(data) if (p := key_problem(key))]
+            named += len(yaml_keys(data))
+            problems += [f"{_where(page, line)}: YAML example: {p}" for p in keyed]
+            if not keyed:
+                try:  # and its values: the example loads as a config of its own
+                    config_from_dict(data)
+                except ConfigError as e:
+                    problems.append(f"{_where(page, line)}: YAML example does not load: {e}")
     assert named > 200, f"only {named} config keys found in the docs: is the reading broken?"
     assert not problems, "config keys the docs name that the schema does not have:\n" + "\n".join(problems)
 
