@@ -14,13 +14,13 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup bytecode test lint demo plan bench clean
+.PHONY: setup bytecode test lint demo plan bench docs clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow]"  # the trackers' tests run, not skip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow,docs]"  # the trackers' tests run, not skip; docs: tests/test_docs.py builds the site
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
@@ -61,7 +61,7 @@ lint: $(STAMP)
 # vllm and the trackers are installed here, so their tests must run: a broken install fails them, never skips
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) bytecode
-	SHARDWISE_REQUIRED_MODULES=vllm,verl,tensorboard,wandb,mlflow,sqlalchemy $(PY) -m pytest -q \
+	SHARDWISE_REQUIRED_MODULES=vllm,verl,tensorboard,wandb,mlflow,sqlalchemy,mkdocs,material $(PY) -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile
 
 # The main job, on CPU with 2 processes (about 4 minutes): a tiny Qwen3 learns
@@ -92,8 +92,15 @@ bench: $(STAMP) $(VLLM_STAMP) bytecode
 	test -d runs/sft_long/hf || $(VENV)/bin/shardwise train examples/sft_long.yaml --nproc $(NPROC)
 	$(PY) benchmarks/rl_async.py    # slow: sync vs async at staleness 0, 1, 2, 3 seeds each, ~20 minutes
 
+# The user documentation (README.md, then docs/ by topic) as a site in .site/, by MkDocs with the
+# Material theme (mkdocs.yml). Strict: a broken link or anchor, or a page the nav leaves out,
+# fails it; tests/test_docs.py runs the same build. NO_MKDOCS_2_WARNING: the theme's notice of
+# its successor, printed on every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)
 
 clean:
-	rm -rf $(VENV) runs results
+	rm -rf $(VENV) runs results .site

@@ -5,7 +5,7 @@ calculator tool, HF engine, 2 processes) from its exported model: GRPO raises th
 accuracy and the share of their trajectories that call the tool. Right answers come
 through the tool only (a model this size cannot multiply 3-digit numbers), so the reward
 is the tool's. The examples as they are (300 SFT steps, 20 GRPO steps with held-out
-evaluations, ~4 minutes) are measured in examples/grpo_tools.yaml's header and the README.
+evaluations, ~4 minutes) are measured in examples/grpo_tools.yaml's header and docs/agents.md ("The tool demo").
 """
 
 from __future__ import annotations

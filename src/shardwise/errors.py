@@ -21,7 +21,7 @@ class ShardwiseError(Exception):
     """
 
     exit_status = 2
-    """The command's exit status when this error ends it (README: exit statuses)."""
+    """The command's exit status when this error ends it (docs/failures.md: exit statuses)."""
 
     def __reduce__(self):
         return _rebuild, (type(self), str(self), dict(self.__dict__))

@@ -5,7 +5,7 @@ precision, reshard, offload, recompute, tiling and prefetch settings, and estima
 rank will hold. It reads only module/parameter names, shapes and dtypes, so it runs on a
 meta-device model before any process group exists.
 
-Rules (documented for users in README "Sharding plan"):
+Rules (documented for users in docs/sharding.md, "Rules the plan follows"):
 - Unit sources: `wrap.classes` (default: the model's `_no_split_modules` when neither
   `wrap.classes` nor `wrap.modules` is set), `wrap.modules` patterns, `wrap.embeddings`,
   `wrap.lm_head`, `wrap.moe_experts` (class names or patterns), every `module_precision`

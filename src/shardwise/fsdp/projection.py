@@ -1,6 +1,6 @@
 """Projected step time of a plan on named hardware: `shardwise plan --hardware NAME`.
 
-The model (README "Projected step time" says the same for users):
+The model (docs/sharding.md, "Projected step time", says the same for users):
 
 - Compute: torchtitan's count of model FLOPs per token, ``6 x (parameters - input
   embedding) + 12 x layers x heads x head_dim x seq`` (`flops_per_token`), at the assumed

@@ -15,7 +15,7 @@ resumes it, each key whose value differs now is one of:
   note says so instead of claiming the new value applies.
 
 A section's rule covers its keys unless a longer key has its own (`rule_for`); a test
-holds that every key of the config has one. README.md ("When something goes wrong")
+holds that every key of the config has one. docs/failures.md ("Resuming")
 lists the refused and kept keys.
 """
 
@@ -43,7 +43,7 @@ class Rule:
     decision: str
     """`APPLIES`, `REFUSED` or `KEPT`."""
     why: str
-    """What the checkpoint holds that decides it (the refusal and the README say it)."""
+    """What the checkpoint holds that decides it (the refusal and docs/failures.md say it)."""
     path: bool = False
     """The value is a path: compared as the folder it names (``./m`` is ``m``)."""
     listed: bool = True
