@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
 from dist.common import FP32, assert_trained_params_close, full_params
 from dist.launcher import run_ranks
 
@@ -262,7 +261,6 @@ def _reference_step(cfg, batches: list[dict], total: int) -> tuple[float, dict]:
 
 def _family_body(rank: int, world: int, names: list[str], out_root: str) -> dict:
     """Every family in turn on one process group: train step, generation, export."""
-    import tempfile
     from pathlib import Path
 
     import torch.distributed as dist
