@@ -271,6 +271,7 @@ def _family_body(rank: int, world: int, names: list[str], out_root: str) -> dict
     from shardwise.data.batch import Batch
     from shardwise.distributed.runtime import init_distributed, teardown
     from shardwise.engine.generate import HFGenerator
+    from shardwise.engine.infer import compute_log_probs
     from shardwise.engine.train import TrainEngine
     from shardwise.models import families
     from shardwise.models.loading import build_full_model, load_hf_config
@@ -317,15 +318,11 @@ def _family_body(rank: int, world: int, names: list[str], out_root: str) -> dict
                 plain.load_state_dict({k: v for k, v in trained.items()}, strict=True)
                 plain.eval()
                 ids, mask = seqs.tensors["input_ids"], seqs.tensors["attention_mask"]
-                with torch.no_grad():  # each row alone, no padding, no cache: the log-probs of what was sampled
-                    want = []
-                    for r in range(ids.shape[0]):
-                        real = ids[r][mask[r].bool()]
-                        lp = torch.log_softmax(plain(input_ids=real[None], use_cache=False).logits[0, :-1].float(), -1)
-                        want.append(lp.gather(-1, real[1:, None])[:, 0][-4:])
-                    got = seqs.tensors["rollout_log_probs"][:, -4:]
-                    res["gen_diff"] = float((torch.stack(want) - got).abs().max())
-                    res["gen_tokens"] = int(seqs.tensors["response_mask"].sum())
+                with torch.no_grad():  # the sampled tokens' log-probs by one plain forward of the rows, no cache
+                    want = compute_log_probs(plain, ids, mask, seqs.tensors["position_ids"])["log_probs"]
+                    resp = seqs.tensors["response_mask"]
+                    res["gen_diff"] = float(((want - seqs.tensors["rollout_log_probs"]) * resp).abs().max())
+                    res["gen_tokens"] = int(resp.sum())
                     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                     attn_implementation=cfg.model.attn_implementation)
                     probe = ids[:1][:, mask[0].bool()]
@@ -352,7 +349,8 @@ def spawned(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_train_generate_export(spawned, name: str) -> None:
     """A 2-rank FSDP2 step equals the unsharded step (packed rows where the family packs);
-    generated tokens' cached log-probs equal a plain forward's; the export reloads."""
+    generated tokens' log-probs (KV, convolution and SSM caches) equal a plain forward's of
+    the finished rows; the export reloads with the trained weights."""
     r0, r1 = spawned[0][name], spawned[1][name]
     assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
     assert r0["loss"] == pytest.approx(r1["loss"], abs=0)
