@@ -193,6 +193,37 @@ def test_packing_rules_from_configs() -> None:
         ulysses.check_model(lfm2_conv, 2)
 
 
+@pytest.mark.parametrize("command, example, key", [("train", "sft_reverse.yaml", "data.packing"),
+                                                  ("rl", "grpo_reverse.yaml", "rl.packing")])
+def test_packing_refused_before_launch(tmp_path, capsys, command: str, example: str, key: str) -> None:
+    """`shardwise train|rl` with packing asked of a model that cannot pack: status 2 and one
+    line naming the key and the model type, before any rank starts."""
+    from dist.common import cli_status
+    from dist.launcher import REPO_ROOT
+
+    argv = [command, str(REPO_ROOT / "examples" / example), "--nproc", "2", f"run.dir={tmp_path / 'run'}",
+            "model.path=null", *overrides("granitemoehybrid")[:1], f"{key}=true"]
+    assert cli_status(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"'{key}'" in err and "granitemoehybrid" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_rl_passes_fall_back_to_unpacked_rows() -> None:
+    """rl.packing unset: a model that cannot pack runs its RL forwards unpacked, one that
+    can (with boundaries) packed."""
+    from shardwise.config import load_config
+    from shardwise.models.loading import build_meta_model
+    from shardwise.rl.workers.common import PassShape
+
+    layouts = {}
+    for name in ("granitemoehybrid", "qwen3_5"):
+        cfg = load_config(None, overrides(name))
+        model = build_meta_model(cfg.model, "causal_lm")
+        layouts[name] = (PassShape(cfg, model, None, "k").layout, PassShape(cfg, model, 256, "k").layout)
+    assert layouts == {"granitemoehybrid": ("padded", "compact"), "qwen3_5": ("packed", "packed")}
+
+
 def test_default_wrap_takes_the_classes_the_model_has() -> None:
     """Qwen3.5's text model lists its vision blocks in _no_split_modules: the default
     wrapping takes its decoder layers; naming the absent class still fails clearly."""
