@@ -41,6 +41,7 @@ from transformers.masking_utils import sdpa_mask
 
 from shardwise.data.collate import IGNORE_INDEX
 from shardwise.errors import ConfigError
+from shardwise.models import families
 from shardwise.models.chunked_head import per_token_log_probs
 
 ATTN_IMPLEMENTATION = "shardwise_ulysses"
@@ -216,6 +217,9 @@ def check_model(hf_config, sp: int) -> None:
         options = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ConfigError(key, f"{sp} does not divide the model's {heads} attention heads",
                           f"use one of {options}")
+    if (state := families.sequence_state(hf_config)) is not None:
+        raise ConfigError(key, f"the model keeps a state along the sequence ({state}), which Ulysses would split "
+                          "between ranks", "set it to 1")
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         raise ConfigError(key, "the model uses sliding-window attention, which Ulysses does not support",
                           "set it to 1")

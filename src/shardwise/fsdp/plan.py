@@ -6,8 +6,8 @@ rank will hold. It reads only module/parameter names, shapes and dtypes, so it r
 meta-device model before any process group exists.
 
 Rules (documented for users in docs/sharding.md, "Rules the plan follows"):
-- Unit sources: `wrap.classes` (default: the model's `_no_split_modules` when neither
-  `wrap.classes` nor `wrap.modules` is set), `wrap.modules` patterns, `wrap.embeddings`,
+- Unit sources: `wrap.classes` (default: those classes of the model's `_no_split_modules` it
+  has modules of, when neither `wrap.classes` nor `wrap.modules` is set), `wrap.modules` patterns, `wrap.embeddings`,
   `wrap.lm_head`, `wrap.moe_experts` (class names or patterns), every `module_precision`
   entry whose module has parameters, and the root (path "").
 - A module named by several rules is one unit; its `sources` list every rule.
@@ -239,6 +239,14 @@ def _higher(a: str, b: str) -> str:
     return a if _ORDER[a] >= _ORDER[b] else b
 
 
+def default_wrap_classes(model: nn.Module, present: set[str]) -> list[str]:
+    """The classes of the model's ``_no_split_modules`` that it has modules of (`present`):
+    a class can name a part the model lacks (Qwen3.5's text model lists its vision
+    blocks). All of them when none is present, so the plan's error names them."""
+    listed = sorted(getattr(model, "_no_split_modules", None) or [])
+    return [c for c in listed if c in present] or listed
+
+
 def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     """Compute the plan. Raises ConfigError for any rule that names nothing real."""
     fcfg = cfg.fsdp
@@ -264,7 +272,7 @@ def build_plan(model: nn.Module, cfg: Config, mesh: MeshSpec) -> ShardingPlan:
     wrap = fcfg.wrap
     classes = list(wrap.classes)
     if not classes and not wrap.modules:
-        classes = sorted(getattr(model, "_no_split_modules", None) or [])
+        classes = default_wrap_classes(model, set(idx.classes.values()))
         key_of = "fsdp.wrap.classes (default: the model's _no_split_modules)"
     else:
         key_of = "fsdp.wrap.classes"

@@ -56,6 +56,7 @@ from shardwise.jobs.inputs import (
 )
 from shardwise.jobs.report import rl as report
 from shardwise.jobs.tracking import open_metrics
+from shardwise.models import families
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
 from shardwise.rl.async_trainer import AsyncController
@@ -112,6 +113,7 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     check_generation_engine(cfg.rl.rollout, world_size - train_ranks or world_size, "rl.rollout")
     check_token_budgets(cfg)
     check_model(cfg)
+    families.check_packing(load_hf_config(cfg.model), False, cfg.rl.packing)  # hybrids whose layers mix documents
     check_rl_async(cfg)
     schemas = check_rl_agents(cfg)
     if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
@@ -288,6 +290,8 @@ def _run(prepared: Prepared) -> dict[str, Any]:
     if cfg.rl.filter_groups == "none" and (cfg.rl.filter_groups_refill
                                            or "filter_groups_max_rounds" in cfg.rl.model_fields_set):
         log.warning("rl.filter_groups_refill / filter_groups_max_rounds have no effect with rl.filter_groups=none")
+    if note := families.rl_packing_note(load_hf_config(cfg.model), cfg.rl.packing):
+        log.warning("%s", note)
     if cfg.model.lora.enabled:
         log.warning("lora: the actor trains LoRA adapters (r=%d); %s", cfg.model.lora.r,
                     "the reference is the actor with its adapters disabled (no second model in memory)"

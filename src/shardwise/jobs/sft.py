@@ -70,6 +70,7 @@ from shardwise.jobs.inputs import (
     wants_tools_tokenizer,
 )
 from shardwise.jobs.tracking import open_metrics
+from shardwise.models import families
 from shardwise.models.loading import load_hf_config
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import MetricsWriter, Progress, peak_memory_bytes, plot_metrics, read_metrics, val_panels
@@ -105,6 +106,7 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     spec = mesh_spec(cfg.parallel, world)
     accum = check_sft_batch(cfg.train, spec.dp_size)
     check_model(cfg)
+    families.check_packing(load_hf_config(cfg.model), cfg.data.packing, None)  # hybrids whose layers mix documents
     check_tokenizer(cfg)
     check_resume(cfg, "train")
     plan = check_eval(cfg, "train")
@@ -195,7 +197,12 @@ class SFTData:
 
     def collate(self, examples: list) -> dict[str, torch.Tensor]:
         if self.cfg.data.packing:
-            return pack_collate(examples, self.cfg.data.max_length, self.pad_id)
+            batch = pack_collate(examples, self.cfg.data.max_length, self.pad_id)
+            # No mask: transformers builds each layer's own from the restarting position ids
+            # (the 4-D block-diagonal mask would turn sliding-window layers into full attention)
+            # and shardwise's document boundaries reach the sequence-state layers.
+            del batch["attention_mask"]
+            return batch
         batch = pad_collate(examples, self.pad_id)
         if self.vision is not None:
             del batch["position_ids"]  # the model derives its 3-D rotary positions from the image grid

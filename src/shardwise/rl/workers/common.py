@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from shardwise.engine import packing
 from shardwise.errors import ConfigError
-from shardwise.models import vision
+from shardwise.models import families, vision
 
 
 def global_counts(mask: torch.Tensor, device: torch.device, group=None, replicas: int = 1) -> tuple[float, float]:
@@ -74,7 +74,8 @@ class PassShape:
 
     def __init__(self, cfg, model, budget: int | None, key: str, sp_group=None):
         is_vl = vision.vl_config(model) is not None
-        packed = cfg.rl.packing if cfg.rl.packing is not None else not is_vl
+        # unset: packed, except a VL model's rows and a model whose layers would mix packed documents
+        packed = cfg.rl.packing if cfg.rl.packing is not None else not is_vl and families.packs(model.config)
         if is_vl and (packed or budget is not None):  # (`shardwise rl` refuses both before launch)
             raise ConfigError("rl.packing" if packed else key, "a vision-language model's rows run padded, "
                               "by rows (3-D positions, one image per row)", "leave it unset")
