@@ -1,34 +1,37 @@
 """Tool calls run where the user's code cannot break the rollout.
 
 `ToolRunner` keeps up to `workers` contained children (`shardwise.contained.Contained`, their
-side is `shardwise.agents.host`) and runs a batch of calls concurrently over them: one
-thread per child, each child given its calls in one request. Children start as calls need
-them: `start_workers` at construction (they import the tools while the job goes on),
-another when a plain call is queued and every child started so far is busy, so a large
-`workers` costs nothing while calls are few (each child is a Python process, ~31 MiB with
-its keeper); an environment's child when its first trajectory is pinned to it. A plain
-call goes to a child that has imported the tools (`ToolRunner.ready`) where one has: a
-new child imports them in its thread first and takes calls from then on, so no call waits
-for a process to start while another could take it. What a tool does stays in
-its child: a raise, a hang (stopped after ``timeout_s``), ``os._exit``, killing its parent,
-megabytes of prints (they go to `output`, by default nowhere), a return value that is not a
-string, arguments that do not fit its signature: each is a `ToolResult` whose text the
-model reads (``"error: ..."``, one line), never an exception in the job. A child that
-ended or was killed is started afresh on its next call.
+side is `shardwise.agents.host`) and runs calls concurrently over them, one thread per
+child. Plain calls wait in one queue and the first child free takes the next
+(`ToolRunner._drain`): a child that just imported the tools, or one whose last call
+ended. Children start as calls need them: `start_workers` at construction (they import
+the tools while the job goes on), and more whenever calls wait that outnumber the
+children without a call (up to `workers`), so N slow calls sent together run at once
+(about one call's time, not N), a fast call is taken by the first child free rather than
+waiting for a start, and a large `workers` costs nothing while calls are few (each child
+is a Python process, ~31 MiB with its keeper); an environment's child starts when its
+first trajectory is pinned to it. What a tool does stays in its child: a raise, a hang
+(stopped after ``timeout_s``), ``os._exit``, killing its parent (what it started is
+killed too, counted in `ToolRunner.killed` and one note at `close`), megabytes of prints
+(they go to `output`, by default nowhere; into a log at most ``output_bytes_per_call``
+per call and ``output_bytes_per_run`` in all, the rest dropped with a note), a return
+value that is not a string, text the tokenizer cannot take (a lone surrogate becomes
+U+FFFD: `readable`), arguments that do not fit its signature: each is a `ToolResult`
+whose text the model reads (``"error: ..."``, one line), never an exception in the job.
+A child that ended or was killed is started afresh on its next call.
 
 An environment is constructed once per trajectory, in the child the trajectory is pinned
 to (by a hash of its id), where it stays across the trajectory's calls. When that child
 ends (a call in it hung or crashed), the environments it held are lost: their later calls
 are answered ``"error: the environment of this trajectory was lost (its process ended)"``
-and their reward is None. Plain tool calls go to the least loaded ready child (the one
-with the fewest calls queued or running).
+and their reward is None.
 
 Calls can be sent while the caller does something else: `ToolRunner.submit` queues them
 and returns at once, `ToolRunner.collect` waits for their results (`ToolRunner.call` is
 both; `ToolRunner.done` and `ToolRunner.wait_any` tell when results are back, for a
-caller with other work). Each child has one thread of its own that runs what was sent to it in the order
-sent, so calls submitted at different times never share a child at once, and a
-trajectory's environment calls run in the order they were submitted.
+caller with other work). Each child has one thread of its own that runs what was sent to
+it in the order sent (then the plain calls waiting), so two calls never share a child at
+once, and a trajectory's environment calls run in the order they were submitted.
 
 Texts are cut to their first ``max_chars`` characters (the head is kept: a tool's output
 usually says what matters first); the loop cuts them again to tokens.
@@ -347,6 +350,10 @@ class ToolRunner:
         if self._closed:
             return
         self._closed = True
+        # The children first, while the threads that started them live: a child dies with the
+        # thread that started it (PR_SET_PDEATHSIG), and what its code started would be
+        # orphaned past the reach of the kill below had its tree died that way first.
+        close_all(self._children)
         for lane in self._lanes:
             lane.shutdown(wait=False, cancel_futures=True)
         with self._lock:
@@ -446,6 +453,7 @@ class ToolRunner:
         with self._lock:
             self._pending.extend(zip(payloads, futures, strict=True))
             waiting = len(self._pending)
+            ahead = waiting + sum(self._queued)
             free = [w for w in range(self._grown) if not self._queued[w]]
             grow = max(0, min(waiting - len(free), len(self._children) - self._grown))
             wake = [w for w in free if not self._tasks[w]][:waiting]
@@ -455,9 +463,9 @@ class ToolRunner:
             self._lanes[w].submit(self._task, w, None)
         for _ in range(grow):
             self._grow()
-        # every call waiting before these may take a child's turn in the worst case (runner bug bound)
+        # each payload waiting or queued before these may take a child's turn (the runner-bug bound)
         free_after = max(1, len(free) + grow)
-        return futures, -(-waiting // free_after) * self._per_payload_s() + BOUND_SLACK_S
+        return futures, -(-ahead // free_after) * self._per_payload_s() + BOUND_SLACK_S
 
     def _lane_task(self, worker: int, fn: Callable, *args: Any) -> concurrent.futures.Future:
         """`fn(*args)` on child `worker`'s thread, followed by `_drain` (so the thread takes
@@ -478,7 +486,8 @@ class ToolRunner:
         none, so a call queued meanwhile wakes it)."""
         while True:
             with self._lock:
-                if self._closed or not self._pending:
+                # payloads pinned to this child (an environment's) go first: their task drains after them
+                if self._closed or not self._pending or self._queued[worker]:
                     self._tasks[worker] -= 1
                     return
                 payload, future = self._pending.popleft()
