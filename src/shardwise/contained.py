@@ -7,14 +7,18 @@ outlive it. `Contained` runs it where all of that stays contained:
 
 - a child process tree of its own, started with ``python -c`` (`_BOOT`) in a new
   session (standard library only before the user's module: it starts in a fraction of a
-  second): a small keeper process, and under it the worker that imports ``module:attr``
-  and serves calls. The keeper is the worker's parent, so code that kills its parent ends
-  its own tree, never the job. The keeper is the subreaper of what the worker starts
-  (Linux): processes that escape into a session of their own come back to it when their
-  parent ends, and it kills them all once the worker ended;
+  second): a small guard process, under it a keeper, and under that the worker that
+  imports ``module:attr`` and serves calls. The keeper is the worker's parent, so code
+  that kills its parent ends its own tree, never the job. Guard and keeper are both
+  subreapers of what is under them (Linux): processes that escape into a session of
+  their own (with an empty environment, so without this child's mark) come back to the
+  keeper when their parent ends, or to the guard when the code killed the keeper too, and
+  they are killed once the worker (or the keeper) ended. What had to be killed beyond the
+  child's own processes is counted in `Contained.killed`;
 - calls and answers are JSON lines over two pipes of their own (not stdin / stdout: what
   the code prints goes where the job's output goes, or to `output`, e.g. a log file or
-  ``subprocess.DEVNULL`` for code that floods it); nothing the child sends is unpickled,
+  ``subprocess.DEVNULL`` for code that floods it, or through an `OutputBudget` that keeps
+  a bounded share of it per call and per run); nothing the child sends is unpickled,
   and an answer over `max_result_bytes` is refused;
 - `map` sends many calls in one request (one round trip per batch, not per item) and reads
   the answers as they come; each item has `timeout_s` from the previous answer. A call
@@ -40,14 +44,15 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = ["MARK_ENV", "PR_SET_CHILD_SUBREAPER", "PR_SET_NAME", "PR_SET_PDEATHSIG", "Contained", "Outcome",
-           "close_all", "describe_exit", "kill_left_under", "prctl", "set_process_name"]
+           "OutputBudget", "close_all", "describe_exit", "kill_left_under", "prctl", "set_process_name"]
 
 MARK_ENV = "SHARDWISE_CONTAINED"
 """The environment variable that marks every process of one child (see `Contained.close`)."""
@@ -88,6 +93,69 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
+class OutputBudget:
+    """Where the prints of contained children go, bounded: of what one call (one payload)
+    prints, its first `per_call` bytes are written to `sink` (a binary file object), of all
+    the calls together the first `per_run` bytes; the rest is read and dropped (the code
+    never blocks on a full pipe), with a note line ``[shardwise] ...`` in `sink` saying how
+    much: one per call cut at its bound, one when the run's bound is reached, and the total
+    at `close`. `describe(payload)` names a call in its note. Shared by the children of one
+    runner (thread-safe)."""
+
+    def __init__(self, sink: Any, per_call: int, per_run: int, describe: Callable[[Any], str] = str):
+        self.sink = sink
+        self.per_call = int(per_call)
+        self.per_run = int(per_run)
+        self.describe = describe
+        self.written = 0
+        """Bytes of the children's output written to `sink` (the notes aside)."""
+        self.dropped = 0
+        """Bytes of the children's output read and not written."""
+        self._lock = threading.Lock()
+        self._full_said = False
+
+    def take(self, child: Contained, chunk: bytes) -> None:
+        """`chunk` printed by `child` during its current call: what the bounds allow written."""
+        with self._lock:
+            room = max(0, min(self.per_call - child._call_written, self.per_run - self.written))
+            keep = chunk[:room]
+            if keep:
+                self._write(keep)
+            child._call_written += len(keep)
+            child._call_dropped += len(chunk) - len(keep)
+            self.written += len(keep)
+            self.dropped += len(chunk) - len(keep)
+            if self.written >= self.per_run and len(chunk) > len(keep) and not self._full_said:
+                self._full_said = True
+                self._note(f"the output of the calls reached {self.per_run} bytes per run: the rest is dropped "
+                           "(counted at the end)")
+
+    def end_call(self, child: Contained, payload: Any) -> None:
+        """`child`'s call of `payload` ended: a note if it was cut at the per-call bound."""
+        with self._lock:
+            dropped, written = child._call_dropped, child._call_written
+            child._call_dropped = child._call_written = 0
+            if dropped and not self._full_said:
+                self._note(f"{self.describe(payload)} printed {written + dropped} bytes: the first {written} kept, "
+                           f"{dropped} dropped (at most {self.per_call} bytes per call)")
+
+    def close(self) -> None:
+        """The total dropped, in a last note (none when nothing was)."""
+        with self._lock:
+            if self.dropped:
+                self._note(f"{self.dropped} bytes of the calls' output were dropped in all (at most "
+                           f"{self.per_call} bytes per call, {self.per_run} per run)")
+            with contextlib.suppress(OSError, ValueError):
+                self.sink.flush()
+
+    def _note(self, text: str) -> None:
+        self._write(f"\n[shardwise] {text}\n".encode())
+
+    def _write(self, data: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a full disk or a closed log: the prints are notes
+            self.sink.write(data)
+
+
 class Contained:
     """`target` (``module:attr``, a dotted attribute path allowed) called in a child process
     tree that can be killed whatever the code does (see the module docstring).
@@ -98,13 +166,25 @@ class Contained:
     keywords. `start_timeout_s` bounds the child's start (the import of `target`
     included). `env` is added to the child's environment; `output` (a file descriptor or
     file object, or ``subprocess.DEVNULL``) takes the child's stdout and stderr, by default
-    this process's. Not thread-safe: one caller.
+    this process's; or `budget` does, bounded (`OutputBudget`; it then replaces `output`).
+    Not thread-safe: one caller.
     """
 
     def __init__(self, target: str, adapter: str | None = None, *, max_result_bytes: int = 1 << 20,
-                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None, output: Any = None):
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None, output: Any = None,
+                 budget: OutputBudget | None = None):
         self.target = target
         self.output = output
+        self.budget = budget
+        self._out = -1
+        """The read end of the pipe of the child's stdout and stderr (with `budget`)."""
+        self._call_written = 0
+        self._call_dropped = 0
+        self.killed = 0
+        """Processes killed beyond the child's own (guard, keeper, worker): what the code
+        started and left running, over every child started so far."""
+        self._own: set[int] = set()
+        """The pids of the child's own processes (guard, and keeper and worker once ready)."""
         self.adapter = adapter
         self.max_result_bytes = max_result_bytes
         self.start_timeout_s = start_timeout_s
@@ -129,15 +209,23 @@ class Contained:
         answer_r, answer_w = os.pipe()
         self._mark = f"{os.getpid()}-{secrets.token_hex(8)}"
         env = {**os.environ, **self.env, MARK_ENV: self._mark}
+        output, out_w = self.output, -1
+        if self.budget is not None:
+            self._out, out_w = os.pipe()
+            os.set_blocking(self._out, False)
+            output = out_w
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, _package_root(), str(request_r), str(answer_w), str(os.getpid()),
                  self.target, self.adapter or "", str(self.max_result_bytes)],
-                pass_fds=(request_r, answer_w), stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output,
+                pass_fds=(request_r, answer_w), stdin=subprocess.DEVNULL, stdout=output, stderr=output,
                 start_new_session=True, env=env)
         finally:
             os.close(request_r)
             os.close(answer_w)
+            if out_w >= 0:
+                os.close(out_w)
+        self._own = {self._proc.pid}
         self._to_child, self._from_child = request_w, answer_r
         self._buffer, self._ready = b"", False
         self._lines.clear()
@@ -157,10 +245,26 @@ class Contained:
 
     def _forget(self) -> None:
         """Close the pipes of a child that was killed and reaped."""
-        for fd in (self._to_child, self._from_child):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._proc, self._to_child, self._from_child = None, -1, -1
+        if self._out >= 0:
+            self._drain_output()
+        for fd in (self._to_child, self._from_child, self._out):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._proc, self._to_child, self._from_child, self._out = None, -1, -1, -1
+
+    def wait_started(self) -> Outcome:
+        """Start the child (if none runs) and wait until it imported `target`, at most
+        `start_timeout_s`: ``ok``, or the Outcome of an import that raised (``error``), did
+        not end in time (``timeout``, the child killed) or ended the process (``crash``).
+        An interrupt (Ctrl-C) kills the child and propagates."""
+        try:
+            self.start()
+            failure = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return failure if failure is not None else Outcome("ok")
 
     def __enter__(self) -> Contained:
         return self
@@ -206,6 +310,9 @@ class Contained:
                     out.append(Outcome("error", reason=_one_line(answer["error"])))
                 else:
                     out.append(Outcome("ok", answer.get("value")))
+                if self.budget is not None:  # what it printed before it answered is in the pipe
+                    self._drain_output()
+                    self.budget.end_call(self, payloads[len(out) - 1])
             return out
         except BaseException:
             self.close()
@@ -221,6 +328,7 @@ class Contained:
         if "fatal" in answer:
             return Outcome("error", reason=_one_line(answer["fatal"]))
         self._ready = True
+        self._own.update(p for p in answer.get("pids", ()) if isinstance(p, int))
         return None
 
     def _send(self, data: bytes) -> bool:
@@ -242,7 +350,12 @@ class Contained:
                 self.close()
                 return Outcome("crash", reason=f"its answer exceeded {self.max_result_bytes} bytes")
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            readable, _, _ = select.select([self._from_child], [], [], left)
+            readable, _, _ = select.select([self._from_child] + ([self._out] if self._out >= 0 else []), [], [],
+                                           left)
+            if self._out in readable:
+                self._drain_output()
+                if self._from_child not in readable:
+                    continue
             if not readable:
                 self.close()
                 if starting:
@@ -261,10 +374,30 @@ class Contained:
         if not isinstance(answer, dict):
             self.close()
             return Outcome("crash", reason="its process sent what is not an answer (something wrote to its pipe)")
-        if "ended" in answer:  # the keeper's last word: the worker is gone
+        if "ended" in answer:  # the keeper's (or the guard's) last word: the worker is gone
+            killed = answer.get("killed")
+            self.killed += killed if isinstance(killed, int) and killed > 0 else 0
             self.close()
             return Outcome("crash", reason=f"its process {_one_line(answer['ended'])}")
         return answer
+
+    def _drain_output(self) -> None:
+        """Read what the child printed so far (without waiting) into the budget; at the
+        pipe's end (every writer gone), stop watching it."""
+        assert self.budget is not None
+        while self._out >= 0:
+            try:
+                chunk = os.read(self._out, _READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                with contextlib.suppress(OSError):
+                    os.close(self._out)
+                self._out = -1
+                return
+            self.budget.take(self, chunk)
 
     def _crashed(self) -> Outcome:
         proc = self._proc
@@ -299,13 +432,23 @@ def _kill_trees(children: Sequence[Contained]) -> None:
     """SIGKILL each child's keeper, the processes under it and every process carrying its
     mark, walking /proc again until none is left (a keeper's own sweep may race with it);
     reap the keepers. Bounded: at most a few seconds."""
-    procs = [c._proc for c in children if c._proc is not None]
-    marks = [c._mark for c in children]
+    live = [c for c in children if c._proc is not None]
+    procs = [c._proc for c in live]
+    roots = {id(c): c._proc.pid for c in live}  # another thread may forget a child meanwhile
     deadline = time.monotonic() + 5.0
+    others: dict[int, set[int]] = {id(c): set() for c in live}
+    tree = _process_tree()
+    for c in live:
+        if not c._ready:  # keeper and worker not named yet: the two levels under the guard are the child's own
+            keepers = tree.get(roots[id(c)], [])
+            c._own.update(keepers, *(tree.get(k, ()) for k in keepers))
     while True:
-        tree = _process_tree()
-        pids = [p for proc in procs for p in descendants(proc.pid, tree)]
-        pids += _marked(*marks)
+        pids = []
+        marked = _marked_by(c._mark for c in live)
+        for c in live:
+            mine = descendants(roots[id(c)], tree) + marked.get(c._mark, [])
+            others[id(c)].update(p for p in mine if p not in c._own and not _zombie(p))
+            pids += mine
         pids += [proc.pid for proc in procs if proc.poll() is None]
         for p in pids:
             with contextlib.suppress(OSError):
@@ -313,6 +456,9 @@ def _kill_trees(children: Sequence[Contained]) -> None:
         if not pids or time.monotonic() > deadline:
             break
         time.sleep(0.02)
+        tree = _process_tree()
+    for c in live:
+        c.killed += len(others[id(c)])
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -370,14 +516,30 @@ def kill_left_under(pid: int) -> list[int]:
     return out
 
 
-def _marked(*marks: str) -> list[int]:
-    """Live processes (this user's) whose environment has ``MARK_ENV=mark`` for one of `marks`."""
-    needles = {f"{MARK_ENV}={m}".encode() for m in marks if m}
-    if not needles:
-        return []
+def _marked_by(marks: Iterable[str]) -> dict[str, list[int]]:
+    """Mark -> the live processes (this user's) carrying ``MARK_ENV=mark``, for `marks`,
+    from one walk of /proc."""
+    prefix = f"{MARK_ENV}=".encode()
+    wanted = {m.encode() for m in marks if m}
+    out: dict[str, list[int]] = {}
+    if not wanted:
+        return out
     with contextlib.suppress(OSError):
-        return [int(e) for e in os.listdir("/proc") if e.isdigit() and not needles.isdisjoint(_environ(int(e)))]
-    return []
+        for e in os.listdir("/proc"):
+            if e.isdigit():
+                for x in _environ(int(e)):
+                    if x.startswith(prefix) and x[len(prefix):] in wanted:
+                        out.setdefault(x[len(prefix):].decode(), []).append(int(e))
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    """Process `pid` has ended and waits to be reaped (or is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _environ(pid: int) -> list[bytes]:
@@ -438,7 +600,7 @@ def _serve(request_fd: int, answer_fd: int, target: str, adapter_spec: str, max_
     except BaseException as e:  # reported as the call's error, one line
         _write_line(answer_fd, {"fatal": f"importing {target} failed: {type(e).__name__}: {e}"})
         return
-    _write_line(answer_fd, {"ready": True})
+    _write_line(answer_fd, {"ready": True, "pids": [os.getpid(), os.getppid()]})
     reader = os.fdopen(request_fd, "rb", buffering=1 << 16)
     for line in reader:
         request = json.loads(line)
@@ -454,14 +616,20 @@ def _serve(request_fd: int, answer_fd: int, target: str, adapter_spec: str, max_
                 if len(text) > max_bytes:
                     answer["error"] = f"returned {len(text)} bytes, over the limit of {max_bytes}"
                     text = json.dumps(answer)
+            for stream in (sys.stdout, sys.stderr):  # its prints before its answer (counted as this call's)
+                with contextlib.suppress(BaseException):
+                    stream.flush()
             view = memoryview(text.encode() + b"\n")
             while view:
                 view = view[os.write(answer_fd, view):]
 
 
-def _keep(worker: int, answer_fd: int) -> int:
-    """The keeper: reap every child until the worker ended, then kill what is left under
-    it (escaped processes came here as orphans), say how the worker ended, exit."""
+def _keep(child: int, answer_fd: int, told: int = -1) -> int:
+    """The keeper (`child`: the worker) and the guard (`child`: the keeper): reap every
+    child until `child` ended, then kill what is left under this process (escaped
+    processes came here as orphans; the worker under a killed keeper, whose pid the keeper
+    wrote to `told`, is not counted), say how `child` ended and how many had to be
+    killed, exit."""
     status = None
     while status is None:
         try:
@@ -470,13 +638,20 @@ def _keep(worker: int, answer_fd: int) -> int:
             break
         except InterruptedError:
             continue
-        if pid == worker:
+        if pid == child:
             status = os.waitstatus_to_exitcode(wstatus)
+    own: set[int] = set()
+    if told >= 0:
+        with contextlib.suppress(OSError, ValueError):
+            own.add(int(os.read(told, 64) or b"0"))
+    killed: set[int] = set()
     for _ in range(50):
         pids = descendants(os.getpid())
         if not pids:
             break
         for p in pids:
+            if p not in own and not _zombie(p):
+                killed.add(p)
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
@@ -484,7 +659,7 @@ def _keep(worker: int, answer_fd: int) -> int:
                 pass
         time.sleep(0.01)
     with contextlib.suppress(OSError):
-        _write_line(answer_fd, {"ended": describe_exit(status if status is not None else 0)})
+        _write_line(answer_fd, {"ended": describe_exit(status if status is not None else 0), "killed": len(killed)})
     return 0
 
 
@@ -497,17 +672,35 @@ def _main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the job stops this tree with SIGKILL, on its own terms
     prctl(PR_SET_CHILD_SUBREAPER, 1)
-    keeper = os.getpid()
-    worker = os.fork()
-    if worker == 0:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != keeper:
-            os._exit(0)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
+    guard = os.getpid()
+    told_r, told_w = os.pipe()  # the keeper tells the guard its worker's pid
+    keeper = os.fork()
+    if keeper == 0:
         try:
-            _serve(request_fd, answer_fd, target, adapter, max_bytes)
+            os.close(told_r)
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+            if os.getppid() != guard:
+                os._exit(0)
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
+            me = os.getpid()
+            worker = os.fork()
+            if worker == 0:
+                os.close(told_w)
+                prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+                if os.getppid() != me:
+                    os._exit(0)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_DFL)
+                _serve(request_fd, answer_fd, target, adapter, max_bytes)
+                os._exit(0)
+            os.close(request_fd)
+            os.write(told_w, str(worker).encode())
+            os.close(told_w)
+            _keep(worker, answer_fd)
         finally:
             os._exit(0)
     os.close(request_fd)
-    return _keep(worker, answer_fd)
+    os.close(told_w)
+    # The guard: should the code kill the keeper (its worker's parent), what the code started
+    # comes here and is killed (counted; the worker, killed with its keeper, is not).
+    return _keep(keeper, answer_fd, told=told_r)

@@ -1,34 +1,37 @@
 """Tool calls run where the user's code cannot break the rollout.
 
 `ToolRunner` keeps up to `workers` contained children (`shardwise.contained.Contained`, their
-side is `shardwise.agents.host`) and runs a batch of calls concurrently over them: one
-thread per child, each child given its calls in one request. Children start as calls need
-them: `start_workers` at construction (they import the tools while the job goes on),
-another when a plain call is queued and every child started so far is busy, so a large
-`workers` costs nothing while calls are few (each child is a Python process, ~31 MiB with
-its keeper); an environment's child when its first trajectory is pinned to it. A plain
-call goes to a child that has imported the tools (`ToolRunner.ready`) where one has: a
-new child imports them in its thread first and takes calls from then on, so no call waits
-for a process to start while another could take it. What a tool does stays in
-its child: a raise, a hang (stopped after ``timeout_s``), ``os._exit``, killing its parent,
-megabytes of prints (they go to `output`, by default nowhere), a return value that is not a
-string, arguments that do not fit its signature: each is a `ToolResult` whose text the
-model reads (``"error: ..."``, one line), never an exception in the job. A child that
-ended or was killed is started afresh on its next call.
+side is `shardwise.agents.host`) and runs calls concurrently over them, one thread per
+child. Plain calls wait in one queue and the first child free takes the next
+(`ToolRunner._drain`): a child that just imported the tools, or one whose last call
+ended. Children start as calls need them: `start_workers` at construction (they import
+the tools while the job goes on), and more whenever calls wait that outnumber the
+children without a call (up to `workers`), so N slow calls sent together run at once
+(about one call's time, not N), a fast call is taken by the first child free rather than
+waiting for a start, and a large `workers` costs nothing while calls are few (each child
+is a Python process, ~31 MiB with its keeper); an environment's child starts when its
+first trajectory is pinned to it. What a tool does stays in its child: a raise, a hang
+(stopped after ``timeout_s``), ``os._exit``, killing its parent (what it started is
+killed too, counted in `ToolRunner.killed` and one note at `close`), megabytes of prints
+(they go to `output`, by default nowhere; into a log at most ``output_bytes_per_call``
+per call and ``output_bytes_per_run`` in all, the rest dropped with a note), a return
+value that is not a string, text the tokenizer cannot take (a lone surrogate becomes
+U+FFFD: `readable`), arguments that do not fit its signature: each is a `ToolResult`
+whose text the model reads (``"error: ..."``, one line), never an exception in the job.
+A child that ended or was killed is started afresh on its next call.
 
 An environment is constructed once per trajectory, in the child the trajectory is pinned
 to (by a hash of its id), where it stays across the trajectory's calls. When that child
 ends (a call in it hung or crashed), the environments it held are lost: their later calls
 are answered ``"error: the environment of this trajectory was lost (its process ended)"``
-and their reward is None. Plain tool calls go to the least loaded ready child (the one
-with the fewest calls queued or running).
+and their reward is None.
 
 Calls can be sent while the caller does something else: `ToolRunner.submit` queues them
 and returns at once, `ToolRunner.collect` waits for their results (`ToolRunner.call` is
 both; `ToolRunner.done` and `ToolRunner.wait_any` tell when results are back, for a
-caller with other work). Each child has one thread of its own that runs what was sent to it in the order
-sent, so calls submitted at different times never share a child at once, and a
-trajectory's environment calls run in the order they were submitted.
+caller with other work). Each child has one thread of its own that runs what was sent to
+it in the order sent (then the plain calls waiting), so two calls never share a child at
+once, and a trajectory's environment calls run in the order they were submitted.
 
 Texts are cut to their first ``max_chars`` characters (the head is kept: a tool's output
 usually says what matters first); the loop cuts them again to tokens.
@@ -39,18 +42,20 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from shardwise.agents.parsers import ToolCall
 from shardwise.agents.tools import EnvironmentSpec, ToolSpec, check_names
-from shardwise.contained import Contained, Outcome, close_all
+from shardwise.contained import Contained, Outcome, OutputBudget, close_all
 from shardwise.errors import did_you_mean
 
 __all__ = ["Submitted", "ToolResult", "ToolRunner"]
@@ -64,6 +69,12 @@ start's ``start_timeout_s`` (which its children enforce): per call queued on a c
 once. Past it the wait ends in one line naming the tool workers that did not answer: it
 only fires on a runner bug (a child's thread that never came back)."""
 _NO_ENVIRONMENT = "the environment of this trajectory was ended or never started"
+OUTPUT_BYTES_PER_CALL = 1 << 20
+"""What the tools print (to `output`) is kept up to this many bytes per call..."""
+OUTPUT_BYTES_PER_RUN = 64 << 20
+"""...and this many per runner (per rank and run); the rest is dropped with a note saying
+how much (`shardwise.contained.OutputBudget`). A tool printing 100 MB per call once put
+5.6 GB into run.dir/logs/tools-rank*.log in two steps."""
 
 
 @dataclass(frozen=True)
@@ -83,17 +94,23 @@ class ToolResult:
 
 @dataclass
 class _Jobs:
-    """Payloads sent to the children by one `ToolRunner._submit`."""
+    """Payloads sent to the children by one `ToolRunner._submit` or `ToolRunner._enqueue`."""
 
-    futures: dict[int, concurrent.futures.Future]
-    """child -> its thread's answer to its payloads (their outcomes, in order)."""
-    groups: dict[int, list[int]]
-    """child -> the indices of its payloads among the submitted ones."""
+    parts: list[tuple[concurrent.futures.Future, list[int], int | None]]
+    """``(future, indices, child)``: the future's answer is the outcomes of the payloads at
+    those indices among the submitted ones, in order; `child` is the child they were pinned
+    to (None: a plain call, taken by whichever child is free first: `_Taken.worker`)."""
     count: int
     bound_s: float
     """How long the answers may take from submission (a runner bug past it)."""
     deadline: float
     """``time.monotonic()`` at which `bound_s` runs out."""
+
+
+class _Taken(concurrent.futures.Future):
+    """The future of one plain call; `worker` is the child that took it (None: none yet)."""
+
+    worker: int | None = None
 
 
 @dataclass
@@ -135,7 +152,8 @@ class ToolRunner:
 
     def __init__(self, tools: list[ToolSpec], environment: EnvironmentSpec | None, *, timeout_s: float,
                  workers: int = 4, max_chars: int = 4096, output: Any = None, start_timeout_s: float = 120.0,
-                 start_workers: int = 1):
+                 start_workers: int = 1, output_bytes_per_call: int = OUTPUT_BYTES_PER_CALL,
+                 output_bytes_per_run: int = OUTPUT_BYTES_PER_RUN):
         check_names(tools, environment)
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
@@ -146,24 +164,37 @@ class ToolRunner:
         self.max_chars = int(max_chars)
         self.start_timeout_s = float(start_timeout_s)
         self._own_output = None
+        self._budget: OutputBudget | None = None
         if output is None:
             output = subprocess.DEVNULL
-        elif isinstance(output, (str, os.PathLike)):
-            output = self._own_output = open(output, "ab")  # noqa: SIM115 (closed in close())
+        else:  # prints go through a pipe read here, bounded per call and per run
+            if isinstance(output, (str, os.PathLike)):
+                sink = self._own_output = open(output, "ab")  # noqa: SIM115 (closed in close())
+            elif isinstance(output, int):
+                sink = self._own_output = open(output, "ab", closefd=False)  # noqa: SIM115
+            else:
+                sink = getattr(output, "buffer", output)  # a text file's bytes
+            self._budget = OutputBudget(sink, output_bytes_per_call, output_bytes_per_run, describe=_named)
+            output = None
         # The user's modules are found where they were found when the tools were loaded,
         # whatever the working directory is when a child (re)starts.
         path = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
         env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
         self._specs = [t.spec for t in tools] + ([environment.spec] if environment is not None else [])
         self._children = [Contained(_TARGET, start_timeout_s=self.start_timeout_s, env=env, output=output,
-                                    max_result_bytes=max(1 << 20, 16 * self.max_chars + 4096))
+                                    budget=self._budget, max_result_bytes=max(1 << 20, 16 * self.max_chars + 4096))
                           for _ in range(workers)]
         self._loaded = [False] * workers
         # one thread per child: what is sent to a child runs in the order sent, never two at once
         self._lanes = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"shardwise-tools-{i}")
                        for i in range(workers)]
         self._queued = [0] * workers
-        """Payloads sent to each child and not yet answered (the load plain calls are placed by)."""
+        """Payloads sent to each child's thread and not yet answered (plain calls: the one it runs)."""
+        self._tasks = [0] * workers
+        """Tasks queued on each child's thread or running there; each ends by taking plain
+        calls (`_drain`) until none waits, and its count drops when it found none."""
+        self._pending: deque[tuple[dict, _Taken]] = deque()
+        """Plain calls that no child took yet: the first child free takes the first."""
         self._lock = threading.Lock()
         self._envs: set[str] = set()
         """Trajectories whose environment was constructed and reset."""
@@ -199,7 +230,8 @@ class ToolRunner:
             answer = _answer(outcome, f"the environment {self.environment.spec}", self.timeout_s)
             if answer.status == "ok":
                 self._envs.add(traj)
-                out.append(outcome.value.get("text"))
+                first = outcome.value.get("text")
+                out.append(readable(first) if isinstance(first, str) else None)
             else:
                 self._failed[traj] = answer.text.removeprefix("error: ")
                 out.append(None)
@@ -232,21 +264,14 @@ class ToolRunner:
             else:
                 jobs.append((self._pin(traj), {"op": "env_call", "traj": traj, "method": call.name, **payload}))
                 where.append(i)
-        with self._lock:
-            load = list(self._queued)
-        for worker, _ in jobs:
-            load[worker] += 1
-        for i, payload in plain:
-            # the least loaded child that has imported the tools (a call never waits for a
-            # process to start while one is ready); every one busy: one more starts, for later calls
-            started = range(self._grown)
-            worker = min([w for w in started if self._loaded[w]] or started, key=load.__getitem__)
-            if load[worker] and self._grown < len(self._children):
-                self._grow()
-            load[worker] += 1
-            jobs.append((worker, payload))
-            where.append(i)
-        return Submitted(list(calls), early, where, self._submit(jobs))
+        sent = self._submit(jobs)
+        if plain:  # the first child free takes each (started ones, and more started for them)
+            taken, bound = self._enqueue([payload for _, payload in plain])
+            sent.parts += [(f, [len(jobs) + k], None) for k, f in enumerate(taken)]
+            sent.count += len(plain)
+            if bound > sent.bound_s:
+                sent.bound_s, sent.deadline = bound, time.monotonic() + bound
+        return Submitted(list(calls), early, where + [i for i, _ in plain], sent)
 
     def collect(self, submitted: Submitted) -> list[ToolResult]:
         """The results of the calls `submitted` (`submit`), in their order: waits for those
@@ -258,7 +283,7 @@ class ToolRunner:
 
     def done(self, submitted: Submitted) -> bool:
         """Every call of `submitted` is answered (`collect` returns at once)."""
-        return all(f.done() for f in submitted.jobs.futures.values())
+        return all(f.done() for f, _, _ in submitted.jobs.parts)
 
     def wait_any(self, submitted: list[Submitted]) -> None:
         """Wait until one of `submitted` is `done` (none: return at once). Bounded like
@@ -267,7 +292,7 @@ class ToolRunner:
         if not submitted or any(self.done(s) for s in submitted):
             return
         first = min(submitted, key=lambda s: s.jobs.deadline)
-        pending = {f for s in submitted for f in s.jobs.futures.values() if not f.done()}
+        pending = {f for s in submitted for f, _, _ in s.jobs.parts if not f.done()}
         with self._children_killed_on_interrupt():
             while not any(self.done(s) for s in submitted):
                 left = first.jobs.deadline - time.monotonic()
@@ -325,14 +350,38 @@ class ToolRunner:
         if self._closed:
             return
         self._closed = True
+        # The children first, while the threads that started them live: a child dies with the
+        # thread that started it (PR_SET_PDEATHSIG), and what its code started would be
+        # orphaned past the reach of the kill below had its tree died that way first.
+        close_all(self._children)
         for lane in self._lanes:
             lane.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            waiting, self._pending = list(self._pending), deque()
+        for _, future in waiting:  # taken by no child: cut short
+            if future.set_running_or_notify_cancel():
+                future.set_result(Outcome("crash", reason="the tool runner was closed"))
         close_all(self._children)  # a call still running ends with its child...
         for lane in self._lanes:  # ...so its thread ends (and starts no child: _serve checks _closed)
             lane.shutdown(wait=True)
         close_all(self._children)
+        killed = self.killed
+        if killed:  # one note for the run: what the tools left running
+            note = (f"the tools left {killed} processes running (started by a call and not ended, or escaped "
+                    "into a session of their own); they were killed")
+            logging.getLogger(__name__).warning("%s", note)
+            if self._budget is not None:
+                self._budget._note(note)
+        if self._budget is not None:
+            self._budget.close()
         if self._own_output is not None:
             self._own_output.close()
+
+    @property
+    def killed(self) -> int:
+        """Processes the tools started that had to be killed (left running by a call that
+        returned, or escaped from a process that was stopped), over the runner's life."""
+        return sum(child.killed for child in self._children)
 
     def __enter__(self) -> ToolRunner:
         return self
@@ -381,30 +430,103 @@ class ToolRunner:
             ahead = {w: self._queued[w] + len(idx) for w, idx in groups.items()}
             for w, idx in groups.items():
                 self._queued[w] += len(idx)
-        futures = {w: self._lanes[w].submit(self._serve_counted, w, [jobs[j][1] for j in idx])
-                   for w, idx in groups.items()}
+        parts = [(self._lane_task(w, self._serve_counted, w, [jobs[j][1] for j in idx]), idx, w)
+                 for w, idx in groups.items()]
         # Each payload is bounded by the children (timeout_s after the previous answer, a
         # start by start_timeout_s), those queued before it in its child included; this
         # bound only catches a runner bug.
-        bound = max(ahead.values(), default=0) * (self.timeout_s + self.start_timeout_s + BOUND_PER_CALL_S) \
-            + BOUND_SLACK_S
-        return _Jobs(futures, groups, len(jobs), bound, time.monotonic() + bound)
+        bound = max(ahead.values(), default=0) * self._per_payload_s() + BOUND_SLACK_S
+        return _Jobs(parts, len(jobs), bound, time.monotonic() + bound)
+
+    def _per_payload_s(self) -> float:
+        return self.timeout_s + self.start_timeout_s + BOUND_PER_CALL_S
+
+    def _enqueue(self, payloads: list[dict]) -> tuple[list[_Taken], float]:
+        """Plain calls queued for the first child free: the futures of their outcomes and
+        the bound on their answers. Idle children are woken to take them; more start (up to
+        `workers`) while the calls waiting outnumber the children without a call, so that
+        N slow calls sent together run at once (a new child imports the tools first, then
+        takes what is still waiting: a call never waits for a start while a child is free)."""
+        if self._closed:
+            raise RuntimeError("the ToolRunner is closed")
+        futures = [_Taken() for _ in payloads]
+        with self._lock:
+            self._pending.extend(zip(payloads, futures, strict=True))
+            waiting = len(self._pending)
+            ahead = waiting + sum(self._queued)
+            free = [w for w in range(self._grown) if not self._queued[w]]
+            grow = max(0, min(waiting - len(free), len(self._children) - self._grown))
+            wake = [w for w in free if not self._tasks[w]][:waiting]
+            for w in wake:
+                self._tasks[w] += 1
+        for w in wake:
+            self._lanes[w].submit(self._task, w, None)
+        for _ in range(grow):
+            self._grow()
+        # each payload waiting or queued before these may take a child's turn (the runner-bug bound)
+        free_after = max(1, len(free) + grow)
+        return futures, -(-ahead // free_after) * self._per_payload_s() + BOUND_SLACK_S
+
+    def _lane_task(self, worker: int, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        """`fn(*args)` on child `worker`'s thread, followed by `_drain` (so the thread takes
+        the plain calls waiting once it is free)."""
+        with self._lock:
+            self._tasks[worker] += 1
+        return self._lanes[worker].submit(self._task, worker, fn, *args)
+
+    def _task(self, worker: int, fn: Callable | None, *args: Any) -> Any:
+        try:
+            return fn(*args) if fn is not None else None
+        finally:
+            self._drain(worker)
+
+    def _drain(self, worker: int) -> None:
+        """In child `worker`'s thread: run the plain calls waiting, one at a time, until none
+        is left; then the thread counts as idle (in the same lock as the look that found
+        none, so a call queued meanwhile wakes it)."""
+        while True:
+            with self._lock:
+                # payloads pinned to this child (an environment's) go first: their task drains after them
+                if self._closed or not self._pending or self._queued[worker]:
+                    self._tasks[worker] -= 1
+                    return
+                payload, future = self._pending.popleft()
+                self._queued[worker] += 1
+            future.worker = worker
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        (outcome,) = self._serve(worker, [payload])
+                    except BaseException as e:  # a runner bug: the caller's collect raises it
+                        future.set_exception(e)
+                    else:
+                        future.set_result([outcome])
+            finally:
+                with self._lock:
+                    self._queued[worker] -= 1
+                self._rewarm(worker)
 
     def _collect(self, sent: _Jobs) -> list[Outcome]:
         """The outcomes of the payloads `sent`, in the order submitted, once all are answered."""
         if not sent.count:
             return []
         with self._children_killed_on_interrupt():
-            _, pending = concurrent.futures.wait(sent.futures.values(),
+            _, pending = concurrent.futures.wait([f for f, _, _ in sent.parts],
                                                  timeout=max(0.0, sent.deadline - time.monotonic()))
         if pending:
-            stuck = [w for w, f in sent.futures.items() if f in pending]
-            for w in stuck:
+            stuck: set[int] = set()
+            for f, _, w in sent.parts:
+                if f in pending:
+                    taken = getattr(f, "worker", None)
+                    # a plain call no child took: every child started could have
+                    stuck |= {w} if w is not None else {taken} if taken is not None else set(range(self._grown))
+                    f.cancel()
+            for w in sorted(stuck):
                 self._children[w].close()
-            raise RuntimeError(f"tool worker(s) {stuck} did not answer within {sent.bound_s:g} s")
+            raise RuntimeError(f"tool worker(s) {sorted(stuck)} did not answer within {sent.bound_s:g} s")
         out: list[Outcome | None] = [None] * sent.count
-        for worker, idx in sent.groups.items():
-            for j, outcome in zip(idx, sent.futures[worker].result(), strict=True):
+        for f, idx, _ in sent.parts:
+            for j, outcome in zip(idx, f.result(), strict=True):
                 out[j] = outcome
         return out  # type: ignore[return-value]
 
@@ -424,7 +546,7 @@ class ToolRunner:
         worker = self._grown
         self._grown += 1
         self._children[worker].start()
-        self._lanes[worker].submit(self._warm_up, worker)
+        self._lane_task(worker, self._warm_up, worker)
 
     def _warm_up(self, worker: int) -> None:
         """In child `worker`'s thread: import the tools (`_serve`'s first step), so that the
@@ -445,9 +567,13 @@ class ToolRunner:
         finally:
             with self._lock:
                 self._queued[worker] -= len(payloads)
-            if worker < self._grown and not self._loaded[worker] and not self._closed:  # it ended: a fresh one
-                with contextlib.suppress(RuntimeError):  # closed meanwhile
-                    self._lanes[worker].submit(self._warm_up, worker)
+            self._rewarm(worker)
+
+    def _rewarm(self, worker: int) -> None:
+        """A child for plain calls whose process ended: a fresh one, importing the tools."""
+        if worker < self._grown and not self._loaded[worker] and not self._closed:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self._lane_task(worker, self._warm_up, worker)
 
     def _serve(self, worker: int, payloads: list[dict]) -> list[Outcome]:
         """`payloads` run in child `worker`, in order. A payload that timed out or crashed
@@ -485,4 +611,23 @@ def _answer(outcome: Outcome, name: str, timeout_s: float, max_chars: int | None
         status, text = "error", f"error: {name} failed: {outcome.reason or 'no answer'}"
     if isinstance(text, str) and max_chars is not None:
         text = text[:max_chars]
-    return ToolResult(text if isinstance(text, str) else "", status)
+    return ToolResult(readable(text) if isinstance(text, str) else "", status)
+
+
+def readable(text: str) -> str:
+    """`text` as the tokenizer can take it: what cannot be written as UTF-8 (a lone
+    surrogate, e.g. ``"12\\udcff"`` from bytes decoded with ``surrogateescape``) becomes
+    U+FFFD; a surrogate pair becomes its character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def _named(payload: Any) -> str:
+    """A payload sent to a tool process, named in a note (`OutputBudget`)."""
+    if isinstance(payload, dict):
+        name = payload.get("name") or payload.get("method") or payload.get("env") or payload.get("op")
+        return f"a call of {name}" if payload.get("op") in ("call", "env_call") else f"{payload.get('op')} of {name}"
+    return "a call"

@@ -11,9 +11,10 @@
   trajectory's reward, ``close()``, optional, is called when the trajectory ends).
 
 `load_tools` and `load_environment` import the modules in this process (the working
-directory and PYTHONPATH on ``sys.path``, as reward functions are imported) only to check
-them and derive the schemas, before anything starts: every mistake is one ConfigError line
-naming the key. The calls themselves run in worker processes (`shardwise.agents.execute`).
+directory and PYTHONPATH on ``sys.path``, as reward functions are imported: first in a
+child process, bounded, so a module whose import never returns is one line too) only to
+check them and derive the schemas, before anything starts: every mistake is one
+ConfigError line naming the key. The calls themselves run in worker processes (`shardwise.agents.execute`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,13 @@
   its parent, or starts processes is stopped with all it started and named in one line.
   The built-in scorers (ours) are called in this process, under a SIGALRM timer.
 
+A user's module (a reward function's, a tool's, an environment's) is imported first in a
+child process (`shardwise.contained.Contained`), bounded by `IMPORT_TIMEOUT_S` (environment
+variable ``SHARDWISE_IMPORT_TIMEOUT_S``): a module whose top level never returns (a loop,
+a network call without a timeout) or ends its process is one ConfigError line naming the
+module and the bound, and Ctrl-C while it imports is one line and exit 130
+(`ImportInterrupted`); then in this process, for the checks that read the function.
+
 Used by `shardwise infer`, the held-out evaluation of every job and RL rewards alike.
 """
 
@@ -36,6 +43,7 @@ import inspect
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -48,10 +56,10 @@ from shardwise.data import scorers
 from shardwise.data.batch import Batch
 from shardwise.data.reward_row import RewardFunctionError, checked, describe, invoke, raised, row_info, short, where
 from shardwise.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, get_builtin_task
-from shardwise.errors import ConfigError, DataError, did_you_mean
+from shardwise.errors import ConfigError, DataError, ShardwiseError, did_you_mean
 from shardwise.telemetry import activity
 
-__all__ = ["BUILTIN_REWARDS", "ContainedReward", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
+__all__ = ["BUILTIN_REWARDS", "IMPORT_TIMEOUT_ENV", "IMPORT_TIMEOUT_S", "ContainedReward", "ImportInterrupted", "RewardFn", "RewardFunctionError", "VerlReward", "check_data_sources",
            "MULTI_TURN_ARRAYS", "call_within", "contain", "decode_responses", "resolve_reward_fn", "reward_form", "score_sequences",
            "takes_messages"]
 
@@ -237,10 +245,71 @@ def _import_path() -> Iterator[None]:
                 sys.path.remove(p)
 
 
+IMPORT_TIMEOUT_ENV = "SHARDWISE_IMPORT_TIMEOUT_S"
+IMPORT_TIMEOUT_S = 120.0
+"""The longest the import of one user module may take during the checks (in a child
+process; `IMPORT_TIMEOUT_ENV` sets another bound, in seconds)."""
+
+
+class ImportInterrupted(ShardwiseError):
+    """Ctrl-C (or SIGTERM taken as it) while a user's module was being imported for the
+    checks: one line, exit 130."""
+
+    exit_status = 130
+
+
+def import_timeout_s() -> float:
+    """The bound on one user module's import: `IMPORT_TIMEOUT_ENV`, else `IMPORT_TIMEOUT_S`."""
+    raw = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return IMPORT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(IMPORT_TIMEOUT_ENV, f"{raw!r} is not a number of seconds above 0",
+                          f"set it to e.g. {IMPORT_TIMEOUT_S:g}, or unset it")
+    return value
+
+
+def _interrupted(module_name: str, key: str) -> ImportInterrupted:
+    return ImportInterrupted(f"interrupted while importing {module_name!r} for {key}; nothing was started")
+
+
+def _import_in_child(module_name: str, key: str) -> None:
+    """`module_name` imported in a child process first, bounded by `import_timeout_s`: an
+    import that does not return, or ends its process, is a ConfigError on `key` (an import
+    that raises is left to the import in this process, whose error says more)."""
+    bound = import_timeout_s()
+    path = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p),
+            *(p for p in sys.path if p)]
+    child = Contained(module_name, start_timeout_s=bound, output=subprocess.DEVNULL,
+                      env={"PYTHONPATH": os.pathsep.join(dict.fromkeys(path))})
+    try:
+        outcome = child.wait_started()
+    except KeyboardInterrupt:
+        raise _interrupted(module_name, key) from None
+    finally:
+        child.close()
+    if outcome.kind == "timeout":
+        raise ConfigError(key, f"importing {module_name!r} did not finish within {bound:g} s (its top level never "
+                          "returned: a loop, or a network call without a timeout?)",
+                          f"make the module's import return; a slow one may take longer with {IMPORT_TIMEOUT_ENV}="
+                          f"{max(bound * 4, IMPORT_TIMEOUT_S):g}")
+    if outcome.kind == "crash":
+        raise ConfigError(key, f"importing {module_name!r} ended its process: {outcome.reason}",
+                          "fix the module so that it imports cleanly (no os._exit or sys.exit at its top level)")
+
+
 def _import(module_name: str, key: str):
+    if module_name not in sys.modules:
+        _import_in_child(module_name, key)
     with _import_path():
         try:
             return importlib.import_module(module_name)
+        except KeyboardInterrupt:
+            raise _interrupted(module_name, key) from None
         except ModuleNotFoundError as e:
             missing = e.name or ""
             if module_name == missing or module_name.startswith(missing + "."):
