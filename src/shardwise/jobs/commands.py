@@ -14,14 +14,12 @@ from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc
 from shardwise.jobs import configs, export, infer, plan, preview, report, sft
 from shardwise.jobs.launcher import run_job
-from shardwise.models.hub import local_files_only
 
 __all__ = ["cmd_config", "cmd_convert", "cmd_data", "cmd_export", "cmd_infer", "cmd_plan", "cmd_train"]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The sharding plan of a config; see shardwise.jobs.plan."""
-    local_files_only()
     cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
     plan.show(cfg, args.world_size, ranks, hardware=args.hardware, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
               scan=args.scan, rl=args.rl, as_json=args.json)
@@ -43,7 +41,6 @@ def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], N
     check_nproc(args.nproc)
     nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                                    args.rdzv_endpoint, args.rdzv_timeout)
-    local_files_only()
     cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
     dialect = ["--dialect", args.dialect] if args.dialect else []
     return run_job(job, cfg, summary, nproc=args.nproc, config_ranks=ranks, nodes=nodes,
@@ -52,7 +49,6 @@ def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], N
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint folder as an HF folder; see shardwise.jobs.export."""
-    local_files_only()
     out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged, force=args.force))
     print(f"exported {args.checkpoint_dir} -> {out}")
     return 0
@@ -67,7 +63,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     """The first examples (or prompts) of a config's data as its job feeds them; see
     shardwise.jobs.preview."""
-    local_files_only()
     cfg, _ = configs.load(args.config, args.overrides, args.dialect)
     try:
         preview.show(cfg, args.n, args.prompts, as_json=args.json)
