@@ -149,6 +149,14 @@ def test_dataset_layouts_resolve_to_the_split_files(tmp_path, monkeypatch):
         hub.resolve_dataset(SUMS, "main", "validation", "data.source")
     with pytest.raises(ConfigError, match=r"eval.split.*split 'dev'.*its data files: data/test"):
         hub.resolve_dataset("o/plain", None, "dev", "eval.source", split_key="eval.split")
+    elsewhere = f"/other/machine/hub/datasets--o--plain/snapshots/{COMMIT_D}/data/test-00000-of-00001.parquet"
+    assert hub.from_other_cache(elsewhere, "data.source") == str(
+        cache / "datasets--o--plain" / "snapshots" / COMMIT_D / "data" / "test-00000-of-00001.parquet")
+    # a rank takes the launching process's paths (RESOLVED_ENV) and asks no cache or Hub
+    from shardwise.config.schema import Config
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(hub.RESOLVED_ENV, json.dumps({"model.path nobody/anything main None": str(tmp_path)}))
+    assert hub.resolve_inputs(Config(model={"path": "nobody/anything"})).model.path == str(tmp_path)
     assert not hub.is_hub_id("runs/a/b") and not hub.is_hub_id("/abs/x") and hub.is_hub_id("Qwen/Qwen3-0.6B")
 
 
@@ -293,7 +301,7 @@ def test_inputs_not_there_are_refused_before_launch(cache, tmp_path):
     base = ["plan", SFT, "model.config=null"]
     results = at_once(
         lambda: run_cli([*base, "model.path=nobody/nothing", "model.revision=v1"], env=offline(cache)),
-        lambda: run_cli([*base, f"model.path={MODEL}", f"data.source=nobody/data"], env=offline(cache)),
+        lambda: run_cli([*base, f"model.path={MODEL}", "data.source=nobody/data"], env=offline(cache)),
         lambda: run_cli([*base, "model.path=tiny-org/cut"], env=offline(broken)),
         lambda: run_cli([*base, f"model.path={tmp_path}/no/such/folder"], env=offline(cache)))
     refused(results[0], "model.path", "'nobody/nothing'", "'v1'", "offline",

@@ -138,6 +138,26 @@ def snapshot(repo_id: str, revision: str, key: str, repo_type: str = "model",
     return Path(folder)
 
 
+_CACHED = re.compile(r"(?P<kind>models|datasets)--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})"
+                     r"(?:/(?P<rest>.*))?")
+"""A path inside a Hub cache's snapshot, as a resolved config saves it."""
+
+
+def from_other_cache(path: str, key: str) -> str | None:
+    """`path`, a snapshot path a resolved config saved (``.../models--ORG--NAME/snapshots/
+    <commit>/...``) that does not exist here (another machine, a moved cache), as the same
+    file or folder of that commit in this process's Hub cache (fetched when online); None
+    for any other path."""
+    found = _CACHED.search(path)
+    if found is None or Path(path).expanduser().exists():
+        return None
+    repo_type = "model" if found["kind"] == "models" else "dataset"
+    rest = found["rest"] or ""
+    folder = snapshot(f"{found['org']}/{found['name']}", found["commit"], key, repo_type=repo_type,
+                      allow_patterns=[rest.replace("**", "*")] if rest else None)
+    return str(folder / rest) if rest else str(folder)
+
+
 def resolve_model(path: str, revision: str, key: str, *, files: list[str] | None = None,
                   gguf_file: str | None = None, revision_key: str | None = "model.revision") -> str:
     """A model (or tokenizer, adapter, reward model) input as a local folder: `path` itself
@@ -145,6 +165,9 @@ def resolve_model(path: str, revision: str, key: str, *, files: list[str] | None
     wrong with it); the snapshot folder of a Hub id; and with `gguf_file`, or `path` a
     ``.gguf`` file, the HF folder that file is dequantized into (`shardwise.models.gguf`)."""
     local = Path(path).expanduser()
+    moved = from_other_cache(path, key)
+    if moved is not None:
+        return moved
     if path.lower().endswith(".gguf") and gguf_file is None:
         if not local.is_file() and not is_hub_id(str(Path(path).parent)):
             raise ConfigError(key, f"{path!r} does not exist", "point it at a .gguf file or an HF folder")
@@ -272,10 +295,12 @@ def _one_path(folder: Path, pattern: str, source: str, subset: str | None, split
 # ---------------------------------------------------------------------- the whole config
 
 
-def resolve_inputs(cfg: Config) -> Config:
+def resolve_inputs(cfg: Config, data: bool = True) -> Config:
     """`cfg` with every Hub id / GGUF input replaced by its local path (module docstring);
     `cfg` itself when nothing names one. In the launching process the result is also put
-    in `RESOLVED_ENV` for its ranks; a rank takes its paths from there."""
+    in `RESOLVED_ENV` for its ranks; a rank takes its paths from there. Without `data`:
+    the model's inputs only (model.path, model.tokenizer, model.lora.path), what an
+    export reads."""
     handed = _handed()
     found: dict[str, str] = {}
 
@@ -288,7 +313,7 @@ def resolve_inputs(cfg: Config) -> Config:
             found[entry] = path
         return path
 
-    m, d = cfg.model, cfg.data
+    m = cfg.model
     update: dict[str, dict[str, Any]] = {}
     if m.path is not None:
         path = take("model.path", m.path, lambda: resolve_model(m.path, m.revision, "model.path",
@@ -310,26 +335,38 @@ def resolve_inputs(cfg: Config) -> Config:
             m.lora.path, "main", "model.lora.path", files=["*.json", "*.safetensors"], revision_key=None))
         if lora != m.lora.path:
             update.setdefault("model", {})["lora"] = m.lora.model_copy(update={"path": lora})
-    if cfg.rl.reward.model is not None:
-        rm = cfg.rl.reward.model
-        reward = take("rl.reward.model", rm, lambda: resolve_model(rm, "main", "rl.reward.model", revision_key=None))
-        if reward != rm:
-            update["rl"] = {"reward": cfg.rl.reward.model_copy(update={"model": reward})}
-    if _is_dataset_id(d.source):
-        src = take("data.source", d.source, lambda: resolve_dataset(d.source, d.subset, d.split, "data.source"),
-                   d.subset, d.split)
-        update["data"] = {"source": src}
-    if cfg.eval.source is not None and _is_dataset_id(cfg.eval.source):
-        e = cfg.eval
-        src = take("eval.source", e.source, lambda: resolve_dataset(e.source, d.subset, e.split, "eval.source",
-                                                                   split_key="eval.split"), d.subset, e.split)
-        update["eval"] = {"source": src}
+    if data:
+        update.update(_job_inputs(cfg, take))
     if not update:
         return cfg
     if found and os.environ.get("RANK") is None:  # the launching process: its ranks take these paths
         os.environ[RESOLVED_ENV] = json.dumps(found)
     return cfg.model_copy(update={name: getattr(cfg, name).model_copy(update=fields)
                                   for name, fields in update.items()})
+
+
+def _job_inputs(cfg: Config, take: Callable[..., str]) -> dict[str, dict[str, Any]]:
+    """The sections' updates for the inputs beside the model: rl.reward.model, and
+    data.source / eval.source (a dataset id, or a snapshot path of another cache)."""
+    d, e = cfg.data, cfg.eval
+    update: dict[str, dict[str, Any]] = {}
+    rm = cfg.rl.reward.model
+    if rm is not None:
+        reward = take("rl.reward.model", rm, lambda: resolve_model(rm, "main", "rl.reward.model", revision_key=None))
+        if reward != rm:
+            update["rl"] = {"reward": cfg.rl.reward.model_copy(update={"model": reward})}
+    for name, sec, split in (("data", d, d.split), ("eval", e, e.split)):
+        src = sec.source
+        if src is None:
+            continue
+        moved = from_other_cache(src, f"{name}.source")
+        if moved is not None:
+            update[name] = {"source": moved}
+        elif _is_dataset_id(src):
+            update[name] = {"source": take(f"{name}.source", src, lambda src=src, name=name, split=split:
+                                           resolve_dataset(src, d.subset, split, f"{name}.source",
+                                                           split_key=f"{name}.split"), d.subset, split)}
+    return update
 
 
 def _is_dataset_id(source: str) -> bool:
