@@ -16,7 +16,6 @@ from shardwise.config.dialects import check_out_file, load_dialect_config, read_
 from shardwise.config.schema import Config
 from shardwise.distributed.launch import under_torchrun
 from shardwise.errors import ConfigError
-from shardwise.models.hub import resolve_inputs
 
 __all__ = ["convert", "load", "show"]
 
@@ -24,16 +23,14 @@ __all__ = ["convert", "load", "show"]
 def load(path: str, overrides: list[str], dialect: str | None = None) -> tuple[Config, int | None]:
     """A command's config (`path` with `overrides`; with `dialect`, converted from another
     system's first, what was not converted said on stderr by the launching process only),
-    and the rank count its file names (a dialect's device list), or None. Its inputs named
-    by Hub id or GGUF file are resolved here, once, into local paths
-    (`shardwise.models.hub.resolve_inputs`: a download, one line and exit 2 when that fails)."""
+    and the rank count its file names (a dialect's device list), or None."""
     if dialect is None:
-        return resolve_inputs(load_config(path, overrides)), None
+        return load_config(path, overrides), None
     cfg, conv = load_dialect_config(path, dialect, overrides)
     if not under_torchrun():  # said once, by the launching process
         for note in conv.notes:
             print(f"shardwise: note: not converted: {note}", file=sys.stderr)
-    return resolve_inputs(cfg), conv.world_size
+    return cfg, conv.world_size
 
 
 def convert(file: str, dialect: str, out: str | None) -> None:

@@ -14,10 +14,15 @@ once write it once and a conversion cut halfway is never read.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 from pathlib import Path
+
+import torch
+import transformers
+from filelock import FileLock, Timeout
 
 from shardwise.errors import ConfigError
 
@@ -37,8 +42,6 @@ def gguf_cache() -> Path:
 def dequantized_folder(file: Path, key: str) -> Path:
     """The HF folder of the GGUF `file` (converted now when not kept yet); ConfigError on
     `key` when the file is missing or transformers cannot load it."""
-    from filelock import FileLock, Timeout
-
     file = Path(file).expanduser()
     if not file.is_file():
         raise ConfigError(key, f"{str(file)!r} does not exist", "point it at a .gguf file")
@@ -60,10 +63,7 @@ def dequantized_folder(file: Path, key: str) -> Path:
 
 
 def _convert(file: Path, out: Path, key: str) -> None:
-    import torch
-    import transformers
-
-    if not _has_gguf():
+    if importlib.util.find_spec("gguf") is None:
         raise ConfigError(key, f"reading {str(file)!r} needs the gguf package, which is not installed",
                           "pip install gguf")
     log.warning("converting %s to an HF folder in %s (once)", file, out)
@@ -90,9 +90,3 @@ def _convert(file: Path, out: Path, key: str) -> None:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _has_gguf() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("gguf") is not None

@@ -36,8 +36,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    IncompleteSnapshotError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from shardwise.config import safe_yaml
 from shardwise.config.schema import Config
 from shardwise.errors import ConfigError
+from shardwise.models.gguf import dequantized_folder
 
 __all__ = ["RESOLVED_ENV", "fetch_command", "hub_cache", "is_hub_id", "resolve_dataset", "resolve_inputs",
            "resolve_model"]
@@ -88,16 +100,6 @@ def snapshot(repo_id: str, revision: str, key: str, repo_type: str = "model",
     wanted), downloaded when online and missing; one ConfigError on `key` (on
     `revision_key` for a revision the repo lacks) for every failure the module docstring
     lists."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        IncompleteSnapshotError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     what = f"{'Hub ' + repo_type if repo_type != 'model' else 'Hub model'} {repo_id!r} (revision {revision!r})"
     fetch = fetch_command(repo_id, revision, repo_type)
     offline = _offline()
@@ -174,17 +176,14 @@ def resolve_model(path: str, revision: str, key: str, *, files: list[str] | None
         if not local.is_file():  # ORG/NAME/file.gguf: that file of a Hub repo
             repo, gguf_file = str(Path(path).parent), Path(path).name
             return resolve_model(repo, revision, key, gguf_file=gguf_file, revision_key=revision_key)
-        from shardwise.models.gguf import dequantized_folder
         return str(dequantized_folder(local, key))
     if local.exists() or not is_hub_id(path):
         if gguf_file is not None:
-            from shardwise.models.gguf import dequantized_folder
-            return str(dequantized_folder(local / gguf_file, "model.gguf_file"))
+                return str(dequantized_folder(local / gguf_file, "model.gguf_file"))
         return path
     if gguf_file is not None:
         folder = snapshot(path, revision, key, allow_patterns=[gguf_file, "*.json", "*.jinja"],
                           revision_key=revision_key)
-        from shardwise.models.gguf import dequantized_folder
         return str(dequantized_folder(folder / gguf_file, "model.gguf_file"))
     return str(snapshot(path, revision, key, allow_patterns=files or MODEL_FILES, revision_key=revision_key))
 
@@ -209,8 +208,6 @@ def _card_patterns(folder: Path, subset: str | None, split: str, key: str) -> tu
     """The file patterns the dataset card (README.md's YAML header, ``configs:``) gives
     `split` of `subset` (None: the default config, or the only one), and the subsets it
     names; None when the card lists no configs."""
-    from shardwise.config import safe_yaml
-
     card = folder / "README.md"
     if not card.is_file():
         return None
