@@ -157,6 +157,13 @@ def test_dataset_layouts_resolve_to_the_split_files(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv(hub.RESOLVED_ENV, json.dumps({"model.path nobody/anything main None": str(tmp_path)}))
     assert hub.resolve_inputs(Config(model={"path": "nobody/anything"})).model.path == str(tmp_path)
+    # a rank of an outer torchrun waits, bounded, for its local rank 0's download
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv(hub.WAIT_ENV, "0")
+    assert hub.resolve_dataset("o/plain", None, "test", "data.source").endswith("test-00000-of-00001.parquet")
+    with pytest.raises(ConfigError, match=r"local rank 0 did not finish downloading Hub model 'o/absent'.* 0 s"):
+        hub.resolve_model("o/absent", "main", "model.path")
     assert not hub.is_hub_id("runs/a/b") and not hub.is_hub_id("/abs/x") and hub.is_hub_id("Qwen/Qwen3-0.6B")
 
 

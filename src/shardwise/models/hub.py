@@ -18,8 +18,9 @@ the checkpoint's saved config, `shardwise export`) takes those plain paths.
   linked into the snapshot.
 - The process that resolves is the launching ``shardwise`` (one per node): it hands what
   it found to its ranks in `RESOLVED_ENV`, and a rank takes the local paths from there
-  without asking the Hub. A rank of an outer torchrun without it resolves for itself
-  (the library's file locks keep concurrent downloads of one file apart).
+  without asking the Hub. Under an outer torchrun (no launching ``shardwise``), each
+  node's local rank 0 downloads and the node's other ranks read the same snapshot from
+  the cache once it is complete, waiting at most `WAIT_ENV` seconds.
 - Every failure is one `ConfigError` line naming the key, the id and the revision, before
   any process group or Ray worker starts (exit status 2): offline and not cached (with the
   ``hf download`` command that fetches it), an incomplete snapshot, no such repo, no such
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,8 @@ def snapshot(repo_id: str, revision: str, key: str, repo_type: str = "model",
     what = f"{'Hub ' + repo_type if repo_type != 'model' else 'Hub model'} {repo_id!r} (revision {revision!r})"
     fetch = fetch_command(repo_id, revision, repo_type)
     offline = _offline()
+    if not offline and _local_rank_downloads():
+        return _wait_for_local_rank0(repo_id, revision, repo_type, allow_patterns, key, what)
     try:
         folder = snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=hub_cache(),
                                    allow_patterns=allow_patterns, local_files_only=offline,
@@ -158,6 +162,41 @@ def from_other_cache(path: str, key: str) -> str | None:
     folder = snapshot(f"{found['org']}/{found['name']}", found["commit"], key, repo_type=repo_type,
                       allow_patterns=[rest.replace("**", "*")] if rest else None)
     return str(folder / rest) if rest else str(folder)
+
+
+WAIT_ENV = "SHARDWISE_HUB_WAIT_S"
+"""Seconds a rank of an outer torchrun waits for its node's local rank 0 to download an
+input (default `WAIT_S`)."""
+WAIT_S = 3600.0
+_POLL_S = 1.0
+
+
+def _local_rank_downloads() -> bool:
+    """This process is a rank of an outer torchrun (no launching ``shardwise`` handed it its
+    paths) other than its node's local rank 0, which downloads for the node."""
+    return os.environ.get("RANK") is not None and os.environ.get("LOCAL_RANK", "0") != "0"
+
+
+def _wait_for_local_rank0(repo_id: str, revision: str, repo_type: str, allow_patterns: list[str] | None,
+                          key: str, what: str) -> Path:
+    """The snapshot local rank 0 is downloading, read from the cache once complete (the
+    library's tree listing names every file; an incomplete snapshot is not returned), polled
+    until `WAIT_ENV` seconds have passed; ConfigError on `key` then."""
+    try:
+        bound = float(os.environ.get(WAIT_ENV) or WAIT_S)
+    except ValueError:
+        bound = WAIT_S
+    deadline = time.monotonic() + bound
+    while True:
+        try:
+            return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=hub_cache(),
+                                          allow_patterns=allow_patterns, local_files_only=True))
+        except LocalEntryNotFoundError:
+            if time.monotonic() >= deadline:
+                raise ConfigError(key, f"local rank 0 did not finish downloading {what} into {hub_cache()} within "
+                                  f"{bound:.0f} s", f"fetch it first ({fetch_command(repo_id, revision, repo_type)}),"
+                                  f" or raise {WAIT_ENV}") from None
+            time.sleep(_POLL_S)
 
 
 def resolve_model(path: str, revision: str, key: str, *, files: list[str] | None = None,
