@@ -356,6 +356,8 @@ def resolve_inputs(cfg: Config, data: bool = True) -> Config:
                                                                   gguf_file=m.gguf_file), m.revision, m.gguf_file)
         if path != m.path or m.gguf_file is not None:
             update.setdefault("model", {}).update(path=path, gguf_file=None)
+        elif "revision" in m.model_fields_set and m.revision != "main" and os.environ.get("RANK") is None:
+            log.warning("model.revision=%s has no effect: model.path %r is a local folder", m.revision, m.path)
     elif m.gguf_file is not None:
         raise ConfigError("model.gguf_file", f"{m.gguf_file!r} needs model.path, the folder or Hub id holding it",
                           "set model.path, or name the .gguf file itself as model.path")
