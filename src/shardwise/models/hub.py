@@ -234,13 +234,14 @@ def split_patterns(subset: str | None, split: str) -> list[str]:
     """Where the Hub's dataset layouts put the files of `split` (of `subset`, a config
     name), most specific first, each with ``{ext}`` for the file format: the layouts
     ``datasets`` reads without a dataset card, and the parquet export's
-    ``<subset>/<split>/*.parquet``."""
+    ``<subset>/<split>/*.parquet``. Without a subset nothing below another folder than
+    ``data/`` is taken: the splits of several subsets are never read as one."""
     if subset is not None:
         return [f"{subset}/{split}-*.{{ext}}", f"{subset}/{split}.{{ext}}", f"{subset}/{split}/*.{{ext}}",
                 f"{subset}/data/{split}-*.{{ext}}", f"data/{subset}/{split}-*.{{ext}}",
                 f"{subset}/*{split}*.{{ext}}"]
     return [f"data/{split}-*.{{ext}}", f"data/{split}.{{ext}}", f"data/{split}/*.{{ext}}", f"{split}-*.{{ext}}",
-            f"{split}.{{ext}}", f"{split}/*.{{ext}}", f"*{split}*.{{ext}}"]
+            f"{split}.{{ext}}", f"{split}/*.{{ext}}"]
 
 
 def _card_patterns(folder: Path, subset: str | None, split: str, key: str) -> tuple[list[str], list[str]] | None:
