@@ -205,6 +205,8 @@ def test_train_export_infer_rl_by_hub_id_offline(cache, tmp_path, tiny_sft_run):
     assert len((infer_dir / "generations.jsonl").read_text().splitlines()) == 4
     assert [json.loads(x)["step"] for x in (rl_dir / "metrics.jsonl").read_text().splitlines()
             if "time/eval" not in x][-1] == 1
+    (rl_meta,) = rl_dir.glob("checkpoints/step_*/meta.json")
+    assert json.loads(rl_meta.read_text())["config"]["model"]["path"] == str(snap / COMMIT_A)  # the pinned commit
 
 
 def tiny_gguf(path: Path) -> torch.nn.Module:
