@@ -265,10 +265,11 @@ def tiny_gguf(path: Path) -> torch.nn.Module:
     return model
 
 
-def test_a_gguf_file_is_fine_tuned(tmp_path):
+def test_a_gguf_file_is_fine_tuned(tmp_path, monkeypatch):
     """``model.path: x.gguf``: dequantized once into an HF folder (the same logits as the
     model the file was written from, its tokenizer beside), which a `train` job fine-tunes
-    and exports; the second resolution reuses the folder."""
+    and exports; the second resolution reuses the folder; the file in a Hub repo
+    (``ORG/NAME/x.gguf``) converts to the same weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardwise.models.gguf import dequantized_folder
@@ -281,11 +282,14 @@ def test_a_gguf_file_is_fine_tuned(tmp_path):
                 "train.global_batch_size=8", "train.micro_batch_size=8", "checkpoint.async=false"],
                timeout=300, env=env))
     (folder,) = (tmp_path / "xdg" / "shardwise" / "gguf").glob("tiny-*[!k]")  # not the .lock file
-    os.environ["XDG_CACHE_HOME"], saved = str(tmp_path / "xdg"), os.environ.get("XDG_CACHE_HOME")
-    try:
-        assert dequantized_folder(file, "model.path") == folder  # kept, not converted again
-    finally:
-        os.environ.pop("XDG_CACHE_HOME") if saved is None else os.environ.update(XDG_CACHE_HOME=saved)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert dequantized_folder(file, "model.path") == folder  # kept, not converted again
+    # the same file in a Hub repo, named ORG/NAME/FILE.gguf: read from the (offline) cache, converted there
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    put(tmp_path / "hub", "model", "tiny-org/gguf", COMMIT_A, {"tiny.gguf": file.read_bytes()})
+    from_hub = Path(hub.resolve_model("tiny-org/gguf/tiny.gguf", "main", "model.path"))
+    assert from_hub.parent == folder.parent and (from_hub / "model.safetensors").read_bytes() == \
+        (folder / "model.safetensors").read_bytes()
     tok = AutoTokenizer.from_pretrained(folder)
     ids = torch.tensor([tok("the sum is 12")["input_ids"]])
     assert tok.convert_tokens_to_ids("he") in ids[0].tolist()  # the file's merges were read

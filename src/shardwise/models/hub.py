@@ -218,7 +218,7 @@ def resolve_model(path: str, revision: str, key: str, *, files: list[str] | None
         return str(dequantized_folder(local, key))
     if local.exists() or not is_hub_id(path):
         if gguf_file is not None:
-                return str(dequantized_folder(local / gguf_file, "model.gguf_file"))
+            return str(dequantized_folder(local / gguf_file, "model.gguf_file"))
         return path
     if gguf_file is not None:
         folder = snapshot(path, revision, key, allow_patterns=[gguf_file, "*.json", "*.jinja"],
