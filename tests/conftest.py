@@ -12,6 +12,12 @@ import pytest
 from chat_data import build_bpe_tool_tokenizer
 from dist.launcher import REPO_ROOT, run_cli
 
+# No model hub in the tests: shardwise no longer forces offline mode (issue 46), the suite
+# does; tests/test_hub.py builds its own Hub cache and turns it off where it talks to a
+# local stand-in of the Hub.
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
     """The folder `name`, filled by `build(folder)` once per `make test`. Under pytest-xdist

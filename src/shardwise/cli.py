@@ -26,7 +26,6 @@ from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc
 from shardwise.errors import ShardwiseError, as_disk_full
 from shardwise.jobs import configs, supervisor
-from shardwise.models.hub import local_files_only
 from shardwise.rl.cluster import WorkerError
 
 COMMANDS_MODULE = "shardwise.jobs.commands"
@@ -40,7 +39,6 @@ def cmd_rl(args: argparse.Namespace, ahead: bool = False) -> int:
     command under its supervisor) a local Ray's head starts while the job imports
     (`shardwise.jobs.supervisor.control`)."""
     check_nproc(args.nproc)
-    local_files_only()
     cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
     return supervisor.control("shardwise.jobs.rl", cfg, args.nproc or ranks or 1, ahead=ahead)
 

@@ -66,6 +66,7 @@ from shardwise.checkpoint.dcp import (
 )
 from shardwise.config.dtypes import to_torch_dtype
 from shardwise.config.load import config_from_dict
+from shardwise.config.schema import Config
 from shardwise.data.tokenizer import (
     TOKENIZER_PATTERNS,
     has_tokenizer_files,
@@ -444,7 +445,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
                       dtype: torch.dtype | str | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                       tokenizer_dir: str | Path | None = None,
-                      task: str | None = None, merged: bool = False) -> ExportReport | Path:
+                      task: str | None = None, merged: bool = False,
+                      config: Config | None = None) -> ExportReport | Path:
     """Write the model of a DCP checkpoint directory as an HF folder; one process, no
     process group.
 
@@ -458,7 +460,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
     digests); a damaged one is an ExportError naming the folder and the first problem.
 
     A LoRA run's checkpoint (adapters only): `export_lora_checkpoint`, a PEFT adapter folder
-    or, with `merged`, the merged HF model.
+    or, with `merged`, the merged HF model. `config`: the run's Config as the caller
+    resolved it (`shardwise.jobs.export`: its inputs in this machine's Hub cache) instead of
+    meta.json's.
     """
     # DCP's .metadata is a pickle: read it with the checkpoint module's restricted unpickler.
     ckpt = Path(checkpoint_dir)
@@ -479,7 +483,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *,
         raise ExportError(f"{str(meta_path)!r} cannot be read: {exc}") from None
     if "config" not in meta:
         raise ExportError(f"{str(meta_path)!r} has no 'config' entry (the run's config)")
-    cfg = config_from_dict(meta["config"])
+    cfg = config if config is not None else config_from_dict(meta["config"])
     if cfg.model.lora.enabled:
         return export_lora_checkpoint(ckpt, cfg, out_dir, merged, tokenizer_dir, max_shard_bytes, dtype)
     hf_config = load_hf_config(cfg.model)

@@ -106,11 +106,21 @@ class LoraSettings(Section):
 
 class ModelConfig(Section):
     path: str | None = None
-    """A local HF folder (config.json + safetensors [+ tokenizer]); pickled weights are refused."""
+    """A local HF folder (config.json + safetensors [+ tokenizer]; pickled weights are
+    refused), a Hub model id ORG/NAME where no local folder of that name exists (downloaded
+    into the Hub cache, HF_HOME / HF_HUB_CACHE; offline: read from it), or a .gguf file
+    (dequantized once into an HF folder under ~/.cache/shardwise/gguf). See docs/hub.md."""
+    revision: str = "main"
+    """The branch, tag or commit of a Hub model id (model.path, and model.tokenizer when it
+    is the same id); no effect for a local folder."""
+    gguf_file: str | None = None
+    """The .gguf file inside model.path (a local folder or a Hub id) to load through
+    transformers' GGUF support, dequantized once into an HF folder; null: model.path's HF
+    weights (or model.path is itself a .gguf file)."""
     config: dict[str, Any] | None = None
     """Or an inline HF config for random init, e.g. {model_type: qwen3, hidden_size: 64, ...}."""
     tokenizer: str | None = None
-    """Local tokenizer folder; default: model.path, or the task's own (built into run.dir/tokenizer)."""
+    """Local tokenizer folder or Hub id; default: model.path, or the task's own (built into run.dir/tokenizer)."""
     dtype: DType = "fp32"
     """dtype of the sharded master weights."""
     freeze: list[str] = []
@@ -327,7 +337,14 @@ class TrainConfig(Section):
 
 class DataConfig(Section):
     source: str = "builtin:arithmetic"
-    """builtin:NAME, or a local .jsonl / .json / .parquet file."""
+    """builtin:NAME, a local .jsonl / .json / .parquet file (or a glob of several, read in
+    name order: data/train-*.parquet), or a Hub dataset id ORG/NAME (its files of
+    data.subset and data.split; docs/hub.md)."""
+    subset: str | None = None
+    """A Hub dataset's subset (its config name, e.g. main for openai/gsm8k); null: the
+    dataset's default (files not under a subset folder, or its only subset)."""
+    split: str = "train"
+    """The split of a Hub dataset data.source reads."""
     num_examples: Pos = 2048
     """builtin:NAME only: how many training examples the task generates from run.seed
     (its held-out prompts are generated apart, from run.seed + 10000)."""
@@ -415,6 +432,8 @@ class EvalConfig(Section):
     """Validation data: any format data.source takes (read with the data.* keys), or
     builtin:<task> (its held-out examples). null: a built-in data.source's held-out
     prompts (RL, infer: the greedy accuracy the jobs print), else no evaluation."""
+    split: str = "test"
+    """The split of a Hub dataset eval.source reads (its subset: data.subset)."""
     every_steps: NonNeg = 0
     """Evaluate every this many steps, and at step 0 and at the end; 0: at step 0 and at
     the end only."""

@@ -16,6 +16,10 @@ cached and no network:
   ``.jsonl`` file that is one array) is read all the same, as the `datasets` library did;
 - ``.parquet``: through ``pyarrow.parquet`` (imported only for such a file).
 
+A path with ``*`` / ``?`` / ``[...]`` that names no file as it is reads every file it
+matches, in name order (``data/train-*.parquet``): how a Hub dataset's split arrives
+(`shardwise.models.hub` resolves a dataset id into such a path in the Hub cache).
+
 Text must be UTF-8 (a leading byte-order mark is allowed). Every problem with the source
 (a missing file, a directory, an unknown extension, bytes that are not UTF-8, bad JSON, a
 line that is not an object, no records at all, a key the rows lack, a value that is not
@@ -28,6 +32,7 @@ process starts.
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 from collections.abc import Iterable
@@ -117,7 +122,7 @@ def load_records(
         columns = list(examples[0]) if examples else ["prompt", "response"]
         found = _Rows(examples, [f"row {i}" for i in range(len(examples))], columns)
     else:
-        found = _read_file(source, source_key)
+        found = _read_files(source, source_key)
     if fmt not in FORMATS:
         raise _error(f"data.format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if messages_key == "messages" and not _has_key("messages", found.columns) and "conversations" in found.columns:
@@ -207,6 +212,33 @@ def _json_value(value: Any, source: str, where: str, config_key: str) -> Any:
 
 
 # ---------------------------------------------------------------- files
+
+
+GLOB_CHARACTERS = "*?["
+"""A source path holding one of these (and naming no file as it is) is a glob of files."""
+
+
+def _read_files(source: str, key: str) -> _Rows:
+    """The rows of the file `source`, or of every file its glob matches (``*``, ``?``,
+    ``[...]`` in the path: ``data/train-*.parquet``, the files of a Hub dataset's split),
+    read in name order, each by its own reader, and concatenated; a row's place then names
+    its file."""
+    path = Path(source).expanduser()
+    if not any(c in source for c in GLOB_CHARACTERS) or path.exists():
+        return _read_file(source, key)
+    files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    if not files:
+        raise _error(f"{key}: '{source}' matches no file (resolved pattern {path.resolve()}); fix {key} (a "
+                     "relative path is read from the working directory)")
+    if len(files) == 1:
+        return _read_file(files[0], key)
+    rows, where, columns = [], [], []
+    for f in files:
+        found = _read_file(f, key)
+        rows += found.rows
+        where += [f"file {Path(f).name!r} {w}" for w in found.where]
+        columns += [c for c in found.columns if c not in columns]
+    return _Rows(rows, where, columns)
 
 
 def _read_file(source: str, key: str) -> _Rows:

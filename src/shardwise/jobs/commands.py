@@ -14,18 +14,25 @@ from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc
 from shardwise.jobs import configs, export, infer, plan, preview, report, sft
 from shardwise.jobs.launcher import run_job
-from shardwise.models.hub import local_files_only
+from shardwise.models.hub import resolve_inputs
 
 __all__ = ["cmd_config", "cmd_convert", "cmd_data", "cmd_export", "cmd_infer", "cmd_plan", "cmd_train"]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The sharding plan of a config; see shardwise.jobs.plan."""
-    local_files_only()
-    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
+    cfg, ranks = _load(args)
     plan.show(cfg, args.world_size, ranks, hardware=args.hardware, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
               scan=args.scan, rl=args.rl, as_json=args.json)
     return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Config, int | None]:
+    """The command's config (`configs.load`) with its inputs named by Hub id or GGUF file
+    resolved, once, into local paths (`shardwise.models.hub.resolve_inputs`: a download; one
+    line and exit 2 when that fails), and the rank count its file names."""
+    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
+    return resolve_inputs(cfg), ranks
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -43,8 +50,7 @@ def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], N
     check_nproc(args.nproc)
     nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                                    args.rdzv_endpoint, args.rdzv_timeout)
-    local_files_only()
-    cfg, ranks = configs.load(args.config, args.overrides, args.dialect)
+    cfg, ranks = _load(args)
     dialect = ["--dialect", args.dialect] if args.dialect else []
     return run_job(job, cfg, summary, nproc=args.nproc, config_ranks=ranks, nodes=nodes,
                    argv=[args.command, args.config, *dialect, *args.overrides])
@@ -52,7 +58,6 @@ def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], N
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint folder as an HF folder; see shardwise.jobs.export."""
-    local_files_only()
     out = export.run(export.prepare(args.checkpoint_dir, args.out_dir, merged=args.merged, force=args.force))
     print(f"exported {args.checkpoint_dir} -> {out}")
     return 0
@@ -67,8 +72,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     """The first examples (or prompts) of a config's data as its job feeds them; see
     shardwise.jobs.preview."""
-    local_files_only()
-    cfg, _ = configs.load(args.config, args.overrides, args.dialect)
+    cfg, _ = _load(args)
     try:
         preview.show(cfg, args.n, args.prompts, as_json=args.json)
     except KeyboardInterrupt:  # Ctrl-C while a long or slow data set prepares: one line, no traceback

@@ -18,11 +18,15 @@ from shardwise.checkpoint.dcp import (
     COMMITTED,
     incomplete_reason,
     is_complete,
+    read_meta,
     verify_checkpoint,
 )
 from shardwise.checkpoint.hf_export import ExportReport, export_checkpoint
+from shardwise.config.load import config_from_dict
 from shardwise.config.paths import resolve_dots
+from shardwise.config.schema import Config
 from shardwise.errors import ConfigError
+from shardwise.models.hub import resolve_inputs
 
 __all__ = ["Prepared", "prepare", "run"]
 
@@ -33,6 +37,10 @@ class Prepared:
     out_dir: Path
     merged: bool = False
     """A LoRA checkpoint: the merged model instead of the adapter folder."""
+    config: Config | None = None
+    """The run's config with its inputs resolved here (`shardwise.models.hub`: a Hub
+    snapshot it names, from another machine's cache, found in this one's); None: meta.json's
+    as it is (the export reports what it cannot read)."""
 
 
 def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False, force: bool = False) -> Prepared:
@@ -49,7 +57,18 @@ def prepare(checkpoint_dir: str, out_dir: str, merged: bool = False, force: bool
     if problems:
         raise ConfigError("CHECKPOINT_DIR", f"{str(ckpt)!r} failed verification: {problems[0]}",
                           "export an intact checkpoint (an older step)")
-    return Prepared(ckpt, out, merged)
+    return Prepared(ckpt, out, merged, _run_config(ckpt))
+
+
+def _run_config(ckpt: Path) -> Config | None:
+    """The checkpoint's run config with its model, tokenizer and data inputs resolved
+    (`resolve_inputs`: a failure is one line before anything is written); None when
+    meta.json holds none the schema reads."""
+    try:
+        cfg = config_from_dict(read_meta(ckpt)["config"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return resolve_inputs(cfg, data=False)
 
 
 def check_out_dir(out: Path, force: bool, given: str | None = None) -> None:
@@ -76,4 +95,5 @@ def check_out_dir(out: Path, force: bool, given: str | None = None) -> None:
 
 
 def run(prepared: Prepared) -> ExportReport | Path:
-    return export_checkpoint(prepared.checkpoint_dir, prepared.out_dir, merged=prepared.merged)
+    return export_checkpoint(prepared.checkpoint_dir, prepared.out_dir, merged=prepared.merged,
+                             config=prepared.config)

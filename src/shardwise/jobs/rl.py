@@ -57,6 +57,7 @@ from shardwise.jobs.inputs import (
 from shardwise.jobs.report import rl as report
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models import families
+from shardwise.models.hub import resolve_inputs
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
 from shardwise.rl.async_trainer import AsyncController
@@ -100,7 +101,9 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     """Every check that can fail on the user's input; raises a ShardwiseError, starts
     nothing, writes nothing. The workers build their own models; the meta model and plan
     built here only check the plan. `clock`: the start-up's timeline so far (default: one
-    from the command's launch)."""
+    from the command's launch). Its inputs named by Hub id or GGUF file are resolved first,
+    once, into the local paths the workers read (`shardwise.models.hub.resolve_inputs`)."""
+    cfg = resolve_inputs(cfg)
     clock = clock or StartupClock(launched_at())
     clock.lap("launch")  # the interpreter, imports, the config and the command's own checks
     train_ranks = rl_train_ranks(cfg, world_size)  # rl.async: the generator group takes the rest
