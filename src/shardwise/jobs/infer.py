@@ -107,7 +107,7 @@ log = logging.getLogger(__name__)
 REWARD_KEY = "infer.reward"
 SUMMARY_FILE = "infer_summary.json"
 
-__all__ = ["Prepared", "prepare", "reward_spec", "run"]
+__all__ = ["Prepared", "prepare", "resume_words", "reward_spec", "run"]
 
 
 @dataclass
@@ -190,6 +190,14 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     fn = contain(fn, name)  # a user's function runs in a child of its own (started by run)
     planned = plan_for(cfg, spec)
     return Prepared(cfg, spec, records, name, fn, planned, agents, plan)
+
+
+def resume_words(cfg: Config) -> str:
+    """What the launching side says after an interrupted (or torchrun-ended) `shardwise
+    infer`, where a training job names its last committed checkpoint: infer keeps none,
+    and writes its answers only when every prompt has one."""
+    return (f"shardwise infer keeps no checkpoints and writes {output_path(cfg)} only at the end; "
+            "the same command answers every prompt again")
 
 
 GENERATION_KEYS = ("index", "sample", "prompt", "response")

@@ -84,7 +84,8 @@ def _launch(job: ModuleType, cfg: Config, nproc: int, nodes: launch.Nodes | None
     finally:
         if zygote is not None:
             zygote.close()
-    line = res.line(lambda: resume_line(cfg.run.dir))
+    words = getattr(job, "resume_words", None)  # a job without checkpoints (infer) says what it keeps
+    line = res.line(lambda: words(cfg) if words is not None else resume_line(cfg.run.dir))
     if line is None:
         return 0
     failure = res.failure if res.interrupted is None else None
