@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 from dist.common import TINY_QWEN3
-from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree
+from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, run_cli
 
 INFER = str(REPO_ROOT / "examples" / "infer_arithmetic.yaml")
 
@@ -54,3 +55,27 @@ def test_ctrl_c_of_infer_names_no_checkpoint(tmp_path):
         _kill_tree(proc.pid)
         proc.wait()
         out.close()
+
+
+GRPO = str(REPO_ROOT / "examples" / "grpo_arithmetic.yaml")
+
+
+def test_tools_kwargs_key_naming_no_mapping_is_one_line(tmp_path):
+    """``rl.multi_turn.tools_kwargs_key`` naming a value that is not ``{tool: {argument:
+    value}}`` was ignored on every call, silently; it is one line naming the key and the
+    row, exit 2, before anything starts (and a tool's entry that is not a mapping too)."""
+    rows = [{"prompt": "2+3=", "response": "5", "extra_info": {"answer": "5", "tools_kwargs": {"calculator": {}}}},
+            {"prompt": "1+1=", "response": "2", "extra_info": {"answer": "2", "tools_kwargs": {"calculator": 7}}}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["rl", GRPO, "--nproc", "1", "model.path=null", TINY_QWEN3.replace("vocab_size: 64", "vocab_size: 72"),
+              f"data.source={tmp_path / 'data.jsonl'}",
+              "rl.multi_turn.enabled=true", "rl.tools=[shardwise.agents.builtin:calculator]", "rl.reward.function=builtin:arithmetic",
+              "rl.heldout_eval=false"]
+    for key, said in (("extra_info.answer", "'extra_info.answer' holds str '5' in data.source row 0, not a mapping"),
+                      ("extra_info.tools_kwargs", "in data.source row 1 gives tool 'calculator' int 7")):
+        run = tmp_path / key
+        res = run_cli([*common, f"run.dir={run}", f"rl.multi_turn.tools_kwargs_key={key}"], timeout=120, cwd=tmp_path)
+        lines = [x for x in res.stderr.splitlines() if "config error" in x]
+        assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+        assert "rl.multi_turn.tools_kwargs_key" in lines[0] and said in lines[0], lines[0]
+        assert not run.exists()
