@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from dist.common import TINY_QWEN3
 from dist.launcher import REPO_ROOT, SRC_DIR, _kill_tree, run_cli
