@@ -74,9 +74,11 @@ RDZV_TIMEOUT_S = 300
 """Seconds a node waits at the rendezvous for the job's other nodes (``--rdzv-timeout``):
 long enough for nodes started by hand or by a scheduler minutes apart, short enough that a
 node that never comes ends the others with one line naming the endpoint."""
-RDZV_MARGIN_S = 10.0
-"""Beyond ``--rdzv-timeout`` (and a tenth of it), how long a node's torchrun may go without
-starting its ranks before it ends itself (`rendezvous_bound_s`)."""
+RDZV_MARGIN_S = 2.0
+"""Beyond ``--rdzv-timeout``, how long a node's torchrun may go without starting its ranks
+before it ends itself (`rendezvous_bound_s`): room for torch's own timeouts, which start a
+moment after the wrapper's and name what was missing, to come first (issue 50: a margin of
+a tenth plus 10 s made ``--rdzv-timeout 40`` end after 60 s)."""
 MASTER_PORT = 29500
 """torchrun's default ``--master-port``."""
 RENDEZVOUS_FAILED = "RendezvousFailed"
@@ -272,9 +274,9 @@ def rendezvous_bound_s(timeout_s: float) -> float:
     torch bounds most of the rendezvous by ``--rdzv-timeout``, but not all of it: a store
     client connected to a program that squats the port and never answers waits as long as
     that program lives. The torchrun wrapper ends the node after this long without a rank
-    (`shardwise.distributed.torchrun`); the margin leaves torch's own timeouts, which name
-    what was missing, to come first."""
-    return timeout_s * 1.1 + RDZV_MARGIN_S
+    (`shardwise.distributed.torchrun`); the margin (`RDZV_MARGIN_S`) leaves torch's own
+    timeouts, which name what was missing, to come first."""
+    return timeout_s + RDZV_MARGIN_S
 
 
 def _check_port(flag: str, port: int) -> None:

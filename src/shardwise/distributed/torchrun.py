@@ -114,8 +114,8 @@ def _bound_rendezvous(args, folder: str | None) -> None:
             if descendants(os.getpid()):
                 return
         endpoint = _endpoint(args)
-        why = TimeoutError(f"nothing at {endpoint} answered as the job's rendezvous within {bound:.0f} s: "
-                           "is another program listening on that port?")
+        why = TimeoutError(f"nothing at {endpoint} answered as the job's rendezvous within --rdzv-timeout {waited} s "
+                           f"(+{bound - int(waited):g} s): is another program listening on that port?")
         _note(folder, LAUNCHER_FILE, rank=None, type=RENDEZVOUS_FAILED, message=_rendezvous_line(args, why),
               traceback="")
         if debug_enabled():
