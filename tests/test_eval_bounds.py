@@ -1,0 +1,60 @@
+"""Issue 50, findings 6 and 7: what an evaluation holds and writes is bounded.
+
+- a huge row of ``eval.source`` is cut before it is held whole, with one note;
+- a full disk while writing ``samples/step_*.jsonl``: one line naming the file and the free
+  space, the partial file removed, no empty ``error.txt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+@contextlib.contextmanager
+def _tmpfs(mount: Path, size: str):
+    """A real small filesystem (a tmpfs of `size`) at `mount`: a full disk gives ENOSPC as it
+    does on any disk. Mounting needs root: skipped, saying so, where it is refused."""
+    mount.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}): the test needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_while_writing_samples_names_the_file_and_removes_the_partial_one(tmp_path):
+    """A full disk while writing an evaluation's samples ended with a line naming neither the
+    file nor the free space, a partial ``step_*.jsonl.tmp`` left on the full disk (so the
+    suggested resume failed again) and an empty ``error.txt``. Now: DiskFullError (exit
+    74) naming the file, the free space and the file's size; no partial file; the earlier
+    samples intact; and a report that cannot be written leaves no empty error.txt."""
+    from shardwise.engine.evaluate import samples_path, write_samples
+    from shardwise.errors import DiskFullError
+    from shardwise.jobs.rundir import ERROR_FILE, write_error_file
+
+    with _tmpfs(tmp_path / "small", "256k") as run:
+        first = write_samples(run, 0, [{"index": 0, "response": "4"}])
+        rows = [{"index": i, "prompt": "x" * 1000, "response": "y" * 1000} for i in range(200)]  # ~400 KB
+        with pytest.raises(DiskFullError) as err:
+            write_samples(run, 2, rows)
+        line = str(err.value)
+        assert err.value.exit_status == 74 and "\n" not in line
+        assert f"evaluation samples '{samples_path(run, 2)}' could not be written: the disk holding it is full" in line
+        assert " free, the file needs about 39" in line and "KiB" in line, line  # 200 rows of ~2 KB
+        assert "step_0000002.jsonl.tmp was removed" in line and "no checkpoint was committed yet" in line, line
+        assert sorted(p.name for p in (run / "samples").iterdir()) == [first.name]
+        assert first.read_text() == '{"index": 0, "response": "4"}\n'
+        # the disk full again (by something else): the error report cannot be written, and
+        # no empty error.txt claims to be it
+        with contextlib.suppress(OSError), open(run / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+        assert write_error_file(run, "the controller", "Traceback ...\n" * 1000) is None
+        assert not (run / ERROR_FILE).exists()
