@@ -511,3 +511,25 @@ def test_a_checkpoint_keeps_where_the_balance_moved_the_reference_share(tmp_path
     resumed.load_state_dict(state)
     assert resumed.reference_share == 0.8125  # a resumed run splits the rows as the uninterrupted one would
 
+
+
+def test_drop_at_staleness_1_keeps_what_a_generator_that_keeps_up_makes(tmp_path):
+    """Issue 50: ``on_stale: drop`` at ``max_staleness: 1`` threw the whole batch away on
+    every step from step 3 on. Drop submitted generation one step further than throttle
+    (t <= s + S + 1) without waiting for weights, so a generator that keeps up made step t's
+    batch at step t - S - 1 from the newest version then, t - S - 1: S + 1 old when t
+    trains, always too old. A generator answering at once from the newest version
+    published: nothing is dropped, and every row is at most S old."""
+    ctl = controller(tmp_path, "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=6")
+    published = [0]
+    ctl.gen = GeneratorGroup(lambda n, call: [published[0]] * n, lambda call: 2)
+    dropped, staleness = [], []
+    for s in range(6):
+        ctl.step = s
+        ctl.submit_ahead()
+        metrics: dict[str, float] = {}
+        batch = ctl._take(s, metrics)
+        dropped.append(metrics["async/dropped"])
+        staleness.append(int(s - batch.arrays["version"].min()))
+        published[0] = s + 1  # the update of step s publishes version s + 1
+    assert dropped == [0.0] * 6 and max(staleness) <= 1, (dropped, staleness)

@@ -24,9 +24,12 @@ The loop (`AsyncController.rollout`, then the synchronous `Controller.update`):
   old and nothing is thrown away. With S = 0 each step's generation waits for the previous
   update: the same prompts, seeds, samples, metrics and weights as the synchronous run on
   as many training ranks.
-- drop: generation is submitted one step further (t <= s + S + 1) and never waits for
-  weights (it asks only for v0); the rows of step s older than S versions when s trains are
-  dropped (``async/dropped``) and generated again from version s - S or newer.
+- drop: generation is submitted as far (t <= s + S) but never waits for weights (it asks
+  only for v0): the generator makes it from the newest version it holds, and the rows of
+  step s older than S versions when s trains are dropped (``async/dropped``) and generated
+  again from version s - S or newer. (It was submitted one step further, t <= s + S + 1:
+  at step s the newest version is s, so a generator that kept up made that batch S + 1
+  versions old, and every step from the third on dropped its whole batch; issue 50.)
 
 Then the trainer waits for step s's batch (``time/trainer_wait``), scores it, updates, and
 publishes version s + 1 (``time/publish``: gathering the full weights; the push itself runs
@@ -279,7 +282,9 @@ class AsyncController(Controller):
         """Generation for every step the capacity rule allows that is not submitted yet."""
         assert self.gen is not None
         s, limit = self.max_staleness, self.cfg.train.max_steps - 1
-        horizon = self.step + s + (self.on_stale == "drop")
+        # not further with drop: at step s the newest version is s, so a batch for s + S + 1
+        # made at once is S + 1 old when it trains, and all of it would be dropped
+        horizon = self.step + s
         while self._next_step <= min(horizon, limit):
             t = self._next_step
             self._sampler_at[t] = self.sampler.state_dict()
