@@ -77,7 +77,7 @@ from shardwise.data.batch import Batch
 from shardwise.data.rewards import RewardFn
 from shardwise.engine.evaluate import EvalPlan
 from shardwise.models.vision import VisionInputs
-from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerGroup, gpus_for, init_ray
+from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerError, WorkerGroup, gpus_for, init_ray
 from shardwise.rl.local import group_class, local_gpus
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, engine_metrics, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker, reference_on_generator
@@ -93,6 +93,9 @@ MARGIN_S = 30.0
 """The controller waits this much longer than ``rl.async.timeout_s`` for a call whose worker
 bounds its own wait by the same timeout: the worker's line (which names what it waited for)
 comes first."""
+PROBE_S = 10.0
+"""After the weight push failed, how long the controller waits for the generator group to
+show whether one of its ranks died (Ray reports a dead process within a second or two)."""
 
 
 def async_worker_groups(cfg: Config) -> dict[str, list[str]]:
@@ -224,10 +227,32 @@ class AsyncController(Controller):
     def publish(self, version: int) -> dict[str, float]:
         """The actor's weights to the generator as `version` (gathered now, sent in the
         background); the gather's metrics."""
-        out = self.group.submit("publish_weights", version).result(
-            self.timeout_s + MARGIN_S, what=f"publishing the weights of version {version}")
+        try:
+            out = self.group.submit("publish_weights", version).result(
+                self.timeout_s + MARGIN_S, what=f"publishing the weights of version {version}")
+        except WorkerError as e:
+            lost = self._generator_lost()
+            if lost is not None:  # the push broke because a generator rank died: name that rank
+                raise lost from e
+            raise
         self.version = version
         return dict(out or {})
+
+    def _generator_lost(self) -> WorkerError | None:
+        """After a push failed: the generator group's own line when one of its ranks is dead
+        (its process gone: "worker group 'gen' lost rank R in ... died (killed by SIGKILL)"),
+        found through the generations in flight, or a cheap call when none is; None when
+        its ranks answer, or do not within `PROBE_S` (the push's own error then stands)."""
+        if self.gen is None:
+            return None
+        probes = [(p, f"generate_sequences for step {t + 1}") for t, (p, _) in sorted(self.in_flight.items())]
+        try:
+            for p, what in probes or [(self.gen.submit("weight_version"), "receiving the weights")]:
+                p.result(PROBE_S, what=what)
+        except WorkerError as w:
+            # both backends word a dead rank so (`RayWorkerGroup._failure`, the local group's)
+            return w if str(w).startswith(f"worker group {self.gen.name!r} lost ") else None
+        return None
 
     def close(self, graceful: bool = True) -> None:
         """The generator group first (its bridge receiver), then the training groups."""
