@@ -79,8 +79,10 @@ def _engine_segments(run_dir: Path) -> list[str]:
     """The shared-memory segments of the run's vLLM engines: named ``shardwise-vllm-<pid>-...``
     after the pid of the engine's rank 0 (`VLLMGenerator`), one of the run's workers
     (run_dir/workers.json). Not every ``shardwise-vllm`` segment on the machine: under
-    ``make test`` (two xdist workers) another file's engine may hold its own meanwhile, and
-    reading those failed this test now and then (issue 50, 10)."""
+    ``make test`` (two xdist workers, whole files each) test_vllm_engine.py's engine over two
+    ranks (tensor parallel 2: segments ``..._0`` and ``..._1``) may run meanwhile, and
+    reading its segments failed this test now and then (issue 50, 10); this run's engines
+    (tensor parallel 1) make none, watched every second through a whole run."""
     pids = {w["pid"] for ranks in json.loads((run_dir / "workers.json").read_text()).values() for w in ranks}
     return sorted(p.name for p in Path("/dev/shm").glob("shardwise-vllm-*")
                   if p.name.split("-")[2].isdigit() and int(p.name.split("-")[2]) in pids)
