@@ -10,27 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import subprocess
-from pathlib import Path
 
 import pytest
-from dist.common import TINY_QWEN3
+from dist.common import TINY_QWEN3, tmpfs
 from dist.launcher import REPO_ROOT
-
-
-@contextlib.contextmanager
-def _tmpfs(mount: Path, size: str):
-    """A real small filesystem (a tmpfs of `size`) at `mount`: a full disk gives ENOSPC as it
-    does on any disk. Mounting needs root: skipped, saying so, where it is refused."""
-    mount.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}): the test needs root")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def test_a_full_disk_while_writing_samples_names_the_file_and_removes_the_partial_one(tmp_path):
@@ -43,7 +26,7 @@ def test_a_full_disk_while_writing_samples_names_the_file_and_removes_the_partia
     from shardwise.errors import DiskFullError
     from shardwise.jobs.rundir import ERROR_FILE, write_error_file
 
-    with _tmpfs(tmp_path / "small", "256k") as run:
+    with tmpfs(tmp_path / "small", "size=256k") as run:
         first = write_samples(run, 0, [{"index": 0, "response": "4"}])
         rows = [{"index": i, "prompt": "x" * 1000, "response": "y" * 1000} for i in range(200)]  # ~400 KB
         with pytest.raises(DiskFullError) as err:
