@@ -344,11 +344,12 @@ def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict]) -> Pa
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         os.replace(tmp, path)
     except OSError as e:
-        with contextlib.suppress(OSError):
+        full = _samples_disk_full_line(run_dir, path, tmp, rows) if e.errno == errno.ENOSPC else None
+        with contextlib.suppress(OSError):  # the free space above is the full disk's, before this
             tmp.unlink(missing_ok=True)
-        if e.errno != errno.ENOSPC:
+        if full is None:
             raise
-        raise DiskFullError(_samples_disk_full_line(run_dir, path, tmp, rows)) from None
+        raise DiskFullError(full) from None
     return path
 
 
