@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist.common import TINY_QWEN3
+from dist.common import TINY_QWEN3, tmpfs
 from dist.launcher import (
     REPO_ROOT,
     SRC_DIR,
@@ -558,25 +558,13 @@ def test_a_ray_address_where_nothing_answers_fails_in_seconds(tmp_path, capsys, 
 # ------------------------------------------------------------ a full disk
 
 
-@contextlib.contextmanager
-def _tmpfs(mount: Path, options: str):
-    """A tmpfs mounted at `mount` with `options` (e.g. ``size=1100k``, ``ro``). Mounting
-    needs root (CAP_SYS_ADMIN): skipped, saying so, where it is refused."""
-    mount.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs ({options}) here ({res.stderr.strip() or res.returncode}): the test needs root")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1100 KiB tmpfs: room for one checkpoint of the tiny model (about 650 KiB) but not
     two."""
-    with _tmpfs(tmp_path / "small", "size=1100k") as mount:
+    with tmpfs(tmp_path / "small", "size=1100k") as mount:
         yield mount
 
 
@@ -613,7 +601,7 @@ def test_a_full_disk_during_the_hf_export_names_it_and_the_intact_checkpoint(tmp
     space and the export's size, the partial folder removed, the checkpoint intact."""
     from shardwise.checkpoint.dcp import verify_checkpoint
 
-    with _tmpfs(tmp_path / "small", "size=760k") as disk:
+    with tmpfs(tmp_path / "small", "size=760k") as disk:
         run = disk / "run"
         res = run_cli(["train", SFT, "--nproc", "2", f"run.dir={run}", *TINY, "train.max_steps=1",
                        "checkpoint.every_steps=0", "checkpoint.async=false"], timeout=180)
@@ -635,7 +623,7 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_before_launch(tmp_path, 
 
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
-    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         for run_dir in (ro, ro / "run"):
             for command in (["train", SFT], ["rl", GRPO]):
                 assert main([*command, f"run.dir={run_dir}", "--nproc", "2"]) == 2, (run_dir, command)

@@ -511,3 +511,76 @@ def test_a_checkpoint_keeps_where_the_balance_moved_the_reference_share(tmp_path
     resumed.load_state_dict(state)
     assert resumed.reference_share == 0.8125  # a resumed run splits the rows as the uninterrupted one would
 
+
+
+def test_drop_at_staleness_1_keeps_what_a_generator_that_keeps_up_makes(tmp_path):
+    """Issue 50: ``on_stale: drop`` at ``max_staleness: 1`` threw the whole batch away on
+    every step from step 3 on. Drop submitted generation one step further than throttle
+    (t <= s + S + 1) without waiting for weights, so a generator that keeps up made step t's
+    batch at step t - S - 1 from the newest version then, t - S - 1: S + 1 old when t
+    trains, always too old. A generator answering at once from the newest version
+    published: nothing is dropped, and every row is at most S old."""
+    ctl = controller(tmp_path, "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=6")
+    published = [0]
+    ctl.gen = GeneratorGroup(lambda n, call: [published[0]] * n, lambda call: 2)
+    dropped, staleness = [], []
+    for s in range(6):
+        ctl.step = s
+        ctl.submit_ahead()
+        metrics: dict[str, float] = {}
+        batch = ctl._take(s, metrics)
+        dropped.append(metrics["async/dropped"])
+        staleness.append(int(s - batch.arrays["version"].min()))
+        published[0] = s + 1  # the update of step s publishes version s + 1
+    assert dropped == [0.0] * 6 and max(staleness) <= 1, (dropped, staleness)
+
+
+class Failing:
+    """A call whose result raises `error` (what a group's `Pending` raises for it)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def result(self, timeout_s=None, what=None):
+        raise self.error
+
+
+def test_a_push_broken_by_a_dead_generator_rank_names_that_rank(tmp_path):
+    """Issue 50: a generator rank killed while the actor pushed weights to it was reported as
+    the actor's failure, in gloo's words (``rl.publishing the weights of version 2 failed on
+    rank 0: BridgeError ... [gloo pair.cc] Connection closed by peer``), where a killed
+    trainer rank reads ``lost rank 0 ... died (killed by SIGKILL)``. The controller now asks
+    the generator group, and its line names the generator rank that died; a push that broke
+    with every generator rank alive keeps its own line."""
+    from shardwise.rl.cluster import WorkerError
+
+    ctl = controller(tmp_path, "rl.async.max_staleness=1", "train.max_steps=4")
+    broken = WorkerError("rl.publishing the weights of version 2 failed on rank 0: BridgeError: weights: the push "
+                         "of version 1 failed (bucket 1 of 1): generator rank 0 did not answer: [gloo pair.cc] "
+                         "Connection closed by peer")
+    died = WorkerError("worker group 'gen' lost rank 0 in generate_sequences for step 3: its process (pid 4242 on "
+                       "127.0.0.1) died (killed by SIGKILL)")
+
+    class Groups:
+        def __init__(self, name, answer):
+            self.name, self.answer, self.calls = name, answer, []
+
+        def submit(self, method, *args, **kwargs):
+            self.calls.append(method)
+            return self.answer
+
+    ctl.groups["rl"] = Groups("rl", Failing(broken))
+    ctl.step, ctl.gen = 1, Groups("gen", Generated(None))
+    ctl.in_flight = {2: (Failing(died), None)}  # the step generating when the rank died
+    with pytest.raises(WorkerError) as e:
+        ctl.publish(2)
+    assert str(e.value) == str(died) and e.value.__cause__ is broken
+    ctl.in_flight = {}  # nothing in flight: a cheap call finds the dead rank
+    ctl.gen = Groups("gen", Failing(died))
+    with pytest.raises(WorkerError) as e:
+        ctl.publish(2)
+    assert str(e.value) == str(died) and ctl.gen.calls == ["weight_version"]
+    ctl.gen = Groups("gen", Generated(0))  # every generator rank answers: the push's own line
+    with pytest.raises(WorkerError) as e:
+        ctl.publish(2)
+    assert e.value is broken

@@ -3,9 +3,11 @@ unsharded reference run, and the body each rank runs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -353,3 +355,18 @@ def assert_clean_rl_console(stderr: str, run_dir: Path) -> None:
         forwarded
     assert not [x for x in lines if "Warning" in x or "Token authentication" in x], stderr[-3000:]
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["controller.log", "rl-rank0.log", "rl-rank1.log"]
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, options: str):
+    """A tmpfs mounted at `mount` with `options` (e.g. ``size=1100k``, ``ro``): a real small
+    or read-only filesystem (a full one gives ENOSPC as any disk does). Mounting needs root
+    (CAP_SYS_ADMIN): skipped, saying so, where it is refused."""
+    mount.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here ({res.stderr.strip() or res.returncode}): the test needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

@@ -725,9 +725,10 @@ class AsyncConfig(Section):
     naming who did not answer."""
     on_stale: Literal["throttle", "drop"] = "throttle"
     """throttle: generation for a step starts only once the policy it needs exists (AReaL's
-    capacity rule; nothing is thrown away). drop: generation runs one step further ahead
-    without waiting for weights; rows older than max_staleness when their step trains are
-    dropped (counted in async/dropped) and generated again."""
+    capacity rule; nothing is thrown away). drop: generation for a step starts as early,
+    without waiting for weights (from the newest policy the generator holds); rows older
+    than max_staleness when their step trains are dropped (counted in async/dropped) and
+    generated again."""
     reference_on: Literal["actor", "generator", "balanced"] = "actor"
     """Where the reference policy's forward runs (rl.reference.enabled). actor: on the
     training ranks, in the step that trains the batch (the synchronous run's place).

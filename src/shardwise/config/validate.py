@@ -14,12 +14,14 @@ world / ulysses_size.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from shardwise.config.schema import Config, ParallelConfig, SamplingConfig, TrainConfig
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, short_repr
 
-__all__ = ["MeshSpec", "check_rl_rows", "check_sft_batch", "mesh_spec", "rl_train_ranks", "rl_update_groups"]
+__all__ = ["MeshSpec", "check_rl_rows", "check_tools_kwargs", "check_sft_batch", "mesh_spec", "rl_train_ranks", "rl_update_groups"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +154,27 @@ def check_generation_engine(sampling: SamplingConfig, world_size: int, key: str)
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tools_kwargs(records: Sequence[dict[str, Any]], key: str, config_key: str, source_key: str) -> None:
+    """Each record's value at the dotted `key` (``<section>.multi_turn.tools_kwargs_key``,
+    looked up in the record as the rollout looks it up) is absent or ``{tool name:
+    {argument: value}}``; anything else (a column holding text, a list, a tool's entry that
+    is not a mapping) would be ignored on every call, so it is a ConfigError naming
+    `config_key`, the row of `source_key` and what it holds."""
+    for i, record in enumerate(records):
+        value: Any = record
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            continue  # absent in this record: no per-row arguments
+        where = record.get("where") or f"{source_key} row {i}"
+        if not isinstance(value, dict):
+            raise ConfigError(config_key, f"{key!r} holds {type(value).__name__} {short_repr(value)} in {where}, "
+                              "not a mapping {tool name: {argument: value}}",
+                              "point it at such a column (e.g. extra_info.tools_kwargs), or set it to '' for none")
+        bad = next(((k, v) for k, v in value.items() if not isinstance(v, dict)), None)
+        if bad is not None:
+            raise ConfigError(config_key, f"{key!r} in {where} gives tool {short_repr(bad[0])} "
+                              f"{type(bad[1]).__name__} {short_repr(bad[1])}, not a mapping {{argument: value}}",
+                              "give each tool's arguments as an object")

@@ -56,8 +56,8 @@ from shardwise.data.template import Rendered
 from shardwise.errors import ConfigError, DataError, did_you_mean
 from shardwise.telemetry.progress import Heartbeat
 
-__all__ = ["Encoded", "Example", "conversation_example", "encode_prompt", "encode_record", "encode_records",
-           "prompt_ids", "prompt_text", "summarize_truncation", "tokenize_pair", "tokenize_prompt",
+__all__ = ["Encoded", "Example", "conversation_example", "cut_long_prompts", "encode_prompt", "encode_record",
+           "encode_records", "prompt_chars_bound", "prompt_ids", "prompt_text", "summarize_truncation", "tokenize_pair", "tokenize_prompt",
            "truncation_note"]
 
 UNLIMITED = 2**62
@@ -240,6 +240,58 @@ def summarize_truncation(lengths: Sequence[int], lost: Sequence[int], max_length
     cut = f", {sum(lost)} trained (response / assistant) tokens are cut off" if with_response else ""
     return (f"{len(long)} of {len(lengths)} {what} are longer than data.max_length={max_length} tokens "
             f"(longest {max(long)}) and are truncated ({kept}{cut}); raise data.max_length to keep them whole")
+
+
+PROMPT_CHARS_FLOOR = 1 << 16
+"""A prompt text (or a chat turn's content) of at most this many characters is never cut
+by `cut_long_prompts`, whatever the tokenizer."""
+
+
+def prompt_chars_bound(tokenizer: Any, max_length: int) -> int:
+    """The characters of a prompt's end that hold its last `max_length` tokens with room to
+    spare: a token covers at most as many characters as its vocabulary string is long (a
+    byte-level BPE's strings have one character per byte), so ``max_length`` tokens cover
+    at most ``max_length x`` the longest; twice that (a merge across the cut changes
+    only tokens far before the kept ones), and never under `PROMPT_CHARS_FLOOR`."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max(PROMPT_CHARS_FLOOR, 2 * max_length * max(1, longest))
+
+
+def cut_long_prompts(records: list[dict[str, Any]], max_length: int, tokenizer_fn: Any,
+                     source: str) -> tuple[list[dict[str, Any]], str | None]:
+    """`records` whose prompt texts (text prompts, or each chat turn's content) longer than
+    `prompt_chars_bound` keep only their last that many characters, and one sentence
+    saying so (None when nothing was cut). `encode_prompt` keeps a prompt's last
+    `max_length` tokens, so the tokens asked are the same; what is cut is never
+    tokenized, held in a batch or written to a samples file (issue 50: one 50 MB prompt
+    with data.max_length 16 grew the RL controller to 17.8 GB). `tokenizer_fn()` gives the
+    job's tokenizer, called only when some text is longer than `PROMPT_CHARS_FLOOR`;
+    `source`: the config key and file, for the sentence."""
+    def texts(r: dict[str, Any]) -> list[str]:
+        p = r.get("prompt")
+        if isinstance(p, str):
+            return [p]
+        return [t["content"] for t in p if isinstance(t.get("content"), str)] if isinstance(p, list) else []
+
+    if not any(len(t) > PROMPT_CHARS_FLOOR for r in records for t in texts(r)):
+        return records, None
+    bound = prompt_chars_bound(tokenizer_fn(), max_length)
+    out, cut, longest = [], 0, 0
+    for r in records:
+        long = [len(t) for t in texts(r) if len(t) > bound]
+        if not long:
+            out.append(r)
+            continue
+        cut, longest = cut + 1, max(longest, *long)
+        p = r["prompt"]
+        p = p[-bound:] if isinstance(p, str) else \
+            [{**t, "content": t["content"][-bound:]} if isinstance(t.get("content"), str) else t for t in p]
+        out.append({**r, "prompt": p})
+    if not cut:
+        return records, None
+    return out, (f"{source}: {cut} of {len(records)} prompts hold texts longer than {bound:,} characters (longest "
+                 f"{longest:,}) and are cut to their last {bound:,} when read: data.max_length={max_length} keeps "
+                 "only a prompt's last tokens, which that holds")
 
 
 # ---------------------------------------------------------------- plain pairs

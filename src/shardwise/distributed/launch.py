@@ -74,9 +74,11 @@ RDZV_TIMEOUT_S = 300
 """Seconds a node waits at the rendezvous for the job's other nodes (``--rdzv-timeout``):
 long enough for nodes started by hand or by a scheduler minutes apart, short enough that a
 node that never comes ends the others with one line naming the endpoint."""
-RDZV_MARGIN_S = 10.0
-"""Beyond ``--rdzv-timeout`` (and a tenth of it), how long a node's torchrun may go without
-starting its ranks before it ends itself (`rendezvous_bound_s`)."""
+RDZV_MARGIN_S = 2.0
+"""Beyond ``--rdzv-timeout``, how long a node's torchrun may go without starting its ranks
+before it ends itself (`rendezvous_bound_s`): room for torch's own timeouts, which start a
+moment after the wrapper's and name what was missing, to come first (issue 50: a margin of
+a tenth plus 10 s made ``--rdzv-timeout 40`` end after 60 s)."""
 MASTER_PORT = 29500
 """torchrun's default ``--master-port``."""
 RENDEZVOUS_FAILED = "RendezvousFailed"
@@ -93,6 +95,11 @@ pair.cc, the c10d store's socket): a consequence, never the cause."""
 FORK_RANKS_ENV = "SHARDWISE_FORK_RANKS"
 """Set by `launch_torchrun` for the torchrun wrapper whose ranks it forks (`fork_ranks`):
 the modules, comma-separated, the wrapper imports before it forks them."""
+RDZV_SINCE_ENV = "SHARDWISE_RDZV_SINCE"
+"""Set by `launch_torchrun` for a multi-node job's torchrun wrapper: when it was started
+(`time.monotonic()`, CLOCK_MONOTONIC, the same clock in every process of the machine), so
+that ``--rdzv-timeout`` counts from there, the wrapper's own start (a fresh interpreter
+importing torch: 5-20 s on a loaded machine) included."""
 FRESH_RANKS_ENV = "SHARDWISE_FRESH_RANKS"
 """'1': every rank is a fresh interpreter, also where `fork_ranks` would fork them."""
 RANK_PRELOAD = {"shardwise.cli": ("shardwise.cli", "shardwise.jobs.commands")}
@@ -268,13 +275,15 @@ def host_addresses(host: str) -> set[str]:
 
 
 def rendezvous_bound_s(timeout_s: float) -> float:
-    """Seconds a node's torchrun may wait to meet the other nodes before it gives up itself.
+    """Seconds a node's torchrun may wait to meet the other nodes before it gives up itself,
+    counted from its start (`RDZV_SINCE_ENV`; torch's own timeouts, shortened by the seconds
+    the wrapper took to start, end at ``timeout_s`` from there).
     torch bounds most of the rendezvous by ``--rdzv-timeout``, but not all of it: a store
     client connected to a program that squats the port and never answers waits as long as
     that program lives. The torchrun wrapper ends the node after this long without a rank
-    (`shardwise.distributed.torchrun`); the margin leaves torch's own timeouts, which name
-    what was missing, to come first."""
-    return timeout_s * 1.1 + RDZV_MARGIN_S
+    (`shardwise.distributed.torchrun`); the margin (`RDZV_MARGIN_S`) leaves torch's own
+    timeouts, which name what was missing, to come first."""
+    return timeout_s + RDZV_MARGIN_S
 
 
 def _check_port(flag: str, port: int) -> None:
@@ -684,6 +693,8 @@ def launch_torchrun(nproc: int, argv: Sequence[str], env: Mapping[str, str] | No
         child_env[CPP_LOG_ENV] = "FATAL"
     where = (["--master-addr=127.0.0.1", f"--master-port={free_port()}"] if nodes is None
              else nodes.torchrun_args())
+    if nodes is not None:
+        child_env[RDZV_SINCE_ENV] = repr(time.monotonic())
     cmd = [sys.executable, "-m", "shardwise.distributed.torchrun", f"--nproc-per-node={nproc}", *where,
            "--max-restarts=0", "--monitor-interval=0.2", "-m", module, *argv]
     interrupted: list[tuple[signal.Signals, float]] = []  # (signal, monotonic time received)

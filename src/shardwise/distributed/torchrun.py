@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import importlib
 import io
+import ipaddress
 import json
 import logging
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
@@ -51,6 +53,7 @@ from shardwise.distributed.launch import (
     ERROR_DIR_ENV,
     FORK_RANKS_ENV,
     LAUNCHER_FILE,
+    RDZV_SINCE_ENV,
     RENDEZVOUS_FAILED,
     SAVED_CPP_LOG_ENV,
     activity_file,
@@ -83,10 +86,31 @@ def _endpoint(args) -> str:
     return args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
 
 
+_RDZV_TIMEOUT_KEYS = ("timeout", "join_timeout")
+"""The ``--rdzv-conf`` keys that bound the whole rendezvous (static, c10d)."""
+
+
 def _waited(args) -> str | None:
     """The rendezvous timeout of torchrun's arguments (seconds, as given), if any."""
+    given = getattr(args, "shardwise_rdzv_timeout", None)
+    if given is not None:
+        return given
     conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
     return conf.get("timeout") or conf.get("join_timeout")
+
+
+def _count_from_launch(args, since: float) -> None:
+    """torch's rendezvous timeouts in `args` less the seconds since the launching side
+    started this process (at `since`): ``--rdzv-timeout`` bounds the wait from the launch,
+    this process's own start included, and torch's own line (which names what was missing)
+    still comes before the watch's (`_bound_rendezvous`)."""
+    waited = _waited(args)
+    if waited is None or not waited.isdigit():
+        return
+    args.shardwise_rdzv_timeout = waited  # for the lines: the timeout as the user gave it
+    left = max(1, int(int(waited) - (time.monotonic() - since)))
+    args.rdzv_conf = ",".join(f"{k}={left}" if "=" in kv and (k := kv.split("=", 1)[0]) in _RDZV_TIMEOUT_KEYS
+                              else kv for kv in args.rdzv_conf.split(","))
 
 
 def _rendezvous_line(args, exc: BaseException) -> str:
@@ -98,24 +122,23 @@ def _rendezvous_line(args, exc: BaseException) -> str:
             "endpoint and --nnodes")
 
 
-def _bound_rendezvous(args, folder: str | None) -> None:
-    """A multi-node job's rendezvous ends within `rendezvous_bound_s` of now: unless a rank
-    has started by then (torchrun starts them once the nodes have met), this process writes
-    the rendezvous line and leaves (its parent then ends, and `die_with_parent` ranks with it)."""
+def _bound_rendezvous(args, folder: str | None, since: float) -> None:
+    """A multi-node job's rendezvous ends within `rendezvous_bound_s` of `since` (when the
+    launching side started this process): unless a rank has started by then (torchrun
+    starts them once the nodes have met), this process writes the rendezvous line and
+    leaves (its parent then ends, and `die_with_parent` ranks with it)."""
     waited = _waited(args)
     if str(args.nnodes) == "1" or waited is None or not waited.isdigit():
         return
     bound = rendezvous_bound_s(int(waited))
 
     def watch() -> None:
-        deadline = time.monotonic() + bound
+        deadline = since + bound
         while time.monotonic() < deadline:
             time.sleep(0.5)
             if descendants(os.getpid()):
                 return
-        endpoint = _endpoint(args)
-        why = TimeoutError(f"nothing at {endpoint} answered as the job's rendezvous within {bound:.0f} s: "
-                           "is another program listening on that port?")
+        why = TimeoutError(_unmet(args, f"within --rdzv-timeout {waited} s (+{bound - int(waited):g} s)"))
         _note(folder, LAUNCHER_FILE, rank=None, type=RENDEZVOUS_FAILED, message=_rendezvous_line(args, why),
               traceback="")
         if debug_enabled():
@@ -123,6 +146,40 @@ def _bound_rendezvous(args, folder: str | None) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="shardwise-rendezvous-bound", daemon=True).start()
+
+
+def _unmet(args, within: str) -> str:
+    """Why the rendezvous did not gather the nodes `within` the bound, as far as this node can
+    tell without torch's own timeout (which did not come first): it hosts the rendezvous
+    (static node rank 0, or a c10d endpoint on this machine) and the others did not come;
+    or nothing listens at the endpoint (the hosting node has not started); or something
+    there takes connections and never answers as a rendezvous (another program on the port)."""
+    endpoint = _endpoint(args)
+    host, _, port = endpoint.rpartition(":")
+    others = int(args.nnodes) - 1 if str(args.nnodes).isdigit() else "the other"
+    if (args.rdzv_backend == "static" and str(args.node_rank) == "0") or (
+            args.rdzv_backend != "static" and _on_this_machine(host)):
+        return f"this node hosts the rendezvous at {endpoint}, and {others} other node(s) did not join {within}"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            pass
+    except ConnectionRefusedError:
+        return (f"nothing listens at {endpoint} {within}: the node that hosts the rendezvous (node rank 0) has not "
+                "started, or the address is wrong")
+    except (OSError, ValueError):
+        return f"{endpoint} could not be reached {within}"
+    return (f"something at {endpoint} takes connections but did not answer as the job's rendezvous {within}: "
+            "is another program listening on that port?")
+
+
+def _on_this_machine(host: str) -> bool:
+    """`host` names this machine (a loopback address, or one of its own)."""
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host.strip("[]"), None)}
+        own = set(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        return False
+    return any(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback or a in own for a in addrs)
 
 
 def run_module(module: str, *argv: str) -> None:
@@ -247,9 +304,13 @@ def main(argv: list[str]) -> int:
         else:
             os.environ.pop(CPP_LOG_ENV, None)
     preload = [m for m in os.environ.pop(FORK_RANKS_ENV, "").split(",") if m]
+    since_text = os.environ.pop(RDZV_SINCE_ENV, None)
     args = parse_args(argv)
     folder = os.environ.get(ERROR_DIR_ENV)
-    _bound_rendezvous(args, folder)
+    since = float(since_text) if since_text else time.monotonic()
+    if str(args.nnodes) != "1":
+        _count_from_launch(args, since)
+    _bound_rendezvous(args, folder, since)
     try:
         if preload and args.module:
             _launch_forked(args, preload)

@@ -36,6 +36,8 @@ batches as the held-out accuracy and pass@k the jobs printed before this module.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -50,6 +52,7 @@ from shardwise.data.reward_row import RewardFunctionError, describe, short
 from shardwise.data.rewards import RewardFn, call_within, import_attribute, score_sequences
 from shardwise.data.tasks import BUILTIN_PREFIX
 from shardwise.engine.generate import PromptBatchFn, prompt_batch, sample_keys
+from shardwise.errors import DiskFullError
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import Progress
 
@@ -329,14 +332,35 @@ def samples_path(run_dir: str | os.PathLike, step: int) -> Path:
 
 def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict]) -> Path:
     """`rows` as JSON lines at `samples_path` (a temporary file replaced in one step: a
-    reader never sees half a file); returns the path."""
+    reader never sees half a file); returns the path. A full disk is a `DiskFullError`
+    (exit status 74) naming the file, the free space and the file's size, after the partial
+    file is removed (it would fill the disk the resumed run needs); any other OSError is
+    raised as it is, the partial file removed too."""
     path = samples_path(run_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        os.replace(tmp, path)
+    except OSError as e:
+        full = _samples_disk_full_line(run_dir, path, tmp, rows) if e.errno == errno.ENOSPC else None
+        with contextlib.suppress(OSError):  # the free space above is the full disk's, before this
+            tmp.unlink(missing_ok=True)
+        if full is None:
+            raise
+        raise DiskFullError(full) from None
     return path
+
+
+def _samples_disk_full_line(run_dir: str | os.PathLike, path: Path, tmp: Path, rows: list[dict]) -> str:
+    from shardwise.checkpoint.dcp import free_bytes, human_bytes  # the checkpoints' words for the same event
+    from shardwise.checkpoint.layout import resume_line
+
+    need = sum(len((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")) for r in rows)
+    return (f"evaluation samples {str(path)!r} could not be written: the disk holding it is full "
+            f"({human_bytes(free_bytes(path.parent))} free, the file needs about {human_bytes(need)}); the partial "
+            f"file {tmp.name} was removed; {resume_line(run_dir)} (free space, or move run.dir to a larger disk)")
 
 
 def eval_table(metrics: dict[str, float]) -> str:

@@ -55,7 +55,7 @@ from shardwise.agents.execute import ToolRunner
 from shardwise.agents.loop import agent_prompt_batch, run_multi_turn
 from shardwise.agents.tools import EnvironmentSpec, ToolSpec
 from shardwise.config.schema import Config
-from shardwise.config.validate import MeshSpec, check_generation_engine, mesh_spec
+from shardwise.config.validate import MeshSpec, check_generation_engine, check_tools_kwargs, mesh_spec
 from shardwise.data.chat import use_chat_template
 from shardwise.data.encode import truncation_note
 from shardwise.data.rewards import (
@@ -107,7 +107,7 @@ log = logging.getLogger(__name__)
 REWARD_KEY = "infer.reward"
 SUMMARY_FILE = "infer_summary.json"
 
-__all__ = ["Prepared", "prepare", "reward_spec", "run"]
+__all__ = ["Prepared", "prepare", "resume_words", "reward_spec", "run"]
 
 
 @dataclass
@@ -185,11 +185,22 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     fn = resolve_reward_fn(name, key=REWARD_KEY) if name is not None else None
     records = load_prompts(cfg, scored=name is not None)
     check_data_sources(fn, records, REWARD_KEY)
+    if agents is not None and cfg.infer.multi_turn.tools_kwargs_key:  # per-row tool arguments the loop reads
+        check_tools_kwargs(records, cfg.infer.multi_turn.tools_kwargs_key, "infer.multi_turn.tools_kwargs_key",
+                           "data.source")
     check_output(cfg)
     plan = check_eval(cfg, "infer", scored=name is not None or (agents is not None and agents.env_reward))
     fn = contain(fn, name)  # a user's function runs in a child of its own (started by run)
     planned = plan_for(cfg, spec)
     return Prepared(cfg, spec, records, name, fn, planned, agents, plan)
+
+
+def resume_words(cfg: Config) -> str:
+    """What the launching side says after an interrupted (or torchrun-ended) `shardwise
+    infer`, where a training job names its last committed checkpoint: infer keeps none,
+    and writes its answers only when every prompt has one."""
+    return (f"shardwise infer keeps no checkpoints and writes {output_path(cfg)} only at the end; "
+            "the same command answers every prompt again")
 
 
 GENERATION_KEYS = ("index", "sample", "prompt", "response")

@@ -25,7 +25,7 @@ from shardwise.checkpoint.dcp import CheckpointManager, incomplete_reason, is_co
 from shardwise.config.schema import Config
 from shardwise.data.chat import text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import example_loss_tokens
-from shardwise.data.encode import UNLIMITED, encode_record, encode_records
+from shardwise.data.encode import UNLIMITED, cut_long_prompts, encode_record, encode_records
 from shardwise.data.rewards import check_data_sources, resolve_reward_fn
 from shardwise.data.sources import load_records
 from shardwise.data.tasks import (
@@ -145,6 +145,10 @@ def check_data(cfg: Config, response_key: str | None, seed: int | None = None,
                            as_chat=text_prompts_as_chat(d), extra_keys=extra, source_key=source_key)
     if vl:
         resolve_images(records, "image", src)
+    if not sft:  # prompts keep their last tokens: a huge one is cut before it is tokenized or held
+        records, note = cut_long_prompts(records, d.max_length, lambda: job_tokenizer(cfg), f"{source_key} {src!r}")
+        if note:
+            logging.getLogger(__name__).warning("data: %s", note)
     if any("messages" in r or isinstance(r.get("prompt"), list) for r in records):
         check_chat(cfg, records, sft, vl)
     return records

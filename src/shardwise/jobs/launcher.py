@@ -84,7 +84,8 @@ def _launch(job: ModuleType, cfg: Config, nproc: int, nodes: launch.Nodes | None
     finally:
         if zygote is not None:
             zygote.close()
-    line = res.line(lambda: resume_line(cfg.run.dir))
+    words = getattr(job, "resume_words", None)  # a job without checkpoints (infer) says what it keeps
+    line = res.line(lambda: words(cfg) if words is not None else resume_line(cfg.run.dir))
     if line is None:
         return 0
     failure = res.failure if res.interrupted is None else None
@@ -111,7 +112,7 @@ def _disk_full_line(run_dir: str, line: str) -> str:
         for p in sorted(folder.glob("*.tmp-*")) if folder.is_dir() else []:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
-    if "checkpoint of step" in line or line.startswith("HF export to "):  # it says both already
+    if "checkpoint of step" in line or line.startswith(("HF export to ", "evaluation samples ")):  # it says both already
         return line
     free = shutil.disk_usage(run_dir).free if Path(run_dir).is_dir() else None
     extra = [f"{free / 2**20:.1f} MiB free in {run_dir}" if free is not None else None,

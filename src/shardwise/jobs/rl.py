@@ -28,6 +28,7 @@ from shardwise.config.validate import (
     MeshSpec,
     check_generation_engine,
     check_rl_rows,
+    check_tools_kwargs,
     mesh_spec,
     rl_train_ranks,
 )
@@ -133,6 +134,9 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     check_data_sources(fn, records)
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     evaluation = check_eval(cfg, "rl")
+    if schemas is not None and cfg.rl.multi_turn.tools_kwargs_key:  # per-row tool arguments the rollouts read
+        for rows, source_key in ((records, "data.source"), (evaluation.records if evaluation else [], "eval.source")):
+            check_tools_kwargs(rows, cfg.rl.multi_turn.tools_kwargs_key, "rl.multi_turn.tools_kwargs_key", source_key)
     scorer = eval_scorer(cfg, evaluation, fn)
     _, plan = plan_for(cfg, spec)  # pattern errors surface here, on the meta device
     clock.lap("prepare")

@@ -240,7 +240,9 @@ def write_error_file(run_dir: str | os.PathLike[str], where: str, traceback_text
             f"command: {command or ' '.join(['shardwise', *sys.argv[1:]])}\n\n{traceback_text.rstrip()}\n")
     try:
         (folder / ERROR_FILE).write_text(text)
-    except OSError:
+    except OSError:  # a full disk: no empty or partial file that claims to be the report
+        with contextlib.suppress(OSError):
+            (folder / ERROR_FILE).unlink()
         return None
     return folder / ERROR_FILE
 

@@ -24,9 +24,12 @@ The loop (`AsyncController.rollout`, then the synchronous `Controller.update`):
   old and nothing is thrown away. With S = 0 each step's generation waits for the previous
   update: the same prompts, seeds, samples, metrics and weights as the synchronous run on
   as many training ranks.
-- drop: generation is submitted one step further (t <= s + S + 1) and never waits for
-  weights (it asks only for v0); the rows of step s older than S versions when s trains are
-  dropped (``async/dropped``) and generated again from version s - S or newer.
+- drop: generation is submitted as far (t <= s + S) but never waits for weights (it asks
+  only for v0): the generator makes it from the newest version it holds, and the rows of
+  step s older than S versions when s trains are dropped (``async/dropped``) and generated
+  again from version s - S or newer. (It was submitted one step further, t <= s + S + 1:
+  at step s the newest version is s, so a generator that kept up made that batch S + 1
+  versions old, and every step from the third on dropped its whole batch; issue 50.)
 
 Then the trainer waits for step s's batch (``time/trainer_wait``), scores it, updates, and
 publishes version s + 1 (``time/publish``: gathering the full weights; the push itself runs
@@ -74,7 +77,7 @@ from shardwise.data.batch import Batch
 from shardwise.data.rewards import RewardFn
 from shardwise.engine.evaluate import EvalPlan
 from shardwise.models.vision import VisionInputs
-from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerGroup, gpus_for, init_ray
+from shardwise.rl.cluster import Pending, RayWorkerGroup, WorkerError, WorkerGroup, gpus_for, init_ray
 from shardwise.rl.local import group_class, local_gpus
 from shardwise.rl.trainer import Controller, _slowest_rank, concat_rounds, engine_metrics, worker_groups
 from shardwise.rl.workers.generator import GeneratorWorker, reference_on_generator
@@ -90,6 +93,9 @@ MARGIN_S = 30.0
 """The controller waits this much longer than ``rl.async.timeout_s`` for a call whose worker
 bounds its own wait by the same timeout: the worker's line (which names what it waited for)
 comes first."""
+PROBE_S = 10.0
+"""After the weight push failed, how long the controller waits for the generator group to
+show whether one of its ranks died (Ray reports a dead process within a second or two)."""
 
 
 def async_worker_groups(cfg: Config) -> dict[str, list[str]]:
@@ -221,10 +227,32 @@ class AsyncController(Controller):
     def publish(self, version: int) -> dict[str, float]:
         """The actor's weights to the generator as `version` (gathered now, sent in the
         background); the gather's metrics."""
-        out = self.group.submit("publish_weights", version).result(
-            self.timeout_s + MARGIN_S, what=f"publishing the weights of version {version}")
+        try:
+            out = self.group.submit("publish_weights", version).result(
+                self.timeout_s + MARGIN_S, what=f"publishing the weights of version {version}")
+        except WorkerError as e:
+            lost = self._generator_lost()
+            if lost is not None:  # the push broke because a generator rank died: name that rank
+                raise lost from e
+            raise
         self.version = version
         return dict(out or {})
+
+    def _generator_lost(self) -> WorkerError | None:
+        """After a push failed: the generator group's own line when one of its ranks is dead
+        (its process gone: "worker group 'gen' lost rank R in ... died (killed by SIGKILL)"),
+        found through the generations in flight, or a cheap call when none is; None when
+        its ranks answer, or do not within `PROBE_S` (the push's own error then stands)."""
+        if self.gen is None:
+            return None
+        probes = [(p, f"generate_sequences for step {t + 1}") for t, (p, _) in sorted(self.in_flight.items())]
+        try:
+            for p, what in probes or [(self.gen.submit("weight_version"), "receiving the weights")]:
+                p.result(PROBE_S, what=what)
+        except WorkerError as w:
+            # both backends word a dead rank so (`RayWorkerGroup._failure`, the local group's)
+            return w if str(w).startswith(f"worker group {self.gen.name!r} lost ") else None
+        return None
 
     def close(self, graceful: bool = True) -> None:
         """The generator group first (its bridge receiver), then the training groups."""
@@ -279,7 +307,9 @@ class AsyncController(Controller):
         """Generation for every step the capacity rule allows that is not submitted yet."""
         assert self.gen is not None
         s, limit = self.max_staleness, self.cfg.train.max_steps - 1
-        horizon = self.step + s + (self.on_stale == "drop")
+        # not further with drop: at step s the newest version is s, so a batch for s + S + 1
+        # made at once is S + 1 old when it trains, and all of it would be dropped
+        horizon = self.step + s
         while self._next_step <= min(horizon, limit):
             t = self._next_step
             self._sampler_at[t] = self.sampler.state_dict()
