@@ -81,11 +81,8 @@ packed; TRL: counted in its loss forwards; target < 15% with packing).
     python benchmarks/agentic.py --seeds 1 --steps 20  # a short run
     python benchmarks/agentic.py --sleep-tool          # the 50 ms tool: agentic_sleep_tool.{md,json,png}
 
-The figures in results/agentic (benchmarks/README.md) came from, after
-`shardwise train examples/sft_tools.yaml --nproc 2 train.micro_batch_size=16`:
-
-    python benchmarks/agentic.py --venv /work/main/results/venv-trl --skip-trl-install
-    python benchmarks/agentic.py --sleep-tool --seeds 2 --steps 6 --venv /work/main/results/venv-trl --skip-trl-install
+The kept figures and their command are in results/agentic/ (its README; benchmarks/README.md
+quotes every run).
 
 Needs the SFT model (`shardwise train examples/sft_tools.yaml --nproc 2`, or --model).
 Writes agentic.{json,md,png} (``--sleep-tool``: agentic_sleep_tool.*) to --out (default
