@@ -269,10 +269,12 @@ def pyplot() -> Any:
 
 
 def reward_curves(axes: Sequence[Any], per_seed: dict[int, dict[str, dict[str, Any]]],
-                  colors: dict[str, str], smooth: int, seeds_word: str = "seeds", fontsize: float | None = None) -> None:
+                  colors: dict[str, str], smooth: int, seeds_word: str = "seeds",
+                  fontsizes: tuple[float, float] | None = None) -> None:
     """Every seed's reward curve (a `smooth`-step trailing mean) of each name in `colors`, per
-    step on axes[0] and per wall-clock second on axes[1], with their titles and legends."""
-    size = {} if fontsize is None else {"fontsize": fontsize}
+    step on axes[0] and per wall-clock second on axes[1], with their titles and legends
+    (`fontsizes`: the titles' and the legends', else matplotlib's defaults)."""
+    title_size, legend_size = ({"fontsize": fontsizes[0]}, {"fontsize": fontsizes[1]}) if fontsizes else ({}, {})
     for name, color in colors.items():
         runs = [per_seed[s][name] for s in per_seed if "error" not in per_seed[s].get(name, {"error": 1})]
         for k, r in enumerate(runs):
@@ -282,10 +284,10 @@ def reward_curves(axes: Sequence[Any], per_seed: dict[int, dict[str, dict[str, A
             axes[1].plot([s["t"] for s in r["steps"]], rewards, color=color, alpha=0.75, linewidth=1, label=label)
     for ax, title, xlabel in zip(axes[:2], ("reward per step", "reward per wall-clock second"),
                                  ("step", "seconds since the first step began")):
-        ax.set_title(f"{title} (each seed: mean of {smooth} steps)", **size)
+        ax.set_title(f"{title} (each seed: mean of {smooth} steps)", **title_size)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("mean reward")
-        ax.legend(**size)
+        ax.legend(**legend_size)
 
 
 # ---------------------------------------------------------------------- the command line

@@ -258,7 +258,7 @@ def plot(per_seed: dict[int, dict[str, dict[str, Any]]], agg: dict[str, dict[str
     palette = ["tab:gray", "tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     colors = {name: palette[i % len(palette)] for i, name in enumerate(agg)}
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.2))
-    reward_curves(axes, per_seed, colors, smooth, seeds_word="seed(s)", fontsize=9)
+    reward_curves(axes, per_seed, colors, smooth, seeds_word="seed(s)", fontsizes=(9, 8))
     ax = axes[2]
     names = [n for n in agg if agg[n]["samples_per_s"] is not None]
     means = [agg[n]["samples_per_s"]["mean"] for n in names]
