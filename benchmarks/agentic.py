@@ -81,11 +81,8 @@ packed; TRL: counted in its loss forwards; target < 15% with packing).
     python benchmarks/agentic.py --seeds 1 --steps 20  # a short run
     python benchmarks/agentic.py --sleep-tool          # the 50 ms tool: agentic_sleep_tool.{md,json,png}
 
-The figures in results/agentic (benchmarks/README.md) came from, after
-`shardwise train examples/sft_tools.yaml --nproc 2 train.micro_batch_size=16`:
-
-    python benchmarks/agentic.py --venv /work/main/results/venv-trl --skip-trl-install
-    python benchmarks/agentic.py --sleep-tool --seeds 2 --steps 6 --venv /work/main/results/venv-trl --skip-trl-install
+The kept figures and their command are in results/agentic/ (its README; benchmarks/README.md
+quotes every run).
 
 Needs the SFT model (`shardwise train examples/sft_tools.yaml --nproc 2`, or --model).
 Writes agentic.{json,md,png} (``--sleep-tool``: agentic_sleep_tool.*) to --out (default
@@ -104,6 +101,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness import over_seeds, pyplot, seeds_table, show, time_to_reach, trailing_mean, unreached_note
 from rl_vs_trl import (
     REPO,
     Setting,
@@ -112,11 +110,7 @@ from rl_vs_trl import (
     run_shardwise,
     run_trl,
     settings,
-    show,
-    spread,
     summarise,
-    time_to_reach,
-    trailing_mean,
     venv_versions,
 )
 
@@ -256,35 +250,16 @@ def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]], window: int) -> di
             reach = time_to_reach(r, trl["final_reward"], window)
             r["s_to_trl_final_reward"] = reach
             r["time_ratio"] = None if reach is None else reach / trl["train_s"]
-    out = {}
-    for name in sides:
-        runs = [per_seed[s][name] for s in per_seed if name in per_seed[s]]
-        ok = [r for r in runs if "error" not in r]
-        out[name] = {"seeds": len(runs), "errors": [r["error"] for r in runs if "error" in r],
-                     "unreached": sum(1 for r in ok if "time_ratio" in r and r["time_ratio"] is None),
-                     **{k: spread([r.get(k) for r in ok]) for k, _, _ in FIGURES}}
-    return out
+    return over_seeds(per_seed, sides, FIGURES, unreached=lambda r: "time_ratio" in r and r["time_ratio"] is None)
 
 
 def table(agg: dict[str, dict[str, Any]], versions: dict[str, dict[str, str]]) -> str:
-    cols = [c for _, c, _ in FIGURES]
-    lines = ["| side | seeds | " + " | ".join(cols) + " |", "|---|--:|" + "--:|" * len(cols)]
-    for name, a in agg.items():
-        if a["errors"] and len(a["errors"]) == a["seeds"]:
-            lines.append(f"| {name} | {a['seeds']} | unavailable: {a['errors'][0]} |" + " |" * (len(cols) - 1))
-            continue
-        cells = []
-        for key, _, spec in FIGURES:
-            cell = show(a[key], spec)
-            if key == "time_ratio" and name == "trl":
-                cell = "1 (the reference)"
-            elif key == "time_ratio" and a["unreached"]:
-                cell += f" ({a['unreached']} seed(s) never reached it)"
-            cells.append(cell)
-        lines.append(f"| {name} | {a['seeds']}{' (' + str(len(a['errors'])) + ' failed)' if a['errors'] else ''} | "
-                     + " | ".join(cells) + " |")
-    for name, a in agg.items():
-        lines += [f"\n{name}: a run failed: {e}" for e in a["errors"]]
+    def cell(name: str, key: str, a: dict[str, Any], text: str) -> str:
+        if key != "time_ratio":
+            return text
+        return "1 (the reference)" if name == "trl" else unreached_note(text, a)
+
+    lines = seeds_table(agg, FIGURES, "side", cell=cell)
     lines += ["", "Versions: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in vs.items())
                                          for n, vs in versions.items()) + "."]
     return "\n".join(lines)
@@ -316,12 +291,8 @@ def verdicts(agg: dict[str, dict[str, Any]], sleep_tool: bool) -> str:
 
 
 def plot(per_seed: dict[int, dict[str, dict[str, Any]]], path: Path, smooth: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     colors = {"trl": "tab:orange", "shardwise_hf": "tab:blue", "shardwise_vllm": "tab:green"}
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.2))

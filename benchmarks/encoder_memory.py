@@ -19,19 +19,17 @@ See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from train_configs import free_port, machine_info, run_worker
+from harness import MIB, clear_stale, machine_info, parse_only, run_worker, torchrun, write_csv
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_encoder_memory_worker.py"
 BASELINE = "ddp"
-MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,10 +63,8 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
 def launch(row: Row, args: argparse.Namespace, raw_dir: Path, log_dir: Path) -> dict[str, Any]:
     """One run of `row` in fresh processes: the worker's record, or {"name", "error"}."""
     raw_json = raw_dir / f"{row.name}.json"
-    for stale in [raw_json, *raw_dir.glob(raw_json.name + ".rank*.error")]:
-        stale.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(row.nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER),
+    clear_stale(raw_json)
+    cmd = [*torchrun(row.nproc, WORKER),
            "--name", row.name, "--out", str(raw_json), "--model", json.dumps(model_fields(args)),
            "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch)]
     for override in row.overrides:
@@ -178,15 +174,6 @@ CSV_FIELDS = ("config", "seed_name", "status", "ranks", "params", "grads", "opti
               "final_loss", "loss_delta")
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (" ".join(map(str, r[k])) if isinstance(r.get(k), list) else r.get(k, ""))
-                        for k in CSV_FIELDS})
-
-
 def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
     """Stacked bars of params / grads / AdamW MiB per rank, with the ratio to DDP on top, and
     bars of the whole parameters held between forward and backward."""
@@ -244,11 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hidden must be a multiple of 64; --layers, --steps, --seq-len, --vocab at least 1")
     if args.global_batch % 4:
         p.error("--global-batch must divide over 2 and 4 ranks (a multiple of 4)")
-    if args.only is not None:
-        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-        if not wanted or any(n not in names for n in wanted):
-            p.error(f"--only: choose from {', '.join(names)}")
-        args.only = wanted
+    args.only = parse_only(p, args.only, names, "row(s)")
     return args
 
 
@@ -260,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in (raw_dir, log_dir):
         d.mkdir(parents=True, exist_ok=True)
     args.nproc = max(r.nproc for r in selected)  # machine_info reports the threads of the largest row
-    machine = machine_info(args)
+    machine = machine_info(args.nproc)
     print(f"encoder_memory: {len(selected)} row(s); logs in {log_dir}", flush=True)
     records = []
     for i, row in enumerate(selected, 1):
@@ -275,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "encoder_memory.json").write_text(json.dumps(
         {"machine": machine, "baseline": BASELINE, "model": model_fields(args), "rows": records}, indent=2) + "\n")
     (out / "encoder_memory.md").write_text(table)
-    write_csv(out / "encoder_memory.csv", rows)
+    write_csv(out / "encoder_memory.csv", rows, CSV_FIELDS,
+              lambda v: " ".join(map(str, v)) if isinstance(v, list) else v)
     write_plot(out / "encoder_memory.png", rows)
     print()
     print(table)

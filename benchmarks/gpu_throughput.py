@@ -31,12 +31,8 @@ the others go on. See benchmarks/README.md for the columns and the caveats.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -45,7 +41,8 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from train_configs import failure_reason, free_port, ratio, worker_env
+from harness import clear_stale, parse_only, ratio, run_rounds, run_worker, torchrun, worker_env, write_csv
+from harness import machine_info as harness_machine_info
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_throughput_worker.py"
@@ -184,13 +181,9 @@ def launch(row: Row, round_no: int, args: argparse.Namespace, raw_dir: Path, log
     failed. Either has the run's `wall_s`."""
     tag = f"{row.name}.run{round_no}"
     raw_json = raw_dir / f"{tag}.json"
-    for stale in [raw_json, *raw_dir.glob(raw_json.name + ".rank*.error")]:
-        stale.unlink(missing_ok=True)
+    clear_stale(raw_json)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(args.nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(WORKER), "--name", row.name, "--loop", row.loop, "--out", str(raw_json),
+        *torchrun(args.nproc, WORKER), "--name", row.name, "--loop", row.loop, "--out", str(raw_json),
         "--model", json.dumps(args.model), "--compute-dtype", args.compute_dtype, "--lr", str(args.lr),
         "--rows", str(args.rows), "--seq-len", str(args.seq_len),
         "--warmup", str(args.warmup), "--steps", str(args.steps),
@@ -202,20 +195,9 @@ def launch(row: Row, round_no: int, args: argparse.Namespace, raw_dir: Path, log
     env = worker_env(args.nproc)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU exists
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the launcher stops the ranks it started
-        stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {args.timeout:.0f} s\n"
-    wall_s = time.perf_counter() - start
-    (log_dir / f"{tag}.log").write_text(f"$ {' '.join(cmd)}\n\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    if proc.returncode == 0 and raw_json.is_file():
-        record = json.loads(raw_json.read_text())
-    else:
-        record = {"name": row.name, "error": failure_reason(raw_json, stderr, proc.returncode)}
+    record, wall_s = run_worker(cmd, args.nproc, args.timeout, log_dir / f"{tag}.log", raw_json, env)
+    if "error" in record:
+        record = {"name": row.name, "error": record["error"]}
     record["wall_s"] = wall_s
     return record
 
@@ -248,27 +230,11 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_all(selected: list[Row], args: argparse.Namespace, raw_dir: Path, log_dir: Path) -> list[dict[str, Any]]:
-    """`args.runs` rounds over the rows, every other round in reverse order; a row that
-    fails once is not run again. One record per row."""
-    runs: dict[str, list[dict[str, Any]]] = {r.name: [] for r in selected}
-    failed: dict[str, dict[str, Any]] = {}
-    total, done = len(selected) * args.runs, 0
-    for round_no in range(1, args.runs + 1):
-        for row in selected if round_no % 2 else selected[::-1]:
-            if row.name in failed:
-                total -= 1
-                continue
-            record = launch(row, round_no, args, raw_dir, log_dir)
-            done += 1
-            if "error" in record:
-                failed[row.name] = record
-                detail = f"unavailable: {record['error']}"
-            else:
-                runs[row.name].append(record)
-                detail = (f"{record['tokens_per_s']:,.0f} tokens/s, peak {record['peak_bytes'] / MIB:,.0f} MiB, "
-                          f"loss {record['final_loss']:.4f}, warm-up {record['warmup_s']:.0f} s")
-            print(f"[{done}/{total}] run {round_no} {row.name:<26} {detail}  ({record['wall_s']:.0f} s)", flush=True)
-    return [failed[r.name] if r.name in failed else merge_runs(runs[r.name]) for r in selected]
+    """`args.runs` rounds over the rows (`harness.run_rounds`). One record per row."""
+    return run_rounds(
+        selected, args.runs, lambda row, round_no: launch(row, round_no, args, raw_dir, log_dir), merge_runs,
+        lambda r: (f"{r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_bytes'] / MIB:,.0f} MiB, "
+                   f"loss {r['final_loss']:.4f}, warm-up {r['warmup_s']:.0f} s"), 26)
 
 
 # -- what ran
@@ -416,14 +382,6 @@ CSV_FIELDS = ("row", "status", "tokens_per_s", "tokens_per_s_low", "tokens_per_s
               "warmup_s", "seen")
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k, "") for k in CSV_FIELDS})
-
-
 def write_plot(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Two panels of horizontal bars, tokens/s and peak memory per row, each labelled with
     its value and its ratio to the baseline (grey); hatched: a row whose settings did not
@@ -461,17 +419,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
 
 
 def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-    cuda = args.device == "cuda"
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "backend": "nccl" if cuda else "gloo",
-        "nproc": args.nproc,
-        "omp_num_threads": worker_env(args.nproc)["OMP_NUM_THREADS"],
-    }
+    return harness_machine_info(args.nproc, cuda=args.device == "cuda")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -526,12 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--rows {args.rows} must be a multiple of --nproc {args.nproc}")
     if args.chunk_tokens is None:
         args.chunk_tokens = max(1, args.rows // args.nproc * args.seq_len // 4)
-    if args.only is not None:
-        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = [n for n in wanted if n not in names]
-        if unknown or not wanted:
-            p.error(f"--only: unknown row(s) {unknown or args.only!r}; choose from {', '.join(names)}")
-        args.only = wanted
+    args.only = parse_only(p, args.only, names, "row(s)")
     return args
 
 
@@ -563,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                   for row, rec in zip(selected, records, strict=True)],
          "table": rows}, indent=2) + "\n")
     (out / "gpu_throughput.md").write_text(table)
-    write_csv(out / "gpu_throughput.csv", rows)
+    write_csv(out / "gpu_throughput.csv", rows, CSV_FIELDS)
     write_plot(out / "gpu_throughput.png", rows, args)
     print()
     print(table)

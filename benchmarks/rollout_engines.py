@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from _rl_job import run_rl
+from harness import pyplot
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -107,12 +108,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     names = sorted({r["name"] for r in rows})
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)

@@ -17,25 +17,18 @@ the others go on. See benchmarks/README.md for the columns and the caveats.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from harness import MIB, clear_stale, machine_info, parse_only, ratio, run_rounds, run_worker, torchrun, write_csv
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_train_worker.py"
 BASELINE = "full_shard"
-MIB = 1024 * 1024
 
 MODEL = ("model.config={model_type: qwen3, hidden_size: 256, intermediate_size: 1024, "
          "num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 64, "
@@ -82,44 +75,15 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_env(nproc: int) -> dict[str, str]:
-    """The environment of the launched ranks: offline HF, and the cores split between ranks."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        env.setdefault(var, "1")
-    return env
-
-
-def failure_reason(raw_json: Path, stderr: str, returncode: int) -> str:
-    """The first error a rank wrote, else the last non-empty line of the launcher's stderr."""
-    for err in sorted(raw_json.parent.glob(raw_json.name + ".rank*.error")):
-        text = err.read_text().strip()
-        if text:
-            return text.splitlines()[0]
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    return lines[-1] if lines else f"worker exited with status {returncode}"
-
-
 def launch(config: BenchConfig, round_no: int, args: argparse.Namespace, raw_dir: Path,
            log_dir: Path) -> dict[str, Any]:
     """One run of a configuration in fresh processes: the worker's record, or
     {"name", "overrides", "error"} if it failed. Either has the run's `wall_s`."""
     tag = f"{config.name}.run{round_no}"
     raw_json = raw_dir / f"{tag}.json"
-    for stale in [raw_json, *raw_dir.glob(raw_json.name + ".rank*.error")]:
-        stale.unlink(missing_ok=True)
+    clear_stale(raw_json)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(args.nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(WORKER),
+        *torchrun(args.nproc, WORKER),
         "--name", config.name, "--out", str(raw_json),
         "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--seq-len", str(args.seq_len), "--micro", str(args.micro),
@@ -131,25 +95,6 @@ def launch(config: BenchConfig, round_no: int, args: argparse.Namespace, raw_dir
         record = {"name": config.name, "overrides": list(config.overrides), "error": record["error"]}
     record["wall_s"] = wall_s
     return record
-
-
-def run_worker(cmd: list[str], nproc: int, timeout: float, log: Path, raw_json: Path) -> tuple[dict[str, Any], float]:
-    """Run one torchrun worker command (`nproc` ranks, killed after `timeout` s), write its
-    output to `log`; (the record it wrote to `raw_json`, or {"error": why}, wall seconds)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(nproc))
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM: the launcher stops the ranks it started (each in a session of its own).
-        proc.terminate()
-        stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {timeout:.0f} s\n"
-    wall_s = time.perf_counter() - start
-    log.write_text(f"$ {' '.join(cmd)}\n\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    if proc.returncode == 0 and raw_json.is_file():
-        return json.loads(raw_json.read_text()), wall_s
-    return {"error": failure_reason(raw_json, stderr, proc.returncode)}, wall_s
 
 
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,53 +119,14 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_all(selected: list[BenchConfig], args: argparse.Namespace, raw_dir: Path,
             log_dir: Path) -> list[dict[str, Any]]:
-    """`args.runs` rounds over the configurations, every other round in reverse order, so
-    that a machine getting faster or slower during the benchmark biases no configuration;
-    a configuration that fails once is not run again. One record per configuration."""
-    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in selected}
-    failed: dict[str, dict[str, Any]] = {}
-    total, done = len(selected) * args.runs, 0
-    for round_no in range(1, args.runs + 1):
-        for config in selected if round_no % 2 else selected[::-1]:
-            if config.name in failed:
-                total -= 1
-                continue
-            record = launch(config, round_no, args, raw_dir, log_dir)
-            done += 1
-            if "error" in record:
-                failed[config.name] = record
-                detail = f"unavailable: {record['error']}"
-            else:
-                runs[config.name].append(record)
-                detail = (f"{record['median_step_s']:.3f} s/step, "
-                          f"activations {record['activation_bytes'] / MIB:.1f} MiB, "
-                          f"state {record['state_bytes'] / MIB:.1f} MiB/rank, final loss {record['final_loss']:.4f}")
-            print(f"[{done}/{total}] run {round_no} {config.name:<17} {detail}  ({record['wall_s']:.0f} s)",
-                  flush=True)
-    return [failed[c.name] if c.name in failed else merge_runs(runs[c.name]) for c in selected]
-
-
-def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-    cuda = torch.cuda.is_available()
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "backend": "nccl" if cuda else "gloo",
-        "nproc": args.nproc,
-        "omp_num_threads": worker_env(args.nproc)["OMP_NUM_THREADS"],
-    }
+    """`args.runs` rounds over the configurations (`harness.run_rounds`). One record per configuration."""
+    return run_rounds(
+        selected, args.runs, lambda config, round_no: launch(config, round_no, args, raw_dir, log_dir), merge_runs,
+        lambda r: (f"{r['median_step_s']:.3f} s/step, activations {r['activation_bytes'] / MIB:.1f} MiB, "
+                   f"state {r['state_bytes'] / MIB:.1f} MiB/rank, final loss {r['final_loss']:.4f}"), 17)
 
 
 # -- report
-
-def ratio(value: float | None, base: float | None) -> float | None:
-    if value is None or not base:
-        return None
-    return value / base
-
 
 def table_rows(records: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """One flat row per configuration: absolute values and ratios to the baseline's."""
@@ -305,14 +211,6 @@ CSV_FIELDS = ("config", "status", "step_s", "step_s_p25", "step_s_p75", "step_x"
               "peak_rss_bytes", "final_loss", "loss_delta")
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k, "") for k in CSV_FIELDS})
-
-
 def write_plot(path: Path, rows: list[dict[str, Any]], baseline: str) -> None:
     """Horizontal bars of the step-time, activation and state ratios; a dashed line at 1."""
     import matplotlib
@@ -361,12 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--nproc, --steps, --warmup, --runs and --micro must be at least 1")
     if not 4 <= args.seq_len <= MAX_SEQ_LEN:
         p.error(f"--seq-len must be between 4 and {MAX_SEQ_LEN}")
-    if args.only is not None:
-        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = [n for n in wanted if n not in names]
-        if unknown or not wanted:
-            p.error(f"--only: unknown configuration(s) {unknown or args.only!r}; choose from {', '.join(names)}")
-        args.only = wanted
+    args.only = parse_only(p, args.only, names, "configuration(s)")
     return args
 
 
@@ -378,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     raw_dir, log_dir = out / "raw", out / "logs"
     for d in (raw_dir, log_dir):
         d.mkdir(parents=True, exist_ok=True)
-    machine = machine_info(args)
+    machine = machine_info(args.nproc)
     print(f"train_configs: {len(selected)} configuration(s), {args.nproc} ranks each, "
           f"{args.runs} runs of {args.warmup}+{args.steps} steps of {args.micro * args.nproc} x {args.seq_len} "
           f"tokens; logs in {log_dir}", flush=True)
@@ -390,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         {"machine": machine, "baseline": baseline, "common_overrides": common_overrides(args),
          "configs": records}, indent=2) + "\n")
     (out / "train_configs.md").write_text(table)
-    write_csv(out / "train_configs.csv", rows)
+    write_csv(out / "train_configs.csv", rows, CSV_FIELDS)
     write_plot(out / "train_configs.png", rows, baseline)
     print()
     print(table)
