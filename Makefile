@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow]"  # the trackers' tests run, not skip
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps omegaconf tensordict pyvers codetiming orjson  # what verl's core_algos imports: tests/test_rl_algorithms_verl.py
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -547,7 +547,7 @@ class ActorConfig(Section):
     separate forward computes them; entropy, KL and rollout-mismatch metrics come from the
     update's forward. false: always run the old-log-prob forward (the result is the same
     up to fp rounding)."""
-    policy_loss: Annotated[str, AfterValidator(POLICY_LOSSES.check)] = "ppo_clip"
+    policy_loss: Annotated[str, AfterValidator(POLICY_LOSSES.check_or_path)] = "ppo_clip"
     """The policy loss, by name (`shardwise.rl.algorithms`): ppo_clip (clipped surrogate
     with dual clip)."""
     clip_ratio: Annotated[float, Field(gt=0)] = 0.2
