@@ -6,7 +6,6 @@ stops the job with one line naming it (exit 2)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
