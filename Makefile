@@ -92,6 +92,7 @@ bench: $(STAMP) $(VLLM_STAMP) bytecode
 	$(PY) benchmarks/rl_vs_trl.py    # slow: 3 seeds per side, 10-15 minutes, plus the TRL venv's install on its first run
 	test -d runs/sft_long/hf || $(VENV)/bin/shardwise train examples/sft_long.yaml --nproc $(NPROC)
 	$(PY) benchmarks/rl_async.py    # slow: sync vs async at staleness 0, 1, 2, 3 seeds each, ~20 minutes
+	$(PY) benchmarks/algorithms.py    # slow: grpo, dapo, gspo, dr_grpo, cispo on the long task, 3 seeds x 30 steps each
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)
