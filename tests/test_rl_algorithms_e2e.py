@@ -1,6 +1,7 @@
 """Policy losses and advantage estimators of `shardwise.rl.algorithms` in a real 2-rank
 `shardwise rl` job (tiny Qwen3, one step each): the job runs, its recorded batch's
-advantages are the estimator's on that batch's rewards, and a user's loss that raises
+advantages are the estimator's on that batch's rewards (one job with packing, token budgets
+and LoRA too), and a user's loss that raises
 stops the job with one line naming it (exit 2)."""
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ USER = "import torch\nfrom shardwise.rl.algorithms import get_policy_loss_fn\n\n
 
 # (policy loss, estimator, extra overrides): each row one job; together every loss family
 JOBS = {
-    "gspo+grpo_passk": ["rl.actor.policy_loss=gspo", "rl.advantage=grpo_passk",
-                        "rl.actor.loss_agg_mode=seq-mean-token-mean"],
+    # a sequence-level loss on packed rows (sequences sharing a row), token-budget micro-batches
+    # (rows of at most 20 tokens: 2 to a micro-batch) and LoRA (the reference: adapters off)
+    "gspo+grpo_passk+packing+budget+lora": ["rl.actor.policy_loss=gspo", "rl.advantage=grpo_passk",
+                                            "rl.actor.loss_agg_mode=seq-mean-token-mean", "rl.packing=true",
+                                            "rl.actor.max_tokens_per_micro_batch=40",
+                                            "rl.log_prob_max_tokens_per_micro_batch=40", "model.lora.enabled=true",
+                                            "model.lora.r=4", "model.lora.alpha=8"],
     "cispo+remax+overlong": ["rl.actor.policy_loss=cispo", "rl.advantage=remax", "rl.actor.clip_ratio_high=0.28",
                              "rl.reward.overlong.enabled=true", "rl.reward.overlong.buffer_len=2"],
     "user+opo+dr_grpo": ["rl.actor.policy_loss=my_loss:mine", "rl.advantage=opo",
@@ -53,6 +59,8 @@ def test_the_algorithm_runs_end_to_end(job, tmp_path):
         assert m["time/generate_baseline"] > 0
     want, _ = alg.get_adv_estimator_fn(name)(**kwargs)
     torch.testing.assert_close(t["advantages"], want)
+    if "lora" in job:  # B starts at 0: the actor is its reference at step 1, which is its adapters disabled
+        assert m["kl"] == 0.0 and "the reference is the actor with its adapters disabled" in res.stderr
     if "overlong" in job:
         assert m["reward/overlong_penalty_mean"] <= 0
 
