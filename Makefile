@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow,docs]"  # the trackers' tests run, not skip; docs: tests/test_docs.py builds the site
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps omegaconf tensordict pyvers codetiming orjson  # what verl's core_algos imports: tests/test_rl_algorithms_verl.py
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -91,6 +92,7 @@ bench: $(STAMP) $(VLLM_STAMP) bytecode
 	$(PY) benchmarks/rl_vs_trl.py    # slow: 3 seeds per side, 10-15 minutes, plus the TRL venv's install on its first run
 	test -d runs/sft_long/hf || $(VENV)/bin/shardwise train examples/sft_long.yaml --nproc $(NPROC)
 	$(PY) benchmarks/rl_async.py    # slow: sync vs async at staleness 0, 1, 2, 3 seeds each, ~20 minutes
+	$(PY) benchmarks/algorithms.py    # slow: grpo, dapo, gspo, dr_grpo, cispo on the long task, 3 seeds x 30 steps each
 
 # The user documentation (README.md, then docs/ by topic) as a site in .site/, by MkDocs with the
 # Material theme (mkdocs.yml). Strict: a broken link or anchor, or a page the nav leaves out,

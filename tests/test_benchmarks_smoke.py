@@ -132,6 +132,19 @@ def _check_rl_async(out: Path) -> None:
     assert "Projected, not measured" in (out / "rl_async.md").read_text()
 
 
+def _check_algorithms(out: Path) -> None:
+    res = json.loads((out / "algorithms.json").read_text())
+    (runs,) = res["runs"].values()
+    assert set(runs) == {"gspo"}, runs
+    _no_errors(list(runs.values()))
+    r = runs["gspo"]
+    assert [s["step"] for s in r["steps"]] == [1] and r["step_s"] > 0 and 0 < r["startup_s"] < r["wall_s"]
+    # the held-out accuracy at step 0 and after the step: what the benchmark's figures are read from
+    assert [e["step"] for e in r["evals"]] == [0, 1] and all(0 <= e["accuracy"] <= 1 for e in r["evals"])
+    assert r["overrides"][0].startswith("model.path=") and "eval.num_prompts=4" in r["overrides"]
+    assert "| gspo | `examples/gspo.yaml` | 1 |" in (out / "algorithms.md").read_text()
+
+
 @dataclass(frozen=True)
 class Smoke:
     """One benchmark's smoke: its script, extra arguments, its main results file, what to check."""
@@ -153,6 +166,7 @@ SMOKES = {
     "rl_packing": Smoke("rl_packing.py", "rl_packing.json", _check_rl_packing),
     "rl_vs_trl": Smoke("rl_vs_trl.py", "rl_vs_trl.json", _check_rl_vs_trl, needs_sft_model=True),
     "rl_async": Smoke("rl_async.py", "rl_async.json", _check_rl_async, ("--task", "reverse"), needs_sft_model=True),
+    "algorithms": Smoke("algorithms.py", "algorithms.json", _check_algorithms, needs_sft_model=True),
 }
 
 

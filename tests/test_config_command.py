@@ -246,7 +246,8 @@ def test_only_keeps_a_section_and_its_keys(config_file, capsys):
     ("parallel.fsdp_size", "auto | int >= 1"),
     ("parallel.sharding_strategy", "full_shard | shard_grad_op | no_shard | hybrid_shard"),
     ("fsdp.reshard_after_forward", "bool | int >= 1"),
-    ("rl.actor.policy_loss", "ppo_clip (registered names)"),
+    ("rl.actor.policy_loss", "ppo_clip | vanilla | dppo_tv | dppo_kl | gspo | sapo | gpg | cispo | clip_cov | kl_cov | "
+                             "geo_mean | dro | module:function (registered names)"),
     ("rl.packing", "bool | null"),
     ("fsdp.module_precision",
      "{str: dtype (fp32 | bf16 | fp16) | {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}}"),

@@ -70,14 +70,26 @@ class Registry:
                               did_you_mean(str(name), self.names()))
         return name
 
+    def check_or_path(self, name: str) -> str:
+        """`name` when it is registered or of the form ``module:function`` (a user's
+        implementation, imported where it runs; the form is checked here, the import
+        before launch); a ConfigError on the key naming the nearest name otherwise."""
+        module, sep, attr = str(name).partition(":")
+        if sep and all(p.isidentifier() for part in (module, attr) for p in part.split(".")):
+            return name
+        return self.check(name)
+
 
 ADVANTAGE_ESTIMATORS = Registry("rl.advantage", "shardwise.rl.algorithms")
-"""``rl.advantage``: ``fn(rewards, mask, *, values, group_ids, gamma, lam) -> (advantages,
-returns)``, all ``(batch, seq)``."""
+"""``rl.advantage``: ``fn(rewards, mask, *, values, group_ids, gamma, lam, **options) ->
+(advantages, returns)``, all ``(batch, seq)``; options (``norm_adv_by_std``,
+``reward_baselines``, ``epsilon``) are passed where the function takes them. Traits:
+``needs_critic``, ``compares_samples``, ``needs_baseline``."""
 
 POLICY_LOSSES = Registry("rl.actor.policy_loss", "shardwise.rl.algorithms")
-"""``rl.actor.policy_loss``: ``fn(old_log_prob, log_prob, advantages, mask, *, clip_low,
-clip_high, clip_c, mode, global_tokens, global_seqs) -> (loss, metrics)``."""
+"""``rl.actor.policy_loss``: verl's signature, ``fn(old_log_prob, log_prob, advantages,
+response_mask, loss_agg_mode, config, rollout_is_weights=None) -> (loss, metrics)``
+(`shardwise.rl.algorithms.policy_losses`)."""
 
 TRACKERS = Registry("run.loggers", "shardwise.telemetry.trackers")
 """``run.loggers``: ``cls(TrackerRun) -> Tracker`` (`shardwise.telemetry.trackers`); trait

@@ -124,7 +124,8 @@ def _type(ann: Any, metadata: Sequence[Any] = ()) -> str:
         if isinstance(m, BeforeValidator) and func is canonical_dtype:
             return "dtype (fp32 | bf16 | fp16)"
         if isinstance(m, AfterValidator) and isinstance(getattr(func, "__self__", None), Registry):
-            return " | ".join(func.__self__.names()) + " (registered names)"
+            path = " | module:function" if func.__name__ == "check_or_path" else ""
+            return " | ".join(func.__self__.names()) + path + " (registered names)"
     if ann is Any:
         return "any"
     if origin is list:

@@ -555,6 +555,24 @@ class OffPolicyConfig(Section):
     on-policy, is never cut)."""
 
 
+class PolicyLossOptions(Section):
+    """The options of the policy losses that have their own (verl's names, under verl's
+    ``actor.policy_loss``)."""
+
+    clip_cov_ratio: Annotated[float, Field(gt=0, le=1)] = 0.0002
+    """clip_cov: share of the tokens whose gradient is cut (at least one per micro-batch)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: a token is a candidate when its covariance of advantage and log-prob is above this..."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: ...and below this (> clip_cov_lb)."""
+    kl_cov_ratio: Annotated[float, Field(gt=0, le=1)] = 0.0002
+    """kl_cov: share of the tokens (largest covariance) that get the |log-ratio| penalty."""
+    ppo_kl_coef: Annotated[float, Field(ge=0)] = 0.1
+    """kl_cov: weight of that penalty."""
+    dro_beta: Annotated[float, Field(gt=0)] | None = None
+    """dro: weight of the quadratic log-ratio penalty; required with policy_loss=dro."""
+
+
 class ActorConfig(Section):
     ppo_epochs: Pos = 1
     """Passes over each rollout batch (actor and critic)."""
@@ -566,9 +584,17 @@ class ActorConfig(Section):
     separate forward computes them; entropy, KL and rollout-mismatch metrics come from the
     update's forward. false: always run the old-log-prob forward (the result is the same
     up to fp rounding)."""
-    policy_loss: Annotated[str, AfterValidator(POLICY_LOSSES.check)] = "ppo_clip"
-    """The policy loss, by name (`shardwise.rl.algorithms`): ppo_clip (clipped surrogate
-    with dual clip)."""
+    policy_loss: Annotated[str, AfterValidator(POLICY_LOSSES.check_or_path)] = "ppo_clip"
+    """The policy loss, by verl's name (`shardwise.rl.algorithms.policy_losses`; docs/algorithms.md):
+    ppo_clip = vanilla (PPO's clip with clip-higher and dual clip), gspo (sequence-level
+    ratio, arXiv 2507.18071), cispo (clipped importance weight on REINFORCE, no token
+    dropped, arXiv 2506.13585), sapo (soft gate, tau_pos / tau_neg, arXiv 2511.20347), gpg
+    (plain REINFORCE, arXiv 2504.02546), clip_cov / kl_cov (covariance-selected tokens,
+    arXiv 2505.22617), geo_mean (GMPO, arXiv 2507.20673), dppo_tv / dppo_kl (divergence
+    thresholds = clip_ratio_low / high, truncation = clip_ratio_c, arXiv 2602.04879), dro
+    (dro_beta, arXiv 2405.19107); or module:function with verl's signature
+    fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+    rollout_is_weights) -> (loss, metrics), imported in every worker."""
     clip_ratio: Annotated[float, Field(gt=0)] = 0.2
     """PPO clip range, both sides, unless clip_ratio_low / clip_ratio_high are set."""
     clip_ratio_low: Annotated[float, Field(gt=0)] | None = None
@@ -576,11 +602,25 @@ class ActorConfig(Section):
     clip_ratio_high: Annotated[float, Field(gt=0)] | None = None
     """Upper clip: the ratio is clipped at 1 + this."""
     clip_ratio_c: Annotated[float, Field(gt=1)] = 3.0
-    """Dual clip: a negative-advantage token's loss is at most this x |advantage|."""
+    """Dual clip: a negative-advantage token's loss is at most this x |advantage|
+    (ppo_clip); dppo_tv / dppo_kl: the truncation of their importance ratio."""
+    tau_pos: Annotated[float, Field(gt=0)] = 1.0
+    """sapo: temperature of the gate of positive-advantage tokens."""
+    tau_neg: Annotated[float, Field(gt=0)] = 1.05
+    """sapo: temperature of the gate of negative-advantage tokens."""
+    policy_loss_options: PolicyLossOptions = PolicyLossOptions()
+    """Options of clip_cov, kl_cov and dro."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses are reduced, over the whole mini-batch of all ranks."""
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses are reduced, over the whole mini-batch of all ranks: token-mean
+    (DAPO), token-sum, seq-mean-token-sum, seq-mean-token-mean (GRPO's paper, GSPO),
+    seq-mean-token-sum-norm (Dr. GRPO: token sums over a constant, loss_scale_factor).
+    sapo and geo_mean reduce their own way (as verl)."""
+    loss_scale_factor: Pos | None = None
+    """seq-mean-token-sum-norm's constant; null: the longest response a row may have
+    (rl.rollout.max_new_tokens, multi-turn rl.multi_turn.max_response_tokens)."""
     kl_loss: KLLossConfig = KLLossConfig()
     """KL to the reference policy in the loss."""
     off_policy: OffPolicyConfig = OffPolicyConfig()
@@ -606,6 +646,18 @@ class CriticConfig(Section):
     its own (as many processes again, its own process group)."""
 
 
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment: a response longer than max_new_tokens - buffer_len
+    loses penalty_factor x (its excess / buffer_len), at most penalty_factor."""
+
+    enabled: bool = False
+    """Add the penalty to each response's reward."""
+    buffer_len: Pos = 64
+    """The last tokens of the budget over which the penalty grows from 0 to penalty_factor."""
+    penalty_factor: Annotated[float, Field(ge=0)] = 1.0
+    """The penalty of a response that uses the whole budget."""
+
+
 class ReferenceConfig(Section):
     enabled: bool = True
     """Keep the initial policy to measure (and penalise) the KL from it."""
@@ -619,6 +671,8 @@ class RewardConfig(Section):
     """A sequence-classification model folder; its score at the last token is added."""
     colocated: bool = True
     """Reward model in the actor's worker processes (true) or a worker group of its own."""
+    overlong: OverlongConfig = OverlongConfig()
+    """DAPO's overlong reward shaping."""
     timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """The longest one call of the reward function may take; past it the function's process
     is stopped (with what it started) and the job stops with one line naming the function
@@ -687,6 +741,34 @@ class MultiTurnConfig(Section):
     carry them as extra_info.tools_kwargs); absent in a record: none."""
 
 
+def check_algorithm_options(rl: RLConfig, traits: dict) -> None:
+    """The checks of the policy loss and estimator settings (docs/algorithms.md): the options
+    a loss needs, and the combinations the run does not do. ConfigError naming the key."""
+    a = rl.actor
+    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+    if a.policy_loss == "dro" and a.policy_loss_options.dro_beta is None:
+        raise ConfigError("rl.actor.policy_loss_options.dro_beta", "policy_loss=dro needs its beta",
+                          "set rl.actor.policy_loss_options.dro_beta=0.1")
+    if a.policy_loss_options.clip_cov_lb >= a.policy_loss_options.clip_cov_ub:
+        raise ConfigError("rl.actor.policy_loss_options.clip_cov_lb", f"{a.policy_loss_options.clip_cov_lb} is not "
+                          f"below clip_cov_ub={a.policy_loss_options.clip_cov_ub}", "set clip_cov_lb < clip_cov_ub")
+    if low >= 1 and not a.policy_loss.startswith("dppo_") and ":" not in a.policy_loss:
+        raise ConfigError("rl.actor.clip_ratio_low", f"{low} clips the ratio at 1 - {low} <= 0",
+                          "set it below 1, e.g. 0.2")
+    if a.off_policy.correction == "tis" and a.policy_loss not in ("ppo_clip", "vanilla"):
+        raise ConfigError("rl.actor.off_policy.correction", f"tis truncates PPO's ratio inside its clip; "
+                          f"policy_loss={a.policy_loss} has no such ratio",
+                          "use correction=decoupled (it composes with every loss) or policy_loss=ppo_clip")
+    if traits.get("needs_baseline") and (rl.async_.enabled or rl.multi_turn.enabled):
+        which = "rl.async.enabled" if rl.async_.enabled else "rl.multi_turn.enabled"
+        raise ConfigError(which, f"rl.advantage={rl.advantage} generates a greedy baseline answer per prompt in the "
+                          "synchronous single-turn step only", f"set {which}=false or use another rl.advantage")
+    if rl.reward.overlong.enabled and rl.reward.overlong.buffer_len > rl.rollout.max_new_tokens:
+        raise ConfigError("rl.reward.overlong.buffer_len", f"{rl.reward.overlong.buffer_len} is longer than "
+                          f"rl.rollout.max_new_tokens={rl.rollout.max_new_tokens}",
+                          f"set it to at most {rl.rollout.max_new_tokens}")
+
+
 def check_multi_turn(section: str, mt: MultiTurnConfig, tools: list[str], environment: str | None) -> None:
     """The checks of a multi-turn section (``rl`` or ``infer``) that need only the config:
     tools or an environment to call, a tool result that fits the response budget, a parser
@@ -749,9 +831,15 @@ class RLConfig(Section):
 
     algorithm: Literal["grpo", "ppo"] = "grpo"
     """grpo: group-relative advantages, no critic; ppo: a critic trained alongside."""
-    advantage: Annotated[str, AfterValidator(ADVANTAGE_ESTIMATORS.check)] = "grpo"
-    """The advantage estimator, by name (`shardwise.rl.algorithms`): grpo, gae, rloo,
-    reinforce_plus_plus."""
+    advantage: Annotated[str, AfterValidator(ADVANTAGE_ESTIMATORS.check_or_path)] = "grpo"
+    """The advantage estimator, by verl's name (`shardwise.rl.algorithms.estimators`;
+    docs/algorithms.md): grpo (= grpo_vectorized), rloo, rloo_vectorized, grpo_passk,
+    reinforce_plus_plus_baseline, opo, gpg (need rl.rollout.n >= 2), reinforce_plus_plus,
+    remax (a greedy answer per prompt is generated as its baseline), gae (a critic); or
+    module:function with verl's keyword arguments (token_level_rewards, response_mask,
+    index, ...) -> (advantages, returns)."""
+    norm_adv_by_std: bool = True
+    """grpo, grpo_passk: divide by the group's std; false: Dr. GRPO (arXiv 2503.20783)."""
     rollout: RolloutConfig = RolloutConfig()
     """How responses are sampled."""
     actor: ActorConfig = ActorConfig()
@@ -827,7 +915,9 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _roles_agree(self) -> RLConfig:
-        traits = ADVANTAGE_ESTIMATORS.traits(self.advantage)
+        traits = ({"needs_critic": False, "compares_samples": False} if ":" in self.advantage
+                  else ADVANTAGE_ESTIMATORS.traits(self.advantage))
+        check_algorithm_options(self, traits)
         if traits["needs_critic"] and not self.critic.enabled:
             raise ConfigError("rl.critic.enabled", f"rl.advantage={self.advantage} needs a critic",
                               "set rl.critic.enabled=true")

@@ -61,6 +61,7 @@ from shardwise.models import families
 from shardwise.models.hub import resolve_inputs
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
+from shardwise.rl.algorithms.user import check_user_functions
 from shardwise.rl.async_trainer import AsyncController
 from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, heldout_summary, mean_timing
@@ -119,6 +120,7 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     check_model(cfg)
     families.check_packing(load_hf_config(cfg.model), False, cfg.rl.packing)  # hybrids whose layers mix documents
     check_rl_async(cfg)
+    check_user_functions(cfg)  # a user's rl.actor.policy_loss / rl.advantage imported once here
     schemas = check_rl_agents(cfg)
     if cfg.rl.rollout.engine == "vllm":  # what the installed vLLM cannot serve fails here, not on rank 0
         check_vllm_engine(load_hf_config(cfg.model), "rl.rollout", "model.config")

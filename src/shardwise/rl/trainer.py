@@ -82,6 +82,7 @@ from shardwise.engine.generate import prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
+from shardwise.rl.algorithms.user import UserFunctionError, resolve_estimator
 from shardwise.rl.cluster import RayWorkerGroup, WorkerGroup, init_ray, ray_cpus, worker_groups
 from shardwise.rl.local import group_class
 from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
@@ -139,7 +140,9 @@ class Controller:
         "sampled" (its two passes)."""
         k = cfg.rl.kl_in_reward
         self.kl_ctl = alg.kl_controller(k.controller, k.coef, k.target, k.horizon)
-        self.estimator = ADVANTAGE_ESTIMATORS.get(cfg.rl.advantage)
+        self.estimator = resolve_estimator(cfg.rl.advantage)
+        self.needs_baseline = ":" not in cfg.rl.advantage and ADVANTAGE_ESTIMATORS.traits(cfg.rl.advantage).get(
+            "needs_baseline", False)
         a = cfg.rl.actor
         self.on_policy_shortcut = (a.on_policy_shortcut and a.ppo_epochs == 1 and a.ppo_mini_batches == 1
                                    and not cfg.rl.kl_in_reward.enabled and a.off_policy.correction != "decoupled")
@@ -327,6 +330,14 @@ class Controller:
             rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
             scores[rows, last[has]] += rm[has]
             metrics["reward/model_mean"] = float(rm.mean())
+        ov = self.cfg.rl.reward.overlong
+        if ov.enabled:  # DAPO's soft overlong punishment, on the response's length in tokens
+            budget = (self.cfg.rl.multi_turn.max_response_tokens if self.cfg.rl.multi_turn.enabled
+                      else self.cfg.rl.rollout.max_new_tokens)
+            excess = mask.sum(-1).float() - (budget - ov.buffer_len)
+            penalty = torch.clamp(-excess / ov.buffer_len * ov.penalty_factor, max=0.0)
+            scores[rows, last[has]] += penalty[has]
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         seq = scores.sum(-1)
         metrics["reward/mean"] = float(seq.mean())
         metrics["reward/std"] = float(seq.std()) if len(seq) > 1 else 0.0
@@ -343,8 +354,20 @@ class Controller:
                                                  self.kl_ctl.value, rl.kl_in_reward.type)
             self.kl_ctl.update(kl, len(batch))
             metrics["kl_in_reward/coef"] = self.kl_ctl.value
-        adv, returns = self.estimator(rewards, mask, values=t.get("values"), group_ids=list(batch.arrays["uid"]),
-                                      gamma=rl.gamma, lam=rl.lam)
+        try:
+            adv, returns = alg.call_estimator(self.estimator, rewards, mask, values=t.get("values"),
+                                              group_ids=list(batch.arrays["uid"]), gamma=rl.gamma, lam=rl.lam,
+                                              norm_adv_by_std=rl.norm_adv_by_std,
+                                              reward_baselines=t.get("reward_baselines"))
+        except Exception as e:
+            if ":" not in rl.advantage:
+                raise
+            raise UserFunctionError("rl.advantage", f"{rl.advantage} raised {type(e).__name__}: {e}",
+                                    "fix the function") from e
+        if ":" in rl.advantage and not (isinstance(adv, torch.Tensor) and adv.shape == mask.shape
+                                        and isinstance(returns, torch.Tensor) and returns.shape == mask.shape):
+            raise UserFunctionError("rl.advantage", f"{rl.advantage} returned advantages / returns not of the "
+                                    f"batch's shape {tuple(mask.shape)}", "return two (batch, response_len) tensors")
         metrics["advantages/abs_mean"] = float(alg.masked_mean(adv.abs(), mask))
         return batch.union(Batch.from_dict({"token_level_rewards": rewards, "advantages": adv,
                                             "returns": returns})), metrics
@@ -353,11 +376,20 @@ class Controller:
         """One sampling round: the next prompts generated and scored; returns the scored
         batch and its reward metrics. The engine's own figures (the weight push before
         generating, only in the round that pushes) go to `metrics`: the slowest rank's."""
+        prompts = self.next_prompts(round_)
         with timer("generate"):
-            batch = self.group.generate_sequences(self.next_prompts(round_))
+            batch = self.group.generate_sequences(prompts)
         engine_metrics(batch, metrics)
         with timer("reward"):
-            return self.score(batch)
+            batch, scored = self.score(batch)
+        if self.needs_baseline:  # REMAX: the reward of a greedy answer to each row's prompt
+            prompts.meta["greedy"] = True  # on the generation engine, counted in time/generate_baseline
+            with timer("generate_baseline"):
+                base = self.group.generate_sequences(prompts)
+            with timer("reward_baseline"):
+                base, _ = self.score(base)
+            batch = batch.union(Batch.from_dict({"reward_baselines": base.tensors["token_level_scores"].sum(-1)}))
+        return batch, scored
 
     def sample(self, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
         """The step's rows for the update, after ``rl.filter_groups`` (see `RLConfig`).

@@ -33,6 +33,7 @@ from shardwise.engine.infer import (
 from shardwise.engine.train import TrainEngine
 from shardwise.models import lora, vision
 from shardwise.rl import algorithms as alg
+from shardwise.rl.algorithms.user import UserFunctionError, checked_loss_output, resolve_policy_loss
 from shardwise.rl.workers.common import (
     PassShape,
     check_mini_batches,
@@ -48,6 +49,12 @@ log = logging.getLogger(__name__)
 __all__ = ["ActorWorker", "ReferenceWorker", "sequence_log_probs"]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
+
+
+def loss_horizon(cfg: Config) -> int:
+    """The most response tokens a row may have: seq-mean-token-sum-norm's default constant."""
+    mt = cfg.rl.multi_turn
+    return mt.max_response_tokens if mt.enabled else cfg.rl.rollout.max_new_tokens
 
 
 def scoring_temperature(cfg: Config) -> float:
@@ -87,6 +94,7 @@ class ActorWorker:
     def __init__(self, cfg: Config, runtime: Runtime):
         self.cfg = cfg
         self.runtime = runtime
+        resolve_policy_loss(cfg.rl.actor.policy_loss)  # a user's module:function imported at start-up
         self.engine = TrainEngine(rl_engine_config(cfg), runtime)
         self.forward_shape = forward_shape(cfg, self.engine.model, self.engine.sp_group)
         self.update_shape = update_shape(cfg, self.engine.model, self.engine.sp_group)
@@ -195,6 +203,16 @@ class ActorWorker:
         clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         mode = a.loss_agg_mode
+        pg_fn = resolve_policy_loss(a.policy_loss)
+        user = ":" in a.policy_loss
+        scale = a.loss_scale_factor or loss_horizon(self.cfg)
+        # verl's config mapping: the loss's options and the global mini-batch's counts
+        # (dp_size 1: the division by the replicas happens in update_actor)
+        pg_cfg = {"clip_ratio": a.clip_ratio, "clip_ratio_low": clip_low, "clip_ratio_high": clip_high,
+                  "clip_ratio_c": a.clip_ratio_c, "tau_pos": a.tau_pos, "tau_neg": a.tau_neg,
+                  "loss_agg_mode": mode, "policy_loss": a.policy_loss_options.model_dump(),
+                  "global_batch_info": {"dp_size": 1, "batch_num_tokens": tokens, "global_batch_size": seqs,
+                                        "loss_scale_factor": scale}}
         temperature = scoring_temperature(self.cfg)
         chunk_tokens = self.engine.chunk_tokens
         tis_cap = self.cfg.rl.rollout.tis_cap
@@ -213,12 +231,24 @@ class ActorWorker:
             old = logp.detach() if on_policy else t["old_log_probs"]
             if on_policy:
                 _policy_metrics(metrics, old, out["entropy"].detach(), t, mask, tokens)
-            if off.correction == "none":
-                weights = (None if tis_cap is None
-                           else alg.tis_weights(old, t["rollout_log_probs"], mask, tis_cap))
-                pg, m = alg.policy_loss(old, logp, t["advantages"], mask,
-                                        clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c,
-                                        mode=mode, global_tokens=tokens, global_seqs=seqs, token_weights=weights)
+            if off.correction in ("none", "decoupled"):
+                # decoupled: the ratio against `old`, the proximal policy, times the behaviour
+                # weights (the same composition for every loss); none: rollout mismatch weights
+                if off.correction == "decoupled":
+                    weights = alg.tis_weights(old, t["rollout_log_probs"], mask, off.cap)
+                    for k, v in alg.off_policy_weights(old, t["rollout_log_probs"], mask, off.cap, tokens).items():
+                        metrics[k].append(float(v))
+                else:
+                    weights = None if tis_cap is None else alg.tis_weights(old, t["rollout_log_probs"], mask, tis_cap)
+                try:
+                    pg, m = pg_fn(old, logp, t["advantages"], mask, mode, pg_cfg, weights)
+                except Exception as e:
+                    if not user:
+                        raise
+                    raise UserFunctionError("rl.actor.policy_loss", f"{a.policy_loss} raised "
+                                            f"{type(e).__name__}: {e}", "fix the function") from e
+                if user:
+                    pg, m = checked_loss_output(a.policy_loss, (pg, m))
             else:
                 # tis: the ratio against the behaviour policy; decoupled: against `old`, the
                 # proximal policy. `old` is the policy at the start of the update either way.
@@ -226,23 +256,25 @@ class ActorWorker:
                 per_token, m = alg.off_policy_token_loss(off.correction, logp, t["advantages"], mask,
                                                          behave_logp=behave, prox_logp=old, cap=off.cap,
                                                          clip_low=clip_low, clip_high=clip_high, clip_c=a.clip_ratio_c)
-                pg = alg.aggregate_loss(per_token, mask, mode, tokens, seqs)
+                pg = alg.aggregate_loss(per_token, mask, mode, tokens, seqs, scale)
                 for k, v in alg.off_policy_weights(old, behave, mask, off.cap, tokens).items():
                     metrics[k].append(float(v))
+                m = {"actor/pg_clipfrac": m["clipfrac"], "actor/pg_clipfrac_lower": m["clipfrac_lower"],
+                     "actor/ppo_kl": m["approx_kl"]}
             loss = pg
             if a.entropy_coef != 0:
-                ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs)
+                ent = alg.aggregate_loss(out["entropy"], mask, mode, tokens, seqs, scale)
                 loss = loss - a.entropy_coef * ent
                 metrics["actor/entropy_loss"].append(float(ent.detach()))
             if a.kl_loss.enabled:
                 kl = alg.aggregate_loss(alg.kl_penalty(logp, t["ref_log_probs"], a.kl_loss.type),
-                                        mask, mode, tokens, seqs)
+                                        mask, mode, tokens, seqs, scale)
                 loss = loss + a.kl_loss.coef * kl
                 metrics["actor/kl_loss"].append(float(kl.detach()))
             metrics["actor/pg_loss"].append(float(pg.detach()))
-            metrics["actor/pg_clipfrac"].append(m["clipfrac"])
-            metrics["actor/pg_clipfrac_lower"].append(m["clipfrac_lower"])
-            metrics["actor/ppo_kl"].append(m["approx_kl"])
+            for k in alg.PG_METRICS:  # a loss that does not measure one leaves it without entries
+                if k in m:
+                    metrics[k].append(float(m[k]))
             return loss
 
         return loss_fn
