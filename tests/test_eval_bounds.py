@@ -22,6 +22,7 @@ def test_a_full_disk_while_writing_samples_names_the_file_and_removes_the_partia
     suggested resume failed again) and an empty ``error.txt``. Now: DiskFullError (exit
     74) naming the file, the free space and the file's size; no partial file; the earlier
     samples intact; and a report that cannot be written leaves no empty error.txt."""
+    from shardwise.checkpoint.layout import resume_line
     from shardwise.engine.evaluate import samples_path, write_samples
     from shardwise.errors import DiskFullError
     from shardwise.jobs.rundir import ERROR_FILE, write_error_file
@@ -30,7 +31,7 @@ def test_a_full_disk_while_writing_samples_names_the_file_and_removes_the_partia
         first = write_samples(run, 0, [{"index": 0, "response": "4"}])
         rows = [{"index": i, "prompt": "x" * 1000, "response": "y" * 1000} for i in range(200)]  # ~400 KB
         with pytest.raises(DiskFullError) as err:
-            write_samples(run, 2, rows)
+            write_samples(run, 2, rows, resume_line)
         line = str(err.value)
         assert err.value.exit_status == 74 and "\n" not in line
         assert f"evaluation samples '{samples_path(run, 2)}' could not be written: the disk holding it is full" in line

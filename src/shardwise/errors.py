@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 import reprlib
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class ShardwiseError(Exception):
@@ -139,3 +141,25 @@ def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str | N
     if choices and len(choices) <= 12:
         return "valid: " + ", ".join(prefix + c for c in choices)
     return None
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes free on the disk holding `folder` (its nearest existing parent); None if unknown."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def human_bytes(n: int | None) -> str:
+    """`n` bytes in words for a line: "512 B", "3.4 MiB"; "unknown" for None."""
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

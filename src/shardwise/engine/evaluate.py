@@ -52,7 +52,7 @@ from shardwise.data.reward_row import RewardFunctionError, describe, short
 from shardwise.data.rewards import RewardFn, call_within, import_attribute, score_sequences
 from shardwise.data.tasks import BUILTIN_PREFIX
 from shardwise.engine.generate import PromptBatchFn, prompt_batch, sample_keys
-from shardwise.errors import DiskFullError
+from shardwise.errors import DiskFullError, free_bytes, human_bytes
 from shardwise.models.vision import VisionInputs
 from shardwise.telemetry import Progress
 
@@ -330,12 +330,15 @@ def samples_path(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / "samples" / f"step_{int(step):07d}.jsonl"
 
 
-def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict]) -> Path:
+def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict],
+                  resume: Callable[[str | os.PathLike], str] | None = None) -> Path:
     """`rows` as JSON lines at `samples_path` (a temporary file replaced in one step: a
     reader never sees half a file); returns the path. A full disk is a `DiskFullError`
     (exit status 74) naming the file, the free space and the file's size, after the partial
     file is removed (it would fill the disk the resumed run needs); any other OSError is
-    raised as it is, the partial file removed too."""
+    raised as it is, the partial file removed too. `resume(run_dir)`: where the stopped run
+    resumes from, in words, for the line (a job with checkpoints passes
+    `checkpoint.layout.resume_line`; infer keeps none and passes nothing)."""
     path = samples_path(run_dir, step)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -344,7 +347,7 @@ def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict]) -> Pa
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         os.replace(tmp, path)
     except OSError as e:
-        full = _samples_disk_full_line(run_dir, path, tmp, rows) if e.errno == errno.ENOSPC else None
+        full = _samples_disk_full_line(run_dir, path, tmp, rows, resume) if e.errno == errno.ENOSPC else None
         with contextlib.suppress(OSError):  # the free space above is the full disk's, before this
             tmp.unlink(missing_ok=True)
         if full is None:
@@ -353,14 +356,13 @@ def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict]) -> Pa
     return path
 
 
-def _samples_disk_full_line(run_dir: str | os.PathLike, path: Path, tmp: Path, rows: list[dict]) -> str:
-    from shardwise.checkpoint.dcp import free_bytes, human_bytes  # the checkpoints' words for the same event
-    from shardwise.checkpoint.layout import resume_line
-
+def _samples_disk_full_line(run_dir: str | os.PathLike, path: Path, tmp: Path, rows: list[dict],
+                            resume: Callable[[str | os.PathLike], str] | None) -> str:
     need = sum(len((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")) for r in rows)
+    then = f"; {resume(run_dir)}" if resume is not None else ""
     return (f"evaluation samples {str(path)!r} could not be written: the disk holding it is full "
             f"({human_bytes(free_bytes(path.parent))} free, the file needs about {human_bytes(need)}); the partial "
-            f"file {tmp.name} was removed; {resume_line(run_dir)} (free space, or move run.dir to a larger disk)")
+            f"file {tmp.name} was removed{then} (free space, or move run.dir to a larger disk)")
 
 
 def eval_table(metrics: dict[str, float]) -> str:

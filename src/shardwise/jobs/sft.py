@@ -41,6 +41,7 @@ from torch import nn
 from shardwise.checkpoint.best import best_checkpoint, forget_best_after, record_best
 from shardwise.checkpoint.dcp import CheckpointManager
 from shardwise.checkpoint.hf_export import export_adapter, export_model
+from shardwise.checkpoint.layout import resume_line
 from shardwise.config.schema import Config
 from shardwise.config.validate import MeshSpec, check_sft_batch, mesh_spec
 from shardwise.data import encoder
@@ -328,7 +329,7 @@ class Evaluation:
         out["time/eval"] = time.perf_counter() - t0
         self.metrics.log(step, out)
         if rows and main:
-            self.samples = write_samples(self.run_dir, step, rows)
+            self.samples = write_samples(self.run_dir, step, rows, resume_line)
             if self.plan.samples_logged:
                 self.metrics.log_samples(step, rows[:self.plan.samples_logged])
         self.last = out

@@ -69,7 +69,7 @@ import torch
 
 from shardwise.agents.loop import agent_prompt_batch, trajectory_metrics
 from shardwise.checkpoint.best import BEST_FILE, forget_best_after, record_best
-from shardwise.checkpoint.layout import CHECKPOINTS_DIR
+from shardwise.checkpoint.layout import CHECKPOINTS_DIR, resume_line
 from shardwise.config.schema import Config
 from shardwise.config.validate import mesh_spec, rl_update_groups
 from shardwise.data.batch import Batch
@@ -573,7 +573,7 @@ class Controller:
         self.evaluations.append((self.step, dict(result.metrics), dict(self.heldout_tools)))
         if not record:
             return result.metrics
-        write_samples(self.run_dir, self.step, result.rows)
+        write_samples(self.run_dir, self.step, result.rows, resume_line)
         # an engine that keeps its own weights took the update's push here, before answering
         writer.log(self.step, {**result.metrics, **self._eval_engine})
         if plan.samples_logged:
