@@ -295,7 +295,45 @@ class ChunkedLossConfig(Section):
     the softmax when the entropy is wanted)."""
 
 
+class DPOConfig(Section):
+    """Preference optimisation (``train.objective: dpo``, `shardwise.engine.preference`)."""
+
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
+    """sigmoid: DPO (-logsigmoid(beta x margin of log-ratios)); ipo: (margin - 1/(2 beta))^2 on
+    length-averaged log-probs; hinge: relu(1 - beta x margin); simpo: reference-free, on
+    length-averaged log-probs with the target margin gamma; orpo: reference-free, the
+    chosen answer's NLL plus beta x the odds-ratio term."""
+    beta: Annotated[float, Field(gt=0)] = 0.1
+    """The temperature of the implicit reward (orpo: the weight of the odds-ratio term)."""
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    """sigmoid / simpo: the assumed share of flipped labels (cDPO)."""
+    gamma: Annotated[float, Field(ge=0)] = 0.5
+    """simpo: the target reward margin (TRL's simpo_gamma)."""
+    precompute_ref: bool = False
+    """Compute the reference log-probs of every pair once, with the initial policy, before
+    the first step, and store them with the run (run.dir/dpo_reference.safetensors): no
+    second copy of the model while training. false: a frozen copy sharded like the policy
+    (with model.lora: the policy with its adapters off)."""
+
+
+class RewardModelConfig(Section):
+    """Reward-model training (``train.objective: reward_model``)."""
+
+    center_rewards_coefficient: Annotated[float, Field(ge=0)] | None = None
+    """TRL's: adds coef x mean((r_chosen + r_rejected)^2), keeping the rewards centred on 0;
+    null: off."""
+
+
 class TrainConfig(Section):
+    objective: Literal["sft", "dpo", "reward_model"] = "sft"
+    """sft: next-token loss on examples; dpo: preference optimisation on pairs (train.dpo);
+    reward_model: a one-label sequence-classification head trained on pairs with the
+    Bradley-Terry loss (train.reward_model). Pairs are read with data.prompt_key,
+    data.chosen_key, data.rejected_key."""
+    dpo: DPOConfig = DPOConfig()
+    """train.objective dpo: the loss and the reference."""
+    reward_model: RewardModelConfig = RewardModelConfig()
+    """train.objective reward_model: the loss."""
     micro_batch_size: Pos = 4
     """Rows per rank, per forward."""
     max_tokens_per_micro_batch: Pos | None = None
@@ -376,6 +414,18 @@ class DataConfig(Section):
     label_key: str = "label"
     """model.task sequence_classification: the column holding each integer class label
     (0 .. num_labels - 1 of the model config)."""
+    chosen_key: str = "chosen"
+    """train.objective dpo / reward_model: the column holding each preferred answer (text,
+    or a list of messages: the assistant turn)."""
+    rejected_key: str = "rejected"
+    """train.objective dpo / reward_model: the column holding each dispreferred answer."""
+    margin_key: str | None = None
+    """train.objective reward_model: a column of per-pair margins (Bradley-Terry with a
+    margin, -logsigmoid(r_chosen - r_rejected - margin)); null: none."""
+    drop_bad_pairs: bool = False
+    """Pairs that cannot train (an empty or identical answer, a prompt that fills
+    data.max_length, answers equal after the cut): false: the first is an error naming its
+    row; true: they are dropped and counted in one note."""
 
 
 class CheckpointConfig(Section):
