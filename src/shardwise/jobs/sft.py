@@ -46,8 +46,8 @@ from shardwise.config.validate import MeshSpec, check_sft_batch, mesh_spec
 from shardwise.data import encoder
 from shardwise.data.chat import export_template, text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import example_loss_tokens, pack_collate, pad_collate
-from shardwise.data.pairs import PAIR_OBJECTIVES
 from shardwise.data.encode import encode_records, summarize_truncation
+from shardwise.data.pairs import PAIR_OBJECTIVES
 from shardwise.data.rewards import ContainedReward, contain, resolve_reward_fn
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share, token_budget_micro_batches
 from shardwise.data.tasks import HELDOUT_SEED_OFFSET
