@@ -178,7 +178,7 @@ def test_dpo_one_rank_equals_two_and_the_precomputed_reference_and_resumes(tmp_p
     assert again[2]["loss"] == pytest.approx(pre[2]["loss"], abs=1e-6)
 
 
-def test_reward_model_learns_the_rule_and_is_exported_as_a_classifier(tmp_path):
+def test_reward_model_learns_the_rule_is_exported_as_a_classifier_and_scores_rl(tmp_path, tiny_sft_run):
     train, val = _pair_files(tmp_path)
     run_dir = tmp_path / "rm"
     res = run_cli(["train", str(REPO_ROOT / "examples/sft_arithmetic.yaml"), "--nproc", "2",
@@ -193,6 +193,25 @@ def test_reward_model_learns_the_rule_and_is_exported_as_a_classifier(tmp_path):
     assert val_lines[-1]["val/rm/accuracy"] >= 0.8, val_lines
     config = json.loads((run_dir / "hf/config.json").read_text())
     assert config["architectures"] == ["Qwen3ForSequenceClassification"] and len(config["id2label"]) == 1
+    # the exported folder is the reward of an RL step as it is (rl.reward.model, next to the rule)
+    rl_dir = tmp_path / "rl"
+    res = run_cli(["rl", str(REPO_ROOT / "examples/grpo_arithmetic.yaml"), f"model.path={tiny_sft_run['model']}",
+                   f"rl.reward.model={run_dir / 'hf'}", f"run.dir={rl_dir}", "train.max_steps=1",
+                   "rl.heldout_eval=false", "checkpoint.export_hf=false", "data.max_length=16"], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (step,) = [json.loads(x) for x in (rl_dir / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in x]
+    assert math.isfinite(step["reward/model_mean"]) and step["reward/model_mean"] != 0.0
+    assert step["reward/mean"] == pytest.approx(step["reward/model_mean"] + step["reward/rule_mean"], abs=1e-5)
+
+
+def test_a_reward_model_folder_without_a_classification_head_is_refused(tiny_sft_run, tmp_path):
+    from shardwise.errors import ConfigError
+    from shardwise.jobs.preference import check_reward_model
+
+    tok = build_char_tokenizer(tmp_path / "tok")
+    with pytest.raises(ConfigError) as err:
+        check_reward_model(str(tiny_sft_run["model"]), tok)
+    assert "rl.reward.model" in str(err.value) and "without a classification head" in str(err.value)
 
 
 def test_a_bad_pair_exits_2_before_launch(tmp_path):

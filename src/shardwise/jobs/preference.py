@@ -270,3 +270,34 @@ def _precomputed(cfg: Config, runtime, engine, data: _Pairs, path: Path, live, r
         tmp.replace(path)
         log.info("reference log-probs of %d pairs stored in %s", n, path)
     return table
+
+
+# ---------------------------------------------------------------- a reward model in RL
+
+
+def check_reward_model(path: str, policy_tokenizer, key: str = "rl.reward.model") -> None:
+    """`path` is a one-label sequence classifier (what train.objective reward_model exports)
+    that reads the policy's token ids: ConfigError naming `key` otherwise (a folder without
+    a classification head, several labels, or a tokenizer of its own that differs from the
+    policy's, whose conversations are not re-rendered yet)."""
+    from shardwise.data.tokenizer import has_tokenizer_files, load_tokenizer
+
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(key, f"cannot read {path!r}/config.json: {e}") from None
+    arch = [a for a in config.get("architectures") or [] if str(a).endswith("ForSequenceClassification")]
+    if not arch:
+        raise ConfigError(key, f"{path!r} is a {', '.join(config.get('architectures') or ['?'])} without a "
+                          "classification head", "give a folder exported by `shardwise train` with "
+                          "train.objective=reward_model (a *ForSequenceClassification model)")
+    labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
+    if labels != 1:
+        raise ConfigError(key, f"{path!r} has {labels} labels; a reward model scores with one",
+                          "train it with train.objective=reward_model (num_labels 1)")
+    if has_tokenizer_files(path):
+        own = load_tokenizer(path)
+        if own.get_vocab() != policy_tokenizer.get_vocab():
+            raise ConfigError(key, f"{path!r} has a tokenizer of its own, other than the policy's; its inputs "
+                              "are not re-rendered for it yet", "use a reward model trained on the policy's "
+                              "tokenizer (e.g. from the same base model)")

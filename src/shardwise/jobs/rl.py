@@ -51,9 +51,11 @@ from shardwise.jobs.inputs import (
     check_tokens,
     check_vllm_engine,
     ground_truth_key,
+    job_tokenizer,
     vision_inputs,
     wants_tools_tokenizer,
 )
+from shardwise.jobs.preference import check_reward_model
 from shardwise.jobs.report import rl as report
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
@@ -120,6 +122,8 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
     check_tokenizer(cfg)
+    if cfg.rl.reward.model is not None:
+        check_reward_model(cfg.rl.reward.model, job_tokenizer(cfg))
     check_resume(cfg, "rl")
     check_tokens(cfg)
     truth, truth_name = ground_truth_key(cfg)
