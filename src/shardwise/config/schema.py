@@ -656,6 +656,24 @@ class RewardConfig(Section):
     and the row (a function that never returns would block it)."""
 
 
+class DistillConfig(Section):
+    """On-policy distillation: the student (the policy) samples, a teacher scores every
+    token it sampled, and the student is trained towards the teacher on its own samples.
+    The teacher takes the reference's place (a reference with other weights, sharded and
+    built like it): ref_log_probs are the teacher's, ``kl`` is the reverse KL to it."""
+
+    teacher: str | None = None
+    """A local HF folder of a causal LM with the student's vocabulary (its tokenizer, when
+    it has one, the student's); null: no distillation."""
+    coef: Annotated[float, Field(gt=0)] = 1.0
+    """The weight of the per-token reverse KL, log p_student - log p_teacher of each sampled token."""
+    mode: Literal["reward", "loss"] = "reward"
+    """reward: -coef x the per-token reverse KL is added to each token's reward (with
+    rl.reward.function too: the sum; rl.reward.function null: the teacher alone); loss:
+    the actor's KL loss to the teacher (rl.actor.kl_loss with coef, its type) is added to
+    the policy loss."""
+
+
 class KLInRewardConfig(Section):
     enabled: bool = False
     """Subtract coef x KL(policy || reference) from each token's reward."""
@@ -794,6 +812,8 @@ class RLConfig(Section):
     """Where rewards come from."""
     kl_in_reward: KLInRewardConfig = KLInRewardConfig()
     """KL penalty folded into the rewards."""
+    distill: DistillConfig = DistillConfig()
+    """On-policy distillation from a teacher (rl.distill.teacher)."""
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Discount per token (gae, reinforce_plus_plus)."""
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
@@ -888,7 +908,17 @@ class RLConfig(Section):
         mt = self.multi_turn
         check_multi_turn("rl", mt, self.tools, self.environment)
         # an environment's reward() may be the reward: `shardwise.jobs.rl.check_agents` knows
-        if self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment):
+        if self.distill.teacher is not None and not self.reference.enabled:
+            raise ConfigError("rl.reference.enabled", "rl.distill's teacher takes the reference's place",
+                              "set rl.reference.enabled=true")
+        if self.distill.teacher is not None and (self.kl_in_reward.enabled or (
+                self.actor.kl_loss.enabled and self.distill.mode == "reward")):
+            which = "rl.kl_in_reward.enabled" if self.kl_in_reward.enabled else "rl.actor.kl_loss.enabled"
+            raise ConfigError(which, "with rl.distill the reference is the teacher, so this KL would be to the "
+                              "teacher too", "set it to false (rl.distill.mode: loss is the KL loss to the teacher)")
+        distill_alone = self.distill.teacher is not None
+        if (self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment)
+                and not distill_alone):
             raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
                               "set rl.reward.function=builtin:arithmetic or a module:function")
         return self

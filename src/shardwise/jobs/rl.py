@@ -60,6 +60,7 @@ from shardwise.jobs.report import rl as report
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
+from shardwise.rl import distill
 from shardwise.rl.async_trainer import AsyncController
 from shardwise.rl.cluster import check_ray_address
 from shardwise.rl.trainer import Controller, heldout_summary, mean_timing
@@ -124,6 +125,9 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     check_tokenizer(cfg)
     if cfg.rl.reward.model is not None:
         check_reward_model(cfg.rl.reward.model, job_tokenizer(cfg))
+    if cfg.rl.distill.teacher is not None:
+        distill.check_teacher(cfg, load_hf_config(cfg.model).get_text_config().vocab_size, job_tokenizer(cfg))
+        cfg = distill.loss_config(cfg)  # mode loss: the actor's KL loss to the reference, which is the teacher
     check_resume(cfg, "rl")
     check_tokens(cfg)
     truth, truth_name = ground_truth_key(cfg)

@@ -82,6 +82,7 @@ from shardwise.engine.generate import prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
+from shardwise.rl import distill
 from shardwise.rl.cluster import RayWorkerGroup, WorkerGroup, init_ray, ray_cpus, worker_groups
 from shardwise.rl.local import group_class
 from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
@@ -338,6 +339,8 @@ class Controller:
         mask = t["response_mask"].bool()
         metrics: dict[str, float] = {}
         rewards = t["token_level_scores"]
+        if rl.distill.teacher is not None and rl.distill.mode == "reward":
+            rewards = rewards + distill.reward_term(t, rl.distill.coef)
         if rl.kl_in_reward.enabled:
             rewards, kl = alg.apply_kl_in_reward(rewards, t["old_log_probs"], t["ref_log_probs"], mask,
                                                  self.kl_ctl.value, rl.kl_in_reward.type)
@@ -447,6 +450,9 @@ class Controller:
                                                 mask))
         if rl.reference.enabled:
             batch = self.reference_log_probs(batch, timer, metrics)
+            if rl.distill.teacher is not None:  # the reference is the teacher (shardwise.rl.distill)
+                metrics.update(distill.metrics(batch.tensors))
+                metrics["time/teacher"] = timer.as_dict().get("time/ref", 0.0)
             if not self.on_policy_shortcut:
                 metrics["kl"] = float(alg.masked_mean(
                     alg.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], "k1"), mask))
