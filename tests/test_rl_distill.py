@@ -60,7 +60,7 @@ def test_distillation_brings_the_student_towards_the_teacher(tiny_sft_run, tmp_p
     assert "reward/rule_mean" not in _kl(runs["reward"])[0]
 
 
-def test_a_teacher_of_another_vocabulary_is_refused_before_launch(tiny_sft_run, tmp_path):
+def test_a_teacher_of_another_vocabulary_is_refused_before_launch(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from shardwise.data.tokenizer import build_char_tokenizer
@@ -70,7 +70,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_launch(tiny_sft_run, 
                         num_key_value_heads=2, head_dim=8, vocab_size=96, max_position_embeddings=64)
     Qwen3ForCausalLM(shape).save_pretrained(tmp_path / "wide")
     cfg = load_config(REPO_ROOT / "examples/grpo_arithmetic.yaml",
-                      [f"model.path={tiny_sft_run['model']}", f"rl.distill.teacher={tmp_path / 'wide'}",
+                      [f"rl.distill.teacher={tmp_path / 'wide'}",
                        "rl.actor.kl_loss.enabled=false"])
     with pytest.raises(ConfigError) as err:
         check_teacher(cfg, 64, build_char_tokenizer(tmp_path / "tok"))
