@@ -30,12 +30,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from shardwise.config.schema import Config
 from shardwise.data.pairs import check_pairs, collate_pairs, encode_pairs, load_pairs
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share
-from shardwise.data.tokenizer import pad_token_id
+from shardwise.data.tokenizer import has_tokenizer_files, load_tokenizer, pad_token_id
 from shardwise.engine.evaluate import EvalPlan
+from shardwise.engine.infer import InferEngine
 from shardwise.engine.preference import REFERENCE_FREE, DPOLoss, RewardModelLoss, reference_log_probs
 from shardwise.errors import ConfigError, DataError
 from shardwise.models import lora
@@ -204,8 +207,7 @@ def build_reference(cfg: Config, runtime, engine, datasets: list[tuple[_Pairs, s
         def live(mb):
             return reference_log_probs(engine.model, mb, chunk, context=lambda: lora.adapters_disabled(engine.model))
     elif not cfg.train.dpo.precompute_ref:
-        from shardwise.engine.infer import InferEngine  # the frozen copy, sharded like the policy
-        ref_engine = InferEngine(cfg, runtime)
+        ref_engine = InferEngine(cfg, runtime)  # the frozen copy, sharded like the policy
 
         def live(mb):
             return reference_log_probs(ref_engine.model, mb, chunk)
@@ -233,8 +235,6 @@ def _precomputed(cfg: Config, runtime, engine, data: _Pairs, path: Path, live, r
     """The reference log-probs of every pair of `data` ``(N, 2)`` fp32: read from `path`
     when it holds those of these very pairs, else computed now (the policy as it is before
     its first step; with LoRA, adapters off) and written there by rank 0."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
 
     fingerprint = _fingerprint(data.examples)
     box = [None]
@@ -280,8 +280,6 @@ def check_reward_model(path: str, policy_tokenizer, key: str = "rl.reward.model"
     that reads the policy's token ids: ConfigError naming `key` otherwise (a folder without
     a classification head, several labels, or a tokenizer of its own that differs from the
     policy's, whose conversations are not re-rendered yet)."""
-    from shardwise.data.tokenizer import has_tokenizer_files, load_tokenizer
-
     try:
         config = json.loads((Path(path).expanduser() / "config.json").read_text())
     except (OSError, ValueError) as e:

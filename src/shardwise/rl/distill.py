@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from shardwise.config.schema import Config
+from shardwise.data.tokenizer import has_tokenizer_files, load_tokenizer
 from shardwise.errors import ConfigError
+from shardwise.models.loading import check_weights_folder, load_hf_config
 
 __all__ = ["check_teacher", "loss_config", "metrics", "reward_term", "student_log_probs", "teacher_config"]
 
@@ -52,9 +54,6 @@ def loss_config(cfg: Config) -> Config:
 def check_teacher(cfg: Config, student_vocab: int, student_tokenizer) -> None:
     """The teacher folder is a causal LM with the student's vocabulary (and tokenizer, when
     it has one): ConfigError naming rl.distill.teacher otherwise, before launch."""
-    from shardwise.data.tokenizer import has_tokenizer_files, load_tokenizer
-    from shardwise.models.loading import check_weights_folder, load_hf_config
-
     d = cfg.rl.distill
     key = "rl.distill.teacher"
     check_weights_folder(d.teacher, key)
