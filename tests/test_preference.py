@@ -188,15 +188,19 @@ def test_reward_model_learns_the_rule_is_exported_as_a_classifier_and_scores_rl(
     assert val_lines[-1]["val/rm/accuracy"] >= 0.8, val_lines
     config = json.loads((run_dir / "hf/config.json").read_text())
     assert config["architectures"] == ["Qwen3ForSequenceClassification"] and len(config["id2label"]) == 1
-    # the exported folder is the reward of an RL step as it is (rl.reward.model, next to the rule)
+    # the exported folder is the reward of an RL step as it is (rl.reward.model), handed to a
+    # rule-based function that makes the reward of it (rl.reward.combine: function)
+    (tmp_path / "combo.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                       "    return 10.0 + 2.0 * extra_info['model_score']\n")
     rl_dir = tmp_path / "rl"
     res = run_cli(["rl", str(REPO_ROOT / "examples/grpo_arithmetic.yaml"), f"model.path={tiny_sft_run['model']}",
-                   f"rl.reward.model={run_dir / 'hf'}", f"run.dir={rl_dir}", "train.max_steps=1",
-                   "rl.heldout_eval=false", "checkpoint.export_hf=false", "data.max_length=16"], timeout=300)
+                   f"rl.reward.model={run_dir / 'hf'}", "rl.reward.function=combo:compute_score",
+                   "rl.reward.combine=function", f"run.dir={rl_dir}", "train.max_steps=1", "rl.heldout_eval=false",
+                   "checkpoint.export_hf=false", "data.max_length=16"], timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     (step,) = [json.loads(x) for x in (rl_dir / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in x]
     assert math.isfinite(step["reward/model_mean"]) and step["reward/model_mean"] != 0.0
-    assert step["reward/mean"] == pytest.approx(step["reward/model_mean"] + step["reward/rule_mean"], abs=1e-5)
+    assert step["reward/mean"] == pytest.approx(10.0 + 2.0 * step["reward/model_mean"], abs=1e-5)
 
 
 def test_a_reward_model_folder_without_a_classification_head_is_refused(tiny_sft_run, tmp_path):

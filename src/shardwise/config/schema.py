@@ -648,6 +648,11 @@ class RewardConfig(Section):
     fn(prompt, response, ground_truth) -> float on decoded text."""
     model: str | None = None
     """A sequence-classification model folder; its score at the last token is added."""
+    combine: Literal["sum", "function"] = "sum"
+    """With both function and model: sum adds the model's score to the function's; function
+    hands the model's score to the function, a verl-form compute_score(data_source,
+    solution_str, ground_truth, extra_info), as extra_info["model_score"], and its return is
+    the whole reward."""
     colocated: bool = True
     """Reward model in the actor's worker processes (true) or a worker group of its own."""
     timeout_s: Annotated[float, Field(gt=0)] = 60.0
@@ -916,6 +921,9 @@ class RLConfig(Section):
             which = "rl.kl_in_reward.enabled" if self.kl_in_reward.enabled else "rl.actor.kl_loss.enabled"
             raise ConfigError(which, "with rl.distill the reference is the teacher, so this KL would be to the "
                               "teacher too", "set it to false (rl.distill.mode: loss is the KL loss to the teacher)")
+        if self.reward.combine == "function" and (self.reward.function is None or self.reward.model is None):
+            raise ConfigError("rl.reward.combine", "function hands the reward model's score to the reward function, "
+                              "so it needs both rl.reward.function and rl.reward.model", "set both, or combine=sum")
         distill_alone = self.distill.teacher is not None
         if (self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment)
                 and not distill_alone):

@@ -33,7 +33,7 @@ from shardwise.config.validate import (
 )
 from shardwise.data.chat import export_template, use_chat_template
 from shardwise.data.encode import truncation_note
-from shardwise.data.rewards import RewardFn, check_data_sources, contain, resolve_reward_fn
+from shardwise.data.rewards import RewardFn, VerlReward, check_data_sources, contain, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
 from shardwise.engine.evaluate import EvalPlan
@@ -133,6 +133,10 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     truth, truth_name = ground_truth_key(cfg)
     records = check_data(cfg, truth, scoring=True, response_name=truth_name)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
+    if cfg.rl.reward.combine == "function" and not (isinstance(fn, VerlReward) and fn.takes_extra_info):
+        raise ConfigError("rl.reward.combine", f"function hands the reward model's score to "
+                          f"{cfg.rl.reward.function} as extra_info['model_score'], which it does not take",
+                          "give a compute_score(data_source, solution_str, ground_truth, extra_info) function")
     check_data_sources(fn, records)
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     evaluation = check_eval(cfg, "rl")

@@ -94,3 +94,4 @@ def metrics(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     rkl = (student_log_probs(tensors).float() - tensors["ref_log_probs"].float()) * mask
     return {"distill/reverse_kl": float(rkl.sum()) / n,
             "distill/teacher_logp": float((tensors["ref_log_probs"].float() * mask).sum()) / n}
+

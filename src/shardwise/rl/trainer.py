@@ -86,6 +86,7 @@ from shardwise.rl import distill
 from shardwise.rl.cluster import RayWorkerGroup, WorkerGroup, init_ray, ray_cpus, worker_groups
 from shardwise.rl.local import group_class
 from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
+from shardwise.rl.workers.reward import with_model_scores
 from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
 from shardwise.telemetry.metrics import read_metrics
 from shardwise.telemetry.startup import StartupClock
@@ -312,10 +313,15 @@ class Controller:
         last = _last_token_index(mask)
         has = mask.any(-1)
         rows = torch.arange(len(batch))[has]
-        rule = None
+        rule = rm = None
+        by_function = self.cfg.rl.reward.combine == "function"
+        if self.cfg.rl.reward.model is not None:
+            rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
+            metrics["reward/model_mean"] = float(rm.mean())
         if self.reward_fn is not None or self.schemas is not None:  # multi-turn: the environment may score alone
             truncated = self.cfg.rl.multi_turn.truncated_reward if self.schemas is not None else None
-            scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s,
+            to_score = with_model_scores(batch, rm) if by_function else batch
+            scored = score_sequences(to_score, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s,
                                      truncated_reward=truncated)
             rule = scored.tensors["token_level_scores"].sum(-1)
             metrics |= {k: v for k, v in scored.meta["metrics"].items()  # a function's own metrics (dict returns)
@@ -324,10 +330,8 @@ class Controller:
             scores[rows, last[has]] += rule[has]
             metrics["accuracy"] = float((rule >= 1.0).float().mean())
             metrics["reward/rule_mean"] = float(rule.mean())
-        if self.cfg.rl.reward.model is not None:
-            rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
+        if rm is not None and not by_function:
             scores[rows, last[has]] += rm[has]
-            metrics["reward/model_mean"] = float(rm.mean())
         seq = scores.sum(-1)
         metrics["reward/mean"] = float(seq.mean())
         metrics["reward/std"] = float(seq.std()) if len(seq) > 1 else 0.0
