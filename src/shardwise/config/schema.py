@@ -305,7 +305,45 @@ class ChunkedLossConfig(Section):
     the softmax when the entropy is wanted)."""
 
 
+class DPOConfig(Section):
+    """Preference optimisation (``train.objective: dpo``, `shardwise.engine.preference`)."""
+
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
+    """sigmoid: DPO (-logsigmoid(beta x margin of log-ratios)); ipo: (margin - 1/(2 beta))^2 on
+    length-averaged log-probs; hinge: relu(1 - beta x margin); simpo: reference-free, on
+    length-averaged log-probs with the target margin gamma; orpo: reference-free, the
+    chosen answer's NLL plus beta x the odds-ratio term."""
+    beta: Annotated[float, Field(gt=0)] = 0.1
+    """The temperature of the implicit reward (orpo: the weight of the odds-ratio term)."""
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    """sigmoid / simpo: the assumed share of flipped labels (cDPO)."""
+    gamma: Annotated[float, Field(ge=0)] = 0.5
+    """simpo: the target reward margin (TRL's simpo_gamma)."""
+    precompute_ref: bool = False
+    """Compute the reference log-probs of every pair once, with the initial policy, before
+    the first step, and store them with the run (run.dir/dpo_reference.safetensors): no
+    second copy of the model while training. false: a frozen copy sharded like the policy
+    (with model.lora: the policy with its adapters off)."""
+
+
+class RewardModelConfig(Section):
+    """Reward-model training (``train.objective: reward_model``)."""
+
+    center_rewards_coefficient: Annotated[float, Field(ge=0)] | None = None
+    """TRL's: adds coef x mean((r_chosen + r_rejected)^2), keeping the rewards centred on 0;
+    null: off."""
+
+
 class TrainConfig(Section):
+    objective: Literal["sft", "dpo", "reward_model"] = "sft"
+    """sft: next-token loss on examples; dpo: preference optimisation on pairs (train.dpo);
+    reward_model: a one-label sequence-classification head trained on pairs with the
+    Bradley-Terry loss (train.reward_model). Pairs are read with data.prompt_key,
+    data.chosen_key, data.rejected_key."""
+    dpo: DPOConfig = DPOConfig()
+    """train.objective dpo: the loss and the reference."""
+    reward_model: RewardModelConfig = RewardModelConfig()
+    """train.objective reward_model: the loss."""
     micro_batch_size: Pos = 4
     """Rows per rank, per forward."""
     max_tokens_per_micro_batch: Pos | None = None
@@ -393,6 +431,18 @@ class DataConfig(Section):
     label_key: str = "label"
     """model.task sequence_classification: the column holding each integer class label
     (0 .. num_labels - 1 of the model config)."""
+    chosen_key: str = "chosen"
+    """train.objective dpo / reward_model: the column holding each preferred answer (text,
+    or a list of messages: the assistant turn)."""
+    rejected_key: str = "rejected"
+    """train.objective dpo / reward_model: the column holding each dispreferred answer."""
+    margin_key: str | None = None
+    """train.objective reward_model: a column of per-pair margins (Bradley-Terry with a
+    margin, -logsigmoid(r_chosen - r_rejected - margin)); null: none."""
+    drop_bad_pairs: bool = False
+    """Pairs that cannot train (an empty or identical answer, a prompt that fills
+    data.max_length, answers equal after the cut): false: the first is an error naming its
+    row; true: they are dropped and counted in one note."""
 
 
 class CheckpointConfig(Section):
@@ -669,6 +719,11 @@ class RewardConfig(Section):
     fn(prompt, response, ground_truth) -> float on decoded text."""
     model: str | None = None
     """A sequence-classification model folder; its score at the last token is added."""
+    combine: Literal["sum", "function"] = "sum"
+    """With both function and model: sum adds the model's score to the function's; function
+    hands the model's score to the function, a verl-form compute_score(data_source,
+    solution_str, ground_truth, extra_info), as extra_info["model_score"], and its return is
+    the whole reward."""
     colocated: bool = True
     """Reward model in the actor's worker processes (true) or a worker group of its own."""
     overlong: OverlongConfig = OverlongConfig()
@@ -677,6 +732,24 @@ class RewardConfig(Section):
     """The longest one call of the reward function may take; past it the function's process
     is stopped (with what it started) and the job stops with one line naming the function
     and the row (a function that never returns would block it)."""
+
+
+class DistillConfig(Section):
+    """On-policy distillation: the student (the policy) samples, a teacher scores every
+    token it sampled, and the student is trained towards the teacher on its own samples.
+    The teacher takes the reference's place (a reference with other weights, sharded and
+    built like it): ref_log_probs are the teacher's, ``kl`` is the reverse KL to it."""
+
+    teacher: str | None = None
+    """A local HF folder of a causal LM with the student's vocabulary (its tokenizer, when
+    it has one, the student's); null: no distillation."""
+    coef: Annotated[float, Field(gt=0)] = 1.0
+    """The weight of the per-token reverse KL, log p_student - log p_teacher of each sampled token."""
+    mode: Literal["reward", "loss"] = "reward"
+    """reward: -coef x the per-token reverse KL is added to each token's reward (with
+    rl.reward.function too: the sum; rl.reward.function null: the teacher alone); loss:
+    the actor's KL loss to the teacher (rl.actor.kl_loss with coef, its type) is added to
+    the policy loss."""
 
 
 class KLInRewardConfig(Section):
@@ -852,6 +925,8 @@ class RLConfig(Section):
     """Where rewards come from."""
     kl_in_reward: KLInRewardConfig = KLInRewardConfig()
     """KL penalty folded into the rewards."""
+    distill: DistillConfig = DistillConfig()
+    """On-policy distillation from a teacher (rl.distill.teacher)."""
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Discount per token (gae, reinforce_plus_plus)."""
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
@@ -948,7 +1023,20 @@ class RLConfig(Section):
         mt = self.multi_turn
         check_multi_turn("rl", mt, self.tools, self.environment)
         # an environment's reward() may be the reward: `shardwise.jobs.rl.check_agents` knows
-        if self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment):
+        if self.distill.teacher is not None and not self.reference.enabled:
+            raise ConfigError("rl.reference.enabled", "rl.distill's teacher takes the reference's place",
+                              "set rl.reference.enabled=true")
+        if self.distill.teacher is not None and (self.kl_in_reward.enabled or (
+                self.actor.kl_loss.enabled and self.distill.mode == "reward")):
+            which = "rl.kl_in_reward.enabled" if self.kl_in_reward.enabled else "rl.actor.kl_loss.enabled"
+            raise ConfigError(which, "with rl.distill the reference is the teacher, so this KL would be to the "
+                              "teacher too", "set it to false (rl.distill.mode: loss is the KL loss to the teacher)")
+        if self.reward.combine == "function" and (self.reward.function is None or self.reward.model is None):
+            raise ConfigError("rl.reward.combine", "function hands the reward model's score to the reward function, "
+                              "so it needs both rl.reward.function and rl.reward.model", "set both, or combine=sum")
+        distill_alone = self.distill.teacher is not None
+        if (self.reward.function is None and self.reward.model is None and not (mt.enabled and self.environment)
+                and not distill_alone):
             raise ConfigError("rl.reward", "no reward: both rl.reward.function and rl.reward.model are null",
                               "set rl.reward.function=builtin:arithmetic or a module:function")
         return self

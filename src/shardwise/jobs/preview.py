@@ -19,7 +19,8 @@ from typing import Any
 
 from shardwise.config.schema import Config
 from shardwise.data import encoder
-from shardwise.data.encode import Encoded, encode_prompt, encode_record
+from shardwise.data.encode import Encoded, encode_prompt, encode_record, encode_records
+from shardwise.data.pairs import PAIR_OBJECTIVES, load_pairs, pair_records
 from shardwise.errors import ConfigError
 from shardwise.jobs.inputs import check_causal_task, check_data, check_tokenizer, job_tokenizer, vision_inputs
 
@@ -76,6 +77,15 @@ def preview(cfg: Config, n: int, prompts: bool) -> tuple[list[Shown], Any, int]:
               "the tokenizer the job would find now", file=sys.stderr)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": None, "config": _TEXT_MODEL})})
     d = cfg.data
+    if cfg.train.objective in PAIR_OBJECTIVES and not prompts:  # a pair: its chosen and rejected examples
+        tokenizer = job_tokenizer(cfg)
+        pairs = load_pairs(cfg)
+        shown = []
+        for i, p in enumerate(pairs[:n]):
+            for side, enc in zip(("chosen", "rejected"), encode_records(tokenizer, pair_records(p), d.max_length,
+                                                                         "last_assistant")):
+                shown.append(Shown(i, enc, f"{p['where']} ({side})"))
+        return shown, tokenizer, len(pairs)
     records = check_data(cfg, None, scoring=False) if prompts else check_data(cfg, d.response_key, sft=True)
     tokenizer = job_tokenizer(cfg)
     vision = vision_inputs(cfg, tokenizer)

@@ -34,7 +34,7 @@ from shardwise.config.validate import (
 )
 from shardwise.data.chat import export_template, use_chat_template
 from shardwise.data.encode import truncation_note
-from shardwise.data.rewards import RewardFn, check_data_sources, contain, resolve_reward_fn
+from shardwise.data.rewards import RewardFn, VerlReward, check_data_sources, contain, resolve_reward_fn
 from shardwise.data.tokenizer import check_vocab, load_tokenizer, tokenizer_dir
 from shardwise.distributed import ulysses
 from shardwise.engine.evaluate import EvalPlan
@@ -52,15 +52,18 @@ from shardwise.jobs.inputs import (
     check_tokens,
     check_vllm_engine,
     ground_truth_key,
+    job_tokenizer,
     vision_inputs,
     wants_tools_tokenizer,
 )
+from shardwise.jobs.preference import check_reward_model
 from shardwise.jobs.report import rl as report
 from shardwise.jobs.tracking import open_metrics
 from shardwise.models import families
 from shardwise.models.hub import resolve_inputs
 from shardwise.models.loading import check_weights_folder, load_hf_config
 from shardwise.models.vision import is_vision_language
+from shardwise.rl import distill
 from shardwise.rl.algorithms.user import check_user_functions
 from shardwise.rl.async_trainer import AsyncController
 from shardwise.rl.cluster import check_ray_address
@@ -128,11 +131,20 @@ def prepare(cfg: Config, world_size: int, clock: StartupClock | None = None) -> 
     if cfg.rl.reward.model is not None:
         check_weights_folder(cfg.rl.reward.model, "rl.reward.model")
     check_tokenizer(cfg)
+    if cfg.rl.reward.model is not None:
+        check_reward_model(cfg.rl.reward.model, job_tokenizer(cfg))
+    if cfg.rl.distill.teacher is not None:
+        distill.check_teacher(cfg, load_hf_config(cfg.model).get_text_config().vocab_size, job_tokenizer(cfg))
+        cfg = distill.loss_config(cfg)  # mode loss: the actor's KL loss to the reference, which is the teacher
     check_resume(cfg, "rl")
     check_tokens(cfg)
     truth, truth_name = ground_truth_key(cfg)
     records = check_data(cfg, truth, scoring=True, response_name=truth_name)
     fn = resolve_reward_fn(cfg.rl.reward.function) if cfg.rl.reward.function is not None else None
+    if cfg.rl.reward.combine == "function" and not (isinstance(fn, VerlReward) and fn.takes_extra_info):
+        raise ConfigError("rl.reward.combine", f"function hands the reward model's score to "
+                          f"{cfg.rl.reward.function} as extra_info['model_score'], which it does not take",
+                          "give a compute_score(data_source, solution_str, ground_truth, extra_info) function")
     check_data_sources(fn, records)
     fn = contain(fn, cfg.rl.reward.function)  # a user's function runs in a child of its own (started by run)
     evaluation = check_eval(cfg, "rl")

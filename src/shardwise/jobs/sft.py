@@ -48,6 +48,7 @@ from shardwise.data import encoder
 from shardwise.data.chat import export_template, text_prompts_as_chat, use_chat_template
 from shardwise.data.collate import example_loss_tokens, pack_collate, pad_collate
 from shardwise.data.encode import encode_records, summarize_truncation
+from shardwise.data.pairs import PAIR_OBJECTIVES
 from shardwise.data.rewards import ContainedReward, contain, resolve_reward_fn
 from shardwise.data.sampler import GlobalBatchSampler, micro_batches, rank_share, token_budget_micro_batches
 from shardwise.data.tasks import HELDOUT_SEED_OFFSET
@@ -60,6 +61,7 @@ from shardwise.engine.train import TrainEngine
 from shardwise.errors import ConfigError, DataError
 from shardwise.fsdp.build import plan_for
 from shardwise.fsdp.plan import ShardingPlan
+from shardwise.jobs import preference
 from shardwise.jobs.inputs import (
     check_data,
     check_eval,
@@ -67,6 +69,7 @@ from shardwise.jobs.inputs import (
     check_resume,
     check_tokenizer,
     check_tokens,
+    job_tokenizer,
     vision_inputs,
     wants_tools_tokenizer,
 )
@@ -110,6 +113,15 @@ def prepare(cfg: Config, world_size: int | None = None) -> Prepared:
     families.check_packing(load_hf_config(cfg.model), cfg.data.packing, None)  # hybrids whose layers mix documents
     check_tokenizer(cfg)
     check_resume(cfg, "train")
+    if cfg.train.objective in PAIR_OBJECTIVES:  # DPO / reward model (shardwise.jobs.preference)
+        preference.check_config(cfg, spec)
+        check_tokens(cfg)
+        tokenizer = job_tokenizer(cfg)
+        records = preference.load_checked_pairs(cfg, tokenizer)
+        plan = preference.pairs_eval_plan(cfg, tokenizer)
+        task, extra = preference.engine_task(cfg, tokenizer)
+        return Prepared(cfg, spec, accum, records, plan_for(cfg, spec, task, **extra), plan,
+                        plan.records if plan is not None else None)
     plan = check_eval(cfg, "train")
     val_records = None
     if encoder.is_encoder_task(cfg.model.task):
@@ -314,10 +326,16 @@ class Evaluation:
         writes the samples file and sends the trackers their rows."""
         t0 = time.perf_counter()
         main = self.runtime.is_main
+        rows: list[dict] = []
+        if isinstance(self.val, preference.PairsValidation):  # pairs: the objective's own metrics
+            out = self.val.evaluate()
+            out["time/eval"] = time.perf_counter() - t0
+            self.metrics.log(step, out)
+            self.last = out
+            return out
         total = self.engine.eval_loss_sum(self.val.micro_batches, progress=main)
         loss = total / self.val.loss_tokens
         out: dict[str, float] = {"val/loss": loss, "val/ppl": math.inf if loss > 700 else math.exp(loss)}
-        rows: list[dict] = []
         if self.generator is not None:
             res = evaluate(lambda batch: generate_on_ranks(self.generator, batch), self.tokenizer, self.plan,
                            self.scorer, seed=self.cfg.run.seed, max_length=self.cfg.data.max_length, step=step,
@@ -351,17 +369,27 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     tokenizer, tok_dir = shared_tokenizer(cfg.model.tokenizer, cfg.model.path, cfg.run.dir, encoder=encoder_task,
                                           tools=wants_tools_tokenizer(cfg))
     use_chat_template(tokenizer, cfg.data.chat_template)
-    hf_config = load_hf_config(cfg.model)
+    pairs = cfg.train.objective in PAIR_OBJECTIVES
+    task, extra = preference.engine_task(cfg, tokenizer) if pairs else (cfg.model.task, {})
+    hf_config = load_hf_config(cfg.model, **extra)
     vision = vision_inputs(cfg, tokenizer)
     check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
-    engine = TrainEngine(cfg, runtime, task=cfg.model.task, planned=prepared.planned)
+    engine = TrainEngine(cfg, runtime, task=task, planned=prepared.planned, **extra)
     prepared.planned = None  # fully_shard changed that model in place: it is the engine's now
+    val_pairs = None
     if encoder_task:
         data = encoder.EncoderData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size)
+    elif pairs:
+        data = preference.PairsData(cfg, prepared.records, tokenizer, engine)
+        if prepared.val_records is not None:
+            val_pairs = preference.PairsValidation(cfg, prepared.val_records, tokenizer, engine)
     else:
         data = SFTData(cfg, prepared.records, tokenizer, engine.dp_rank, engine.dp_size, vision)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, runtime, job="train")
     start = ckpt.resolve_resume()
+    if pairs:  # before a checkpoint is loaded: a stored reference is the initial policy's
+        preference.build_reference(cfg, runtime, engine, [(data, preference.REFERENCE_FILE)] + (
+            [(val_pairs, preference.VAL_REFERENCE_FILE)] if val_pairs is not None else []), run_dir, start is not None)
     saved_final: dict[str, Any] = {}
     if start is not None:
         extra = ckpt.load(engine, start)
@@ -380,7 +408,8 @@ def run(prepared: Prepared, runtime: Runtime) -> dict:
     try:
         plan = prepared.eval_plan
         if plan is not None and prepared.val_records is not None:
-            val = ValidationSet(cfg, prepared.val_records, tokenizer, engine.dp_rank, engine.dp_size, vision)
+            val = val_pairs if pairs else ValidationSet(cfg, prepared.val_records, tokenizer, engine.dp_rank,
+                                                        engine.dp_size, vision)
             # a built-in data.source's held-out examples, nobody asked for more: at the end, as always
             only_at_end = (plan.builtin and plan.source == cfg.data.source and plan.every_steps == 0
                            and cfg.checkpoint.keep_best is None)
@@ -459,6 +488,8 @@ def _train(cfg: Config, runtime: Runtime, engine: TrainEngine, data: SFTData, ck
             last = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
                     "tokens_per_s": tokens / dt, "step_time_s": dt, "skipped": int(res.skipped),
                     "peak_memory_bytes": peak_memory_bytes(runtime.device)}
+            if isinstance(data, preference.PairsData):
+                last |= data.step_metrics()
             if step % cfg.train.log_every == 0 or step == max_steps:
                 metrics.log(step, last)
             bar.update(1, loss=res.loss, **{"tok/s": tokens / dt})

@@ -82,10 +82,12 @@ from shardwise.engine.generate import prompt_batch, sample_keys
 from shardwise.models.vision import VisionInputs
 from shardwise.registry import ADVANTAGE_ESTIMATORS
 from shardwise.rl import algorithms as alg
+from shardwise.rl import distill
 from shardwise.rl.algorithms.user import UserFunctionError, resolve_estimator
 from shardwise.rl.cluster import RayWorkerGroup, WorkerGroup, init_ray, ray_cpus, worker_groups
 from shardwise.rl.local import group_class
 from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
+from shardwise.rl.workers.reward import with_model_scores
 from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
 from shardwise.telemetry.metrics import read_metrics
 from shardwise.telemetry.startup import StartupClock
@@ -314,10 +316,15 @@ class Controller:
         last = _last_token_index(mask)
         has = mask.any(-1)
         rows = torch.arange(len(batch))[has]
-        rule = None
+        rule = rm = None
+        by_function = self.cfg.rl.reward.combine == "function"
+        if self.cfg.rl.reward.model is not None:
+            rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
+            metrics["reward/model_mean"] = float(rm.mean())
         if self.reward_fn is not None or self.schemas is not None:  # multi-turn: the environment may score alone
             truncated = self.cfg.rl.multi_turn.truncated_reward if self.schemas is not None else None
-            scored = score_sequences(batch, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s,
+            to_score = with_model_scores(batch, rm) if by_function else batch
+            scored = score_sequences(to_score, self.tokenizer, self.reward_fn, self.cfg.rl.reward.timeout_s,
                                      truncated_reward=truncated)
             rule = scored.tensors["token_level_scores"].sum(-1)
             metrics |= {k: v for k, v in scored.meta["metrics"].items()  # a function's own metrics (dict returns)
@@ -326,10 +333,8 @@ class Controller:
             scores[rows, last[has]] += rule[has]
             metrics["accuracy"] = float((rule >= 1.0).float().mean())
             metrics["reward/rule_mean"] = float(rule.mean())
-        if self.cfg.rl.reward.model is not None:
-            rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
+        if rm is not None and not by_function:
             scores[rows, last[has]] += rm[has]
-            metrics["reward/model_mean"] = float(rm.mean())
         ov = self.cfg.rl.reward.overlong
         if ov.enabled:  # DAPO's soft overlong punishment, on the response's length in tokens
             budget = (self.cfg.rl.multi_turn.max_response_tokens if self.cfg.rl.multi_turn.enabled
@@ -349,6 +354,8 @@ class Controller:
         mask = t["response_mask"].bool()
         metrics: dict[str, float] = {}
         rewards = t["token_level_scores"]
+        if rl.distill.teacher is not None and rl.distill.mode == "reward":
+            rewards = rewards + distill.reward_term(t, rl.distill.coef)
         if rl.kl_in_reward.enabled:
             rewards, kl = alg.apply_kl_in_reward(rewards, t["old_log_probs"], t["ref_log_probs"], mask,
                                                  self.kl_ctl.value, rl.kl_in_reward.type)
@@ -479,6 +486,9 @@ class Controller:
                                                 mask))
         if rl.reference.enabled:
             batch = self.reference_log_probs(batch, timer, metrics)
+            if rl.distill.teacher is not None:  # the reference is the teacher (shardwise.rl.distill)
+                metrics.update(distill.metrics(batch.tensors))
+                metrics["time/teacher"] = timer.as_dict().get("time/ref", 0.0)
             if not self.on_policy_shortcut:
                 metrics["kl"] = float(alg.masked_mean(
                     alg.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], "k1"), mask))

@@ -41,6 +41,7 @@ from shardwise.engine.weight_sync import WeightSync, bucket_bytes
 from shardwise.errors import ConfigError
 from shardwise.fsdp.gather import iter_full_tensors
 from shardwise.models.loading import load_hf_config
+from shardwise.rl import distill
 from shardwise.rl.dispatch import Dispatch, register
 from shardwise.rl.workers.actor import ActorWorker, LoraReference, ReferenceWorker
 from shardwise.rl.workers.critic import CriticWorker
@@ -121,7 +122,10 @@ class RLWorker:
         if "ref" in roles:
             # LoRA: the actor with its adapters disabled is the initial policy, for free
             lora_ref = self.cfg.model.lora.enabled and self.actor is not None
-            self.ref = LoraReference(self.actor) if lora_ref else ReferenceWorker(self.cfg, runtime)
+            if self.cfg.rl.distill.teacher is not None:  # rl.distill: the teacher is the reference
+                self.ref = ReferenceWorker(distill.teacher_config(self.cfg), runtime)
+            else:
+                self.ref = LoraReference(self.actor) if lora_ref else ReferenceWorker(self.cfg, runtime)
             lap("reference")
         if "critic" in roles:
             self.critic = CriticWorker(self.cfg, runtime)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shardwise.config.schema import Config
@@ -20,7 +21,7 @@ from shardwise.engine.infer import (
 from shardwise.errors import ConfigError
 from shardwise.models.loading import load_hf_config
 
-__all__ = ["RewardModelWorker"]
+__all__ = ["RewardModelWorker", "with_model_scores"]
 
 
 class RewardModelWorker:
@@ -100,3 +101,14 @@ class RewardModelWorker:
             handle.remove()
         assert len(seen) == 1, f"the score head ran {len(seen)} times in one forward"
         return seen[0][..., 0].float()
+
+
+def with_model_scores(batch: Batch, rm: torch.Tensor) -> Batch:
+    """``rl.reward.combine: function``: `batch` with each row's ``extra_info`` a copy that
+    holds the reward model's score ``rm`` ``(B,)`` as ``model_score``, for the reward
+    function to combine with its own."""
+    infos = batch.arrays.get("extra_info", [None] * len(batch))
+    merged = np.empty(len(batch), dtype=object)
+    merged[:] = [{**(info if isinstance(info, dict) else {}), "model_score": float(s)}
+                 for info, s in zip(infos, rm.tolist(), strict=True)]
+    return Batch(batch.tensors, {**batch.arrays, "extra_info": merged}, batch.meta)
