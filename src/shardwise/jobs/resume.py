@@ -91,7 +91,12 @@ RESUME_RULES: dict[str, Rule] = {
     "checkpoint.keep_best": Rule(APPLIES, "read at each evaluation; another metric starts a new best record "
                                  "(run.dir/checkpoints/best.json)"),
     "checkpoint.resume": Rule(APPLIES, "which checkpoint to resume, not a setting of the run", listed=False),
+    "train.objective": Rule(REFUSED, "the checkpoint holds a model trained for the saved objective (a reward "
+                            "model's head, a DPO policy's reference)"),
+    "train.dpo.precompute_ref": Rule(REFUSED, "the run's reference log-probs were computed one way (stored with the "
+                                     "run, or by a frozen copy) and stay so"),
     "rl": Rule(APPLIES, "read at each step"),
+    "rl.distill.teacher": Rule(REFUSED, "the teacher takes the reference's place: the run's signal came from it"),
     "rl.algorithm": Rule(REFUSED, "the checkpoint holds a critic's state or none (ppo trains one, grpo not)"),
     "rl.critic.enabled": Rule(REFUSED, "the checkpoint holds a critic's state or none"),
     "rl.kl_in_reward": Rule(APPLIES, "read at each step; a changed coef restarts the KL controller there"),
