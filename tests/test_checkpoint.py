@@ -549,7 +549,7 @@ def test_should_save(every, step, max_steps, expected):
 def test_metadata_unpickler_refuses_foreign_globals(tmp_path):
     import pickle
 
-    from shardwise.checkpoint.dcp import _MetadataUnpickler
+    from shardwise.checkpoint.safe_load import _MetadataUnpickler
 
     (tmp_path / "evil").write_bytes(pickle.dumps(print))
     with open(tmp_path / "evil", "rb") as f, pytest.raises(pickle.UnpicklingError, match="builtins.print"):

@@ -99,7 +99,8 @@ def test_hsdp_shards_within_nodes_and_replicates_across_them(tmp_path):
     # 2 nodes of 2 ranks, c10d (nodes numbered as they arrive), parallel.fsdp_size=2 (the
     # per-node rank count): each shard group is one node's ranks, each replicate group
     # takes one rank of every node. The mesh of every rank, as shardwise builds it.
-    from shardwise.distributed.launch import Nodes, launch_torchrun
+    from shardwise.distributed.launch import launch_torchrun
+    from shardwise.distributed.nodes import Nodes
 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests" / "dist"), str(SRC_DIR)])}
     port = free_port()
@@ -121,7 +122,8 @@ def test_a_failing_rank_on_one_node_names_the_cause_on_every_node():
     # Rank 1 (node 1) raises while rank 0 (node 0) waits in a barrier: node 0's rank sees
     # only a closed gloo connection, and its launcher prints node 1's error, read from the
     # rendezvous store, instead.
-    from shardwise.distributed.launch import Nodes, launch_torchrun
+    from shardwise.distributed.launch import launch_torchrun
+    from shardwise.distributed.nodes import Nodes
 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests" / "dist"), str(SRC_DIR)])}
     port = free_port()
@@ -206,7 +208,8 @@ def test_a_node_that_never_comes_fails_in_bounded_time_naming_the_endpoint(tmp_p
     ("c10d", None, ["RendezvousTimeoutError", "this node hosts the rendezvous"]),
 ])
 def test_a_lone_node_of_either_rendezvous_fails_in_bounded_time(backend, rank, words):
-    from shardwise.distributed.launch import RENDEZVOUS_FAILED, Nodes, launch_torchrun
+    from shardwise.distributed.launch import RENDEZVOUS_FAILED, launch_torchrun
+    from shardwise.distributed.nodes import Nodes
 
     endpoint = f"127.0.0.1:{free_port()}"
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests" / "dist"), str(SRC_DIR)])}
@@ -224,7 +227,8 @@ def test_a_node_pointed_at_a_port_another_program_holds_fails_in_bounded_time():
     # The port is held by a program that takes connections and never answers (no rendezvous
     # store): torchrun's store client waited on it for as long as it lived. The node ends
     # while the program still holds the port, with the line of a rendezvous that failed.
-    from shardwise.distributed.launch import RENDEZVOUS_FAILED, Nodes, launch_torchrun, rendezvous_bound_s
+    from shardwise.distributed.launch import RENDEZVOUS_FAILED, launch_torchrun
+    from shardwise.distributed.nodes import Nodes, rendezvous_bound_s
 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests" / "dist"), str(SRC_DIR)])}
     with socket.socket() as squatter:
@@ -279,7 +283,7 @@ def test_the_run_dir_lock_is_per_job_not_per_node(tmp_path):
 def test_nodes_naming_the_rendezvous_host_differently_are_one_job(tmp_path):
     # localhost and 127.0.0.1 are one host: the nodes' keys name one job (the lock shares),
     # while another port or node count is another job (refused).
-    from shardwise.distributed.launch import nodes_from_args, same_job
+    from shardwise.distributed.nodes import nodes_from_args, same_job
     from shardwise.errors import ConfigError
     from shardwise.jobs.rundir import RunDirLock
 

@@ -7,7 +7,7 @@ then after each of 2 AdamW steps at lr 1e-2) syncs the weights through `WeightSy
 compares:
 
 - the engine's weights read back against the actor's full tensors: bitwise equal (a copy,
-  fp32 to fp32; the LM head is read back through its kernel, see `_local_weights`; for the
+  fp32 to fp32; the LM head is read back through its kernel, see `vllm_worker.local_weights`; for the
   tied model this is what catches a head left with the first load's weights). On CPU the
   engine keeps plain linear weights and the pushes copy into them (`in_place`), except with
   ``lora_sync: adapter`` (vLLM's LoRA-wrapped layers: ``reload_weights``);

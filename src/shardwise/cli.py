@@ -24,6 +24,7 @@ from shardwise.checkpoint.layout import resume_line
 from shardwise.config.dialects import DIALECTS
 from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc
+from shardwise.distributed.nodes import MASTER_PORT, RDZV_TIMEOUT_S
 from shardwise.errors import ShardwiseError, as_disk_full
 from shardwise.jobs import configs, supervisor
 from shardwise.rl.cluster import WorkerError
@@ -89,11 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes); node 0 hosts the "
                    "rendezvous at --master-addr")
     g.add_argument("--master-addr", default=None, help="address of node 0, where the nodes meet (static rendezvous)")
-    g.add_argument("--master-port", type=int, default=None, help=f"its port (default {launch.MASTER_PORT})")
+    g.add_argument("--master-port", type=int, default=None, help=f"its port (default {MASTER_PORT})")
     g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of a c10d rendezvous instead (nodes are "
                    "numbered as they arrive; --node-rank is not needed)")
     g.add_argument("--rdzv-timeout", type=int, default=None, help="seconds a node waits for the others at the "
-                   f"rendezvous before the job fails (default {launch.RDZV_TIMEOUT_S})")
+                   f"rendezvous before the job fails (default {RDZV_TIMEOUT_S})")
     sp = sub.add_parser("plan", parents=[common, dialect, job], help="print the sharding plan of a config (no process group, no weights)")
     sp.add_argument("--world-size", type=int, default=None)
     sp.add_argument("--json", action="store_true")

@@ -58,46 +58,51 @@ Public interface::
     file_digest(path) -> {"bytes": int, "sha256": str}
     read_meta(path) -> dict
     SafeFileSystemReader(path), SafeLoadPlanner()   for any dcp.load of these folders
+
+This module holds the manager (save, commit, find, resume, load, prune); its parts live in
+sibling modules and are re-exported here: `checkpoint.integrity` (digests, COMMITTED,
+`verify_checkpoint`, `read_meta`), `checkpoint.safe_load` (the restricted unpickler and
+planner), `checkpoint.rng` (each rank's generator states) and `checkpoint.disk` (free space,
+a full disk, `short_error`; shared with the HF export).
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import logging
 import os
-import pickle
-import random
 import re
 import secrets
 import shutil
 import threading
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import (
     CheckpointException,  # a BaseException: caught by name
 )
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from shardwise.checkpoint import best
+from shardwise.checkpoint.disk import folder_bytes, free_bytes, human_bytes, nearly_full, out_of_space, short_error
+from shardwise.checkpoint.integrity import (
+    file_digest,
+    folder_files,
+    incomplete_reason,
+    own_files,
+    read_meta,
+    verify_checkpoint,
+)
 from shardwise.checkpoint.layout import (
     CHECKPOINTS_DIR,
     COMMITTED,
-    DCP_METADATA,
     META_FILE,
     STEP_DIR,
     complete_steps,
@@ -105,6 +110,8 @@ from shardwise.checkpoint.layout import (
     resume_line,
     step_dir_name,
 )
+from shardwise.checkpoint.rng import apply_rng, read_rng, write_rng
+from shardwise.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, metadata_problem
 from shardwise.config.schema import CheckpointConfig
 from shardwise.distributed.runtime import Runtime
 from shardwise.errors import CheckpointError, ConfigError, DiskFullError
@@ -122,15 +129,7 @@ __all__ = ["CHECKPOINTS_DIR", "COMMITTED", "META_FILE", "CheckpointManager", "Sa
 
 FORMAT = "shardwise-dcp/1"
 
-HASH_CHUNK_BYTES = 8 << 20
-"""Files are hashed in reads of this many bytes (8 MiB)."""
-
 _TMP_DIR = re.compile(r"^step_(\d{8,})\.tmp-")
-
-
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """meta.json of a checkpoint folder."""
-    return json.loads((Path(path) / META_FILE).read_text())
 
 
 def saved_job(meta: dict[str, Any]) -> str | None:
@@ -173,275 +172,6 @@ def _read_meta_checked(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: {META_FILE} is not a JSON object")
     return meta
-
-
-def short_error(exc: BaseException, limit: int = 200) -> str:
-    """`Type: first line of the message`, at most `limit` characters."""
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-# ------------------------------------------------------------------ integrity
-
-
-def file_digest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``{"bytes": size, "sha256": hex digest}`` of one file, read in 8 MiB chunks."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK_BYTES):
-            h.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "sha256": h.hexdigest()}
-
-
-def _own_files(folder: Path, rank: int, is_main: bool) -> list[Path]:
-    """The files of a checkpoint folder that `rank` wrote itself."""
-    files = sorted(folder.glob(f"__{rank}_*.distcp"))
-    files += [folder / f"rng_rank{rank}.safetensors", folder / f"rng_rank{rank}.json"]
-    if is_main:
-        files += [folder / DCP_METADATA, folder / META_FILE]
-    return [f for f in files if f.is_file()]
-
-
-def _folder_files(folder: Path) -> list[str]:
-    """Relative (posix) names of every file in `folder` but COMMITTED, sorted."""
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                  if p.is_file() and p.relative_to(folder).as_posix() != COMMITTED)
-
-
-def _read_committed(p: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(COMMITTED as a dict, None) or (None, problem). An empty marker is ``{}``."""
-    try:
-        text = (p / COMMITTED).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, f"{COMMITTED} cannot be read ({short_error(exc)})"
-    if not text.strip():
-        return {}, None
-    try:
-        marker = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return None, f"{COMMITTED} is not valid JSON ({short_error(exc)})"
-    if not isinstance(marker, dict) or not isinstance(marker.get("files", {}), dict):
-        return None, f"{COMMITTED} is not a JSON object with a 'files' mapping"
-    return marker, None
-
-
-def verify_checkpoint(path: str | os.PathLike[str], ranks: tuple[int, int] = (0, 1),
-                      digests: bool = True) -> list[str]:
-    """What is wrong with a checkpoint folder: missing files, sizes or SHA-256 digests that
-    differ from those COMMITTED records, meta.json or COMMITTED that are not JSON, a DCP
-    ``.metadata`` that the restricted unpickler refuses (`metadata_problem`: a crafted
-    pickle is found here, before any rank hands it to DCP). Empty when intact. Reads files
-    only (no process group). ``digests=False`` compares sizes only: the quick look the
-    launching process takes before launch (the ranks hash the files when they load).
-
-    ``ranks=(rank, world)`` checks the share of this rank: file i of the sorted list in
-    COMMITTED when ``i % world == rank``; the structural checks (is_complete, the JSON of
-    meta.json and COMMITTED) belong to rank 0. The union over the ranks is the whole check.
-    A COMMITTED without "files" (empty, or from before checksums) passes on the structural
-    checks alone.
-    """
-    p = Path(path)
-    rank, world = ranks
-    assert 0 <= rank < world, ranks
-    if not is_complete(p):
-        return [f"it {incomplete_reason(p)}"] if rank == 0 else []
-    problems = []
-    marker, problem = _read_committed(p)
-    if problem is not None:
-        return [problem] if rank == 0 else []
-    if rank == 0:
-        try:
-            meta = read_meta(p)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            problems.append(f"{META_FILE} cannot be read ({short_error(exc)})")
-        else:
-            if not isinstance(meta, dict):
-                problems.append(f"{META_FILE} is not a JSON object")
-        problem = metadata_problem(p)
-        if problem is not None:
-            problems.append(problem)
-    files = marker.get("files")
-    if files is None:
-        return problems
-    for i, name in enumerate(sorted(files)):
-        if i % world != rank:
-            continue
-        want, f = files[name], p / name
-        if not f.is_file():
-            problems.append(f"missing file {name}")
-            continue
-        size = f.stat().st_size
-        if size != want.get("bytes"):
-            problems.append(f"{name} has {size} bytes, COMMITTED says {want.get('bytes')}")
-        elif digests and file_digest(f)["sha256"] != want.get("sha256"):
-            problems.append(f"{name} fails its sha256 checksum")
-    return problems
-
-
-def incomplete_reason(p: Path) -> str:
-    if not p.exists():
-        return "does not exist"
-    if not p.is_dir():
-        return "is not a folder"
-    missing = [n for n in (DCP_METADATA, META_FILE, COMMITTED) if not (p / n).is_file()]
-    if missing == [COMMITTED]:
-        return "has no COMMITTED marker (a save that did not finish)"
-    return "is not a shardwise checkpoint (missing " + ", ".join(missing) + ")"
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def _write_rng(folder: Path, rank: int, device: torch.device) -> None:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        tensors["torch_cuda"] = torch.cuda.get_rng_state(device)
-    save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"))
-    version, py_state, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": {"version": version, "state": list(py_state), "gauss_next": gauss},
-        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-    }
-    (folder / f"rng_rank{rank}.json").write_text(json.dumps(state))
-
-
-def _read_rng(folder: Path, rank: int, saved_world: int | None) -> tuple[dict, dict] | None:
-    """This rank's generator states (tensors, json) from a checkpoint; None when it was
-    saved by fewer ranks (`saved_world` <= rank). CheckpointError naming the file when one
-    that the checkpoint must hold is missing or unreadable."""
-    tensors_path, json_path = folder / f"rng_rank{rank}.safetensors", folder / f"rng_rank{rank}.json"
-    if saved_world is None:  # meta.json without world_size: take what is there
-        if not (tensors_path.is_file() and json_path.is_file()):
-            return None
-    elif rank >= saved_world:
-        return None
-    for f in (tensors_path, json_path):
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {folder}: missing file {f.name} (the RNG state of rank "
-                                  f"{rank}; the checkpoint was saved by {saved_world} ranks)")
-    try:
-        tensors = load_file(str(tensors_path))
-        if "torch_cpu" not in tensors:
-            raise KeyError("no 'torch_cpu' tensor")
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {folder}: {tensors_path.name} cannot be read ({short_error(exc)})") from None
-    try:
-        state = json.loads(json_path.read_text())
-        if not isinstance(state, dict) or not {"python", "numpy"} <= state.keys():
-            raise KeyError("no 'python' and 'numpy' states")
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {folder}: {json_path.name} cannot be read ({short_error(exc)})") from None
-    return tensors, state
-
-
-def _apply_rng(tensors: dict[str, torch.Tensor], state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    if device.type == "cuda" and "torch_cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["torch_cuda"], device)
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-    npy = state["numpy"]
-    np.random.set_state((npy["name"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached_gaussian"]))
-
-
-# ------------------------------------------------------------------- safe DCP loading
-
-# What DCP's .metadata pickle refers to (torch 2.13): its dataclasses, torch.Size, dtypes,
-# a layout helper and paths. Anything else is refused rather than imported and called.
-_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # DCP's dataclasses and enums, never a function
-                return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-def metadata_problem(path: str | os.PathLike[str]) -> str | None:
-    """What is wrong with a checkpoint's DCP ``.metadata`` (None: it reads as DCP's
-    Metadata through the restricted unpickler, which imports nothing else and calls no
-    function). DCP itself logs each failed read with a traceback on every rank before it
-    raises; reading it here first turns that into one line."""
-    try:
-        with open(Path(path) / DCP_METADATA, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as exc:  # a crafted or damaged pickle raises anything
-        return f"{DCP_METADATA} cannot be read ({short_error(exc)})"
-    if not isinstance(metadata, Metadata):
-        return f"{DCP_METADATA} is not DCP metadata (it holds a {type(metadata).__name__})"
-    return None
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose .metadata is read by a restricted unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        assert isinstance(metadata, Metadata), type(metadata)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _set_path(root: dict, path: tuple, value: Any) -> None:
-    """Put `value` at `path` (keys and list indexes) in the nested state dict `root`,
-    making the dicts (a str key next) and lists (an int index next, grown with None) on the
-    way: how DCP's default planner puts an unflattened entry back (its own helper,
-    ``_traverse.set_element``, is private; this one behaves the same)."""
-
-    def grow(seq: Any, index: int) -> None:
-        while len(seq) <= index:
-            seq.append(None)
-
-    container: Any = root
-    for key, nxt in zip(path, path[1:]):
-        fresh: Any = {} if type(nxt) is str else []
-        if isinstance(container, Mapping):
-            container = container.setdefault(key, fresh)
-        else:
-            grow(container, key)
-            if container[key] is None:
-                container[key] = fresh
-            container = container[key]
-    if type(path[-1]) is int:
-        grow(container, path[-1])
-    container[path[-1]] = value
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor entries (optimizer param_groups: numbers, strings, tuples) with weights_only."""
-
-    def load_bytes(self, read_item, value) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            _set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 # ------------------------------------------------------------------------ manager
@@ -525,7 +255,7 @@ class CheckpointManager:
         first_error: BaseException | None = None
         try:  # this rank's small files; a full disk can stop them already
             tmp.mkdir(parents=True, exist_ok=True)
-            _write_rng(tmp, self.runtime.rank, self.runtime.device)
+            write_rng(tmp, self.runtime.rank, self.runtime.device)
             if self.runtime.is_main:
                 meta = {
                     "format": FORMAT,
@@ -635,7 +365,7 @@ class CheckpointManager:
     def _digests(self, folder: Path) -> dict[str, dict[str, Any]]:
         """Size and SHA-256 of each file this rank wrote into `folder`."""
         return {f.relative_to(folder).as_posix(): file_digest(f)
-                for f in _own_files(folder, self.runtime.rank, self.runtime.is_main)}
+                for f in own_files(folder, self.runtime.rank, self.runtime.is_main)}
 
     def _commit(self, tmp: Path, final: Path, step: int, files: dict[str, dict[str, Any]] | None,
                 error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
@@ -664,7 +394,7 @@ class CheckpointManager:
                     merged: dict[str, dict[str, Any]] = {}
                     for _, digests, _, _, _ in gathered:
                         merged.update(digests)
-                    for name in _folder_files(tmp):  # anything no rank claimed
+                    for name in folder_files(tmp):  # anything no rank claimed
                         if name not in merged:
                             merged[name] = file_digest(tmp / name)
                     self._write_committed(tmp, final, step, merged)
@@ -686,7 +416,7 @@ class CheckpointManager:
         what was lost and what is intact."""
         shutil.rmtree(tmp, ignore_errors=True)
         free = free_bytes(self.dir)
-        need = max(_folder_bytes(self.latest()), state_bytes)
+        need = max(folder_bytes(self.latest()), state_bytes)
         latest = self.latest()
         kept = f"the last committed checkpoint {latest} is intact" if latest else "no checkpoint was committed before"
         return (f"checkpoint of step {step} could not be written: the disk holding {self.dir} is full "
@@ -700,7 +430,7 @@ class CheckpointManager:
         if not self.runtime.is_main or self._warned_short:
             return
         latest = self.latest()
-        need = _folder_bytes(latest) if latest is not None else 0
+        need = folder_bytes(latest) if latest is not None else 0
         free = free_bytes(self.dir)
         if need and free is not None and free < need:
             self._warned_short = True
@@ -876,7 +606,7 @@ class CheckpointManager:
             if bad_metadata is not None:
                 raise CheckpointError(f"checkpoint {path}: {bad_metadata}")
             saved_world = meta.get("world_size")
-            rng = _read_rng(path, self.runtime.rank, int(saved_world) if saved_world is not None else None)
+            rng = read_rng(path, self.runtime.rank, int(saved_world) if saved_world is not None else None)
         except CheckpointError as exc:
             problem = str(exc)
         if self._collective():  # a rank missing its RNG file fails every rank, not just itself
@@ -899,7 +629,7 @@ class CheckpointManager:
         apply_optimizer_settings(engine)
         engine.step = int(meta["step"])
         if rng is not None:
-            _apply_rng(*rng, self.runtime.device)
+            apply_rng(*rng, self.runtime.device)
         if self.runtime.is_main:
             log.info("resumed from %s (step %d, saved by %d ranks, loaded by %d)", path,
                      engine.step, meta["world_size"], self.runtime.world_size)
@@ -924,60 +654,6 @@ def _local_bytes(state: Any) -> int:
             local = item.to_local() if isinstance(item, DTensor) else item
             total += local.numel() * local.element_size()
     return total
-
-
-def out_of_space(exc: BaseException | None) -> bool:
-    """`exc` (or what it wraps: DCP gathers the ranks' errors) says the disk is full."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(exc):
-            return True
-        failures = getattr(exc, "failures", None)
-        if isinstance(failures, dict):
-            for inner in failures.values():
-                inner = inner[0] if isinstance(inner, tuple) else inner
-                if isinstance(inner, BaseException) and out_of_space(inner):
-                    return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
-_NEARLY_FULL = 1 << 20
-"""Less free space than this after a failed write: the disk filled up (torch's zip writer
-reports a full disk as "unexpected pos", without ENOSPC)."""
-
-
-def nearly_full(folder: Path) -> bool:
-    free = free_bytes(folder)
-    return free is not None and free < _NEARLY_FULL
-
-
-def free_bytes(folder: Path) -> int | None:
-    for p in (folder, *folder.parents):
-        if p.exists():
-            try:
-                return shutil.disk_usage(p).free
-            except OSError:
-                return None
-    return None
-
-
-def _folder_bytes(folder: Path | None) -> int:
-    if folder is None or not folder.is_dir():
-        return 0
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _options(engine: TrainEngine) -> StateDictOptions:

@@ -53,17 +53,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardwise.checkpoint.dcp import (
-    COMMITTED,
-    DCP_METADATA,
-    SafeFileSystemReader,
-    free_bytes,
-    human_bytes,
-    nearly_full,
-    out_of_space,
-    short_error,
-    verify_checkpoint,
-)
+from shardwise.checkpoint.disk import free_bytes, human_bytes, nearly_full, out_of_space, short_error
+from shardwise.checkpoint.integrity import verify_checkpoint
+from shardwise.checkpoint.layout import COMMITTED, DCP_METADATA
+from shardwise.checkpoint.safe_load import SafeFileSystemReader
 from shardwise.config.dtypes import to_torch_dtype
 from shardwise.config.load import config_from_dict
 from shardwise.config.schema import Config

@@ -9,7 +9,7 @@ instead, from the ranks' error files) unless ``SHARDWISE_DEBUG=1``; and a rank t
 without writing an error file (killed by a signal, out of memory) is described in
 ``launcher-rank<r>.json`` of the error folder, a rendezvous that did not gather the job's
 nodes (one of them never came within the timeout) in ``launcher.json``. The rendezvous of a
-multi-node job has a bound of its own (`launch.rendezvous_bound_s`): where torch's timeouts
+multi-node job has a bound of its own (`nodes.rendezvous_bound_s`): where torch's timeouts
 do not reach (a program squatting the port that accepts connections and never answers), a
 watch thread ends the node with the same line. And where the launching side asks for it
 (``SHARDWISE_FORK_RANKS``, `launch.fork_ranks`: one machine without a GPU), this process
@@ -62,8 +62,8 @@ from shardwise.distributed.launch import (
     describe_exit,
     die_with_parent,
     end_process,
-    rendezvous_bound_s,
 )
+from shardwise.distributed.nodes import rendezvous_bound_s
 from shardwise.telemetry import activity
 
 

@@ -89,12 +89,9 @@ from torch import nn
 from transformers import (
     DynamicCache,
     GenerationConfig,
-    LogitsProcessor,
     LogitsProcessorList,
-    StoppingCriteria,
     StoppingCriteriaList,
 )
-from transformers.cache_utils import DynamicLayer
 
 from shardwise.config.schema import SamplingConfig
 from shardwise.data.batch import Batch
@@ -103,6 +100,8 @@ from shardwise.data.tokenizer import pad_token_id
 from shardwise.distributed import ulysses
 from shardwise.distributed.runtime import Runtime
 from shardwise.engine.infer import default_position_ids
+from shardwise.engine.kv_cache import PreallocatedLayer, preallocated_cache
+from shardwise.engine.row_sampling import RowEnds, RowSampler
 from shardwise.errors import ConfigError, did_you_mean
 from shardwise.fsdp.gather import fsdp_hooks_skipped, gathered_for_generation
 from shardwise.models import vision
@@ -242,149 +241,6 @@ def sample_keys(uids: Sequence[str], n: int) -> list[str]:
     """``arrays["sample_key"]`` of a batch whose rows are `uids` each repeated `n` times
     (interleaved, `Batch.repeat`): ``"{uid}/{j}"``, j the sample's index in its group."""
     return [f"{u}/{j}" for u in uids for j in range(n)]
-
-
-class RowEnds(StoppingCriteria):
-    """HF stopping criterion that stops nothing: after each decoding step it calls
-    `on_row_end(i, tokens)` for every row i whose new token is its first EOS, `tokens` the
-    row's generated ids through it (`prompt_width`: the prompt columns of ``input_ids``).
-    HF pads a finished row (with a pad id that may be the EOS), so each row is reported once."""
-
-    def __init__(self, on_row_end: RowEnd, eos_id: int, prompt_width: int, rows: int):
-        self.on_row_end = on_row_end
-        self.eos_id = int(eos_id)
-        self.prompt_width = int(prompt_width)
-        self.reported = torch.zeros(rows, dtype=torch.bool)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
-        ended = (input_ids[:, -1] == self.eos_id).cpu() & ~self.reported
-        if input_ids.shape[1] > self.prompt_width and ended.any():
-            self.reported |= ended
-            for i in ended.nonzero().flatten().tolist():
-                self.on_row_end(i, input_ids[i, self.prompt_width:].tolist())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-class RowSampler(LogitsProcessor):
-    """HF logits processor that samples every row with a generator of its own.
-
-    `seeds` (one per row) seed CPU generators that draw each row's uniforms for all
-    `max_new_tokens` steps up front; at step t row i takes the token where its uniform
-    falls in the cumulative distribution of ``softmax(logits / temperature)`` (cut to the
-    top-p nucleus, renormalised), computed in float64. Every other token's score becomes
-    -inf, so HF ``generate`` run greedy (``do_sample=False``) picks exactly that token. A
-    row's draws depend on its seed and its own logits alone (step t's uniform is the t-th
-    number of the row's stream whatever `max_new_tokens` is: a multi-turn call, whose
-    limit depends on the other rows' room, draws the same). `prompt_width`: the prompt
-    columns of ``input_ids`` (HF appends one column per step).
-    """
-
-    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, prompt_width: int,
-                 max_new_tokens: int):
-        # one spare step: a generate that checks its stop one step late (HF's DeferredStopCheck)
-        # runs one forward more and undoes its token
-        width = max_new_tokens + 1
-        self.uniforms = torch.stack([torch.rand(width, dtype=torch.float64,
-                                                generator=torch.Generator().manual_seed(int(s)))
-                                     for s in seeds]) if len(seeds) else torch.empty((0, width), dtype=torch.float64)
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.prompt_width = int(prompt_width)
-        self._on: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self._on is None or self._on.device != scores.device:
-            self._on = self.uniforms.to(scores.device)
-        step = input_ids.shape[1] - self.prompt_width
-        tokens = self.draw(scores, self._on[:, step])
-        forced = torch.full_like(scores, float("-inf"))
-        return forced.scatter_(1, tokens[:, None], 0.0)
-
-    def draw(self, scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` token ids: row i's token for its uniform ``uniforms[i]`` in [0, 1)."""
-        probs = torch.softmax(scores.double() / self.temperature, dim=-1)
-        order = None
-        if self.top_p < 1.0:  # HF's TopPLogitsWarper: keep the smallest set with mass >= top_p
-            probs, order = probs.sort(dim=-1, descending=True)
-            before = probs.cumsum(-1) - probs
-            probs = probs.masked_fill(before >= self.top_p, 0.0)
-        cdf = probs.cumsum(-1)
-        x = (uniforms * cdf[:, -1])[:, None]
-        index = torch.searchsorted(cdf, x, right=True).clamp_(max=probs.shape[-1] - 1)
-        return (order.gather(-1, index) if order is not None else index).squeeze(-1)
-
-
-class PreallocatedLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values live in a buffer written in place: ``keys`` /
-    ``values`` are views of the filled part and hold what the concatenating layer would.
-    The buffer doubles when full, up to `capacity` positions (the call's most), so it holds
-    at most twice what the concatenating layer would (never more than `capacity`) and is
-    copied about log2(capacity / prompt) times instead of at every step; past `capacity` it
-    grows to fit."""
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = int(capacity)
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-
-    def start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Begin with `keys` / `values` ``(B, heads, n, dim)`` in the cache (kept rows)."""
-        self.lazy_initialization(keys, values)
-        self._k = self._v = None
-        self.update(keys, values)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = 0 if self._k is None else self.keys.shape[-2]
-        end = n + key_states.shape[-2]
-        if self._k is None or self._v is None or end > self._k.shape[-2]:
-            size = max(end, min(self.capacity, 2 * end))
-            k = key_states.new_empty((*key_states.shape[:-2], size, key_states.shape[-1]))
-            v = value_states.new_empty((*value_states.shape[:-2], size, value_states.shape[-1]))
-            if n:
-                k[..., :n, :] = self.keys
-                v[..., :n, :] = self.values
-            self._k, self._v = k, v
-        self._k[..., n:end, :] = key_states
-        self._v[..., n:end, :] = value_states
-        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._k is None or self._v is None:
-            return
-        end = self.keys.shape[-2]
-        k = self._k.new_empty((len(indices), *self._k.shape[1:]))  # the same room left
-        v = self._v.new_empty((len(indices), *self._v.shape[1:]))
-        k[..., :end, :] = self.keys[indices]  # the filled part only
-        v[..., :end, :] = self.values[indices]
-        self._k, self._v = k, v
-        self.keys, self.values = k[..., :end, :], v[..., :end, :]
-
-    def reset(self) -> None:
-        self._k = self._v = None
-        super().reset()
-
-
-def preallocated_cache(model: nn.Module, capacity: int) -> DynamicCache | None:
-    """The model's `DynamicCache` (layer types from its config) with every layer a
-    `PreallocatedLayer` of `capacity` positions; None when a layer is of another kind
-    (sliding window, linear attention, ...) or the model has no config to build one from:
-    the model then makes its own cache."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        return None
-    try:
-        cache = DynamicCache(config=config)
-    except (KeyError, ValueError, TypeError, AttributeError):
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
-    return cache
 
 
 @dataclass

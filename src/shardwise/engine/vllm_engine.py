@@ -15,7 +15,7 @@ one pass over a lazy iterator of the actor's full tensors, copied in place (on C
 vLLM's ``reload_weights``; on CPU straight through the model's ``load_weights``, see below).
 
 On CPU the engine keeps its linear weights as plain tensors and computes with
-``torch.nn.functional.linear`` (`_plain_cpu_gemm`) instead of vLLM's default, which packs
+``torch.nn.functional.linear`` (`plain_cpu_gemm`) instead of vLLM's default, which packs
 every linear weight into a oneDNN kernel and drops the parameter. Packed weights can only be
 replaced by vLLM's layer-by-layer ``reload_weights`` (every layer to the meta device and
 back, then the repacking): about 15 ms per push for the long task's model against 1-2 ms for
@@ -23,24 +23,14 @@ copying into plain parameters, which is what lets a push stay under 2% of an RL 
 plain GEMM is also faster on this project's model sizes: the long task's 64-row generation
 took 1.25 s against 1.42 s packed, the same greedy tokens (`/tmp` probe, 2 ranks, 2 cores).
 
-What vLLM 0.32 does to the process, and what this module does about it:
-
-- it seeds python, numpy and torch (all devices) at start-up: the RNG states are saved and
-  put back around construction and every generation;
-- its CPU worker replaces ``torch.set_num_threads`` with a no-op (meant for its own
-  OpenMP binding, which only its multiprocess executor does): the real function and the
-  thread count are put back;
-- it ``gc.freeze()``s the heap at start-up: undone;
-- its shutdown destroys the default process group: `VLLMGenerator.shutdown` lets it
-  destroy its own groups only, so the trainer's group outlives the engine;
-- environment variables other than ``VLLM_*`` that it sets at start-up (e.g.
-  ``TORCHINDUCTOR_COMPILE_THREADS=1``) are put back.
+What vLLM 0.32 does to the process, and what undoes it: `shardwise.engine.vllm_process`.
+What runs on vLLM's worker (``collective_rpc``): `shardwise.engine.vllm_worker`.
 
 A LoRA actor (`shardwise.models.lora`) with ``vllm.lora_sync: adapter``: the engine starts
 with ``enable_lora`` (``max_lora_rank`` the smallest vLLM allows at or above r), holds the
 base weights once (pushed unmerged) and takes the adapters alone after every update
 (`VLLMGenerator.sync_adapter`): they are built into vLLM's LoRA model from the tensors in
-memory (`_add_adapter`, on the worker: no adapter folder is written) and replace the
+memory (`add_adapter`, on the worker: no adapter folder is written) and replace the
 engine's one adapter in place; every request then carries that adapter. This reaches into
 vLLM's worker (``model_runner.lora_manager`` and its adapter manager), checked on vLLM
 0.32 (CPU build): what verl and ROLL patch for the same purpose.
@@ -64,7 +54,6 @@ import gc
 import glob
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -90,6 +79,24 @@ from shardwise.engine.generate import (
     sampling_call,
     sampling_seed,
 )
+from shardwise.engine.vllm_process import (
+    contained_startup,
+    cpu_shm_ident,
+    default_group_kept,
+    eager_rank_count,
+    kept_rng_states,
+    plain_cpu_gemm,
+    quiet_import,
+    torchrun_env,
+)
+from shardwise.engine.vllm_worker import (
+    add_adapter,
+    full_weights,
+    load_in_place,
+    local_weights,
+    plain_weights,
+    refresh_tied_heads,
+)
 from shardwise.errors import ConfigError
 from shardwise.models import lora
 from shardwise.models.vision import is_vision_language
@@ -111,181 +118,6 @@ would otherwise reserve gpu_memory_utilization of the node's memory, minus its R
 
 
 
-# ------------------------------------------------------------------ process side effects
-
-
-@contextlib.contextmanager
-def _kept_rng_states() -> Iterator[None]:
-    """Put back python, numpy and torch (CPU and current CUDA device) RNG states on exit."""
-    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
-
-
-@contextlib.contextmanager
-def _contained_startup() -> Iterator[None]:
-    """Undo vLLM's start-up changes to this process (see the module docstring)."""
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    environ = dict(os.environ)
-    # Start-up time: vLLM runs several full garbage collections while it starts (memory
-    # profiling), each walking the whole heap of torch, transformers and vLLM's modules
-    # (about a second each on a busy CPU); with what exists frozen they walk vLLM's new
-    # objects only. Unfrozen below, so later collections see everything again.
-    gc.freeze()
-    try:
-        with _kept_rng_states():
-            yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        gc.unfreeze()
-        for key in set(os.environ) - set(environ):
-            if not key.startswith("VLLM_"):
-                del os.environ[key]
-        for key, value in environ.items():
-            if not key.startswith("VLLM_") and os.environ.get(key) != value:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _plain_cpu_gemm() -> Iterator[bool]:
-    """While open, vLLM's CPU linear layers keep their weight parameter and compute with
-    ``torch.nn.functional.linear`` on it (see the module docstring); yields whether the
-    switch took (False: this vLLM has no ``dispatch_cpu_unquantized_gemm``, checked on
-    0.32, and its own packing stays). Opened around the engine's construction and every
-    ``reload_weights`` on CPU (a reload re-runs the layers' post-processing)."""
-    try:
-        from vllm.model_executor.layers import utils
-    except ImportError:  # pragma: no cover - another vLLM layout
-        yield False
-        return
-    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
-    if original is None:  # pragma: no cover - another vLLM version
-        yield False
-        return
-
-    def plain(layer: nn.Module, remove_weight: bool) -> None:
-        if getattr(layer, "weight", None) is None or layer.weight.ndim != 2:
-            original(layer, remove_weight)  # not a linear layer (MoE experts, convolutions)
-            return
-        layer.cpu_linear = torch.nn.functional.linear
-
-    utils.dispatch_cpu_unquantized_gemm = plain
-    try:
-        yield True
-    finally:
-        utils.dispatch_cpu_unquantized_gemm = original
-
-
-def _eager_rank_count() -> None:
-    """On CPU: vLLM's sampler counts the rank of each sampled token's log-prob with a
-    function it compiles (``torch.compile``, inductor: C++ code built by the compiler) on
-    the first generation that asks for log-probs, about 10 s of the first RL step on a busy
-    CPU; that rank is never read here. The same count, eager, in its place (a compare and a
-    sum over ``(tokens, vocab)``; the compiled kernel only saves that temporary's memory,
-    which matters on a GPU, not at this project's CPU sizes). Checked on vLLM 0.32."""
-    try:
-        from vllm.v1.sample import sampler
-    except ImportError:  # pragma: no cover - another vLLM layout
-        return
-    if hasattr(sampler, "batched_count_greater_than"):
-        sampler.batched_count_greater_than = _count_greater_or_equal
-
-
-def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Per row of `x` ``(rows, n)``, how many entries are >= the row's value in `values` ``(rows, 1)``."""
-    return (x >= values).sum(-1)
-
-
-@contextlib.contextmanager
-def _default_group_kept() -> Iterator[None]:
-    """vLLM's teardown calls ``dist.destroy_process_group()`` on the default group: skip that
-    one call (its own groups are destroyed as usual)."""
-    real = dist.destroy_process_group
-
-    def destroy(group=None):
-        if group is None or group is dist.GroupMember.WORLD:
-            return None
-        return real(group)
-
-    dist.destroy_process_group = destroy
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = real
-
-
-@contextlib.contextmanager
-def _cpu_shm_ident(ident: str) -> Iterator[None]:
-    """Name vLLM's CPU shared-memory segments (TP all-reduce) after `ident`.
-
-    The CPU worker names them from ``VLLM_DIST_IDENT``, which it sets from the init method
-    just before making its groups; with the external launcher that is ``env://``, the same
-    for every engine on the machine, and the segments (``/dev/shm/<ident>-tp:0-[0-1]-cpushm_<i>``,
-    created with O_EXCL and never unlinked by vLLM) of an earlier or concurrent engine make
-    the next one fail with ``create shm in SHMManager failed. errno: 17``. The ident is
-    set between the two."""
-    try:
-        from vllm.v1.worker import cpu_worker
-    except ImportError:  # not the CPU build
-        yield
-        return
-    real = cpu_worker.init_worker_distributed_environment
-
-    def init(*args, **kwargs):
-        os.environ["VLLM_DIST_IDENT"] = ident
-        return real(*args, **kwargs)
-
-    cpu_worker.init_worker_distributed_environment = init
-    try:
-        yield
-    finally:
-        cpu_worker.init_worker_distributed_environment = real
-
-
-@contextlib.contextmanager
-def _torchrun_env(rank: int, local_rank: int) -> Iterator[None]:
-    """The external launcher reads RANK / LOCAL_RANK (and, to make a group, MASTER_*) from
-    the environment; a process whose group was made without them gets them for the call."""
-    wanted = {"RANK": str(rank), "LOCAL_RANK": str(local_rank)}
-    saved = {k: os.environ.get(k) for k in wanted}
-    for k, v in wanted.items():
-        os.environ.setdefault(k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """vLLM's import-time warnings (e.g. "Triton is installed, but doesn't include CPU
-    backend") would print around a one-line error in the launching process
-    (`check_supported`): its ``vllm`` logger and ``VLLM_LOGGING_LEVEL`` are at ERROR for the
-    import and put back after, so ranks started later log as configured."""
-    before = os.environ.get("VLLM_LOGGING_LEVEL")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    vllm_log = logging.getLogger("vllm")  # when the process configured logging first, vLLM leaves its own alone
-    level = vllm_log.level
-    vllm_log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        vllm_log.setLevel(level)
-        if before is None:
-            os.environ.pop("VLLM_LOGGING_LEVEL", None)
-
-
 def check_supported(hf_config: Any, key: str, config_key: str) -> None:
     """ConfigError before launch when the installed vLLM cannot serve the model: a
     vision-language model (this engine passes no images), an architecture vLLM has no
@@ -297,7 +129,7 @@ def check_supported(hf_config: Any, key: str, config_key: str) -> None:
         raise ConfigError(f"{key}.engine", "the vllm engine passes no images: a vision-language model generates with hf",
                           f"set {key}.engine=hf")
     try:
-        with _quiet_import():
+        with quiet_import():
             from vllm.model_executor.models import ModelRegistry
             from vllm.platforms import current_platform
     except ImportError as e:
@@ -358,173 +190,7 @@ def _request_seed(seed: int, rank: int, row: int, key: str | None = None) -> int
     return int(np.random.SeedSequence([base, row]).generate_state(1, np.uint64)[0]) % 2**63
 
 
-# ------------------------------------------------------------------ weights read back (worker side)
-
-
-def _local_weights(worker) -> dict[str, Any]:
-    """Run on the vLLM worker (``collective_rpc``): this TP rank's parameters with how each
-    one is split, for `VLLMGenerator.read_weights`.
-
-    On CPU vLLM packs each linear layer's weight for its GEMM kernel and leaves the
-    parameter empty; that weight is read back through the layer's own kernel applied to an
-    identity matrix (``I @ W.T``: every output is one product by 1 plus exact zeros, so the
-    weight comes back bit for bit)."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        LinearBase,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        VocabParallelEmbedding,
-    )
-
-    model = worker.model_runner.get_model()
-    out = []
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            module_name, _, pname = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            t = param.detach()
-            kind, meta = "replicated", None
-            if isinstance(module, LinearBase):
-                if pname == "weight" and t.numel() == 0:
-                    eye = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
-                    t = module.quant_method.apply(module, eye, None).t()
-                if isinstance(module, QKVParallelLinear):
-                    if module.num_kv_head_replicas != 1:
-                        raise NotImplementedError("read_weights: KV heads replicated over TP ranks")
-                    kind, meta = "split0", [module.num_heads * module.head_size,
-                                            module.num_kv_heads * module.head_size,
-                                            module.num_kv_heads * module.v_head_size]
-                elif isinstance(module, MergedColumnParallelLinear):
-                    kind, meta = "split0", [s // module.tp_size for s in module.output_sizes]
-                elif isinstance(module, ColumnParallelLinear):
-                    kind = "cat0"
-                elif isinstance(module, RowParallelLinear) and pname == "weight":
-                    kind = "cat1"
-            elif isinstance(module, VocabParallelEmbedding) and pname == "weight":
-                t = t[:module.shard_indices.num_org_elements]
-                kind = "cat0"
-            out.append((name, kind, meta, t.to("cpu", copy=True)))
-        # The LM head as the logits see it: through its GEMM kernel (on CPU a packed copy of
-        # the weight, which a tied head shares with no one), also when tied to the embedding.
-        entries = {e[0]: i for i, e in enumerate(out)}
-        for mname, module in model.named_modules():
-            if isinstance(module, ParallelLMHead):
-                hidden = module.weight.shape[1]
-                eye = torch.eye(hidden, dtype=module.weight.dtype, device=module.weight.device)
-                t = module.quant_method.apply(module, eye, None).t()[:module.shard_indices.num_org_elements]
-                entry = (f"{mname}.weight", "cat0", None, t.to("cpu", copy=True))
-                if entry[0] in entries:
-                    out[entries[entry[0]]] = entry
-                else:
-                    out.append(entry)
-    return {"params": out, "packed": dict(getattr(model, "packed_modules_mapping", {}) or {})}
-
-
-def _plain_weights(worker) -> bool:
-    """Run on the vLLM worker: every linear layer keeps a weight parameter (the engine was
-    built under `_plain_cpu_gemm`), so `_load_in_place` can copy into them."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    layers = [m for m in worker.model_runner.get_model().modules() if isinstance(m, LinearBase)]
-    return bool(layers) and all(m.weight.numel() > 0 for m in layers)
-
-
-def _load_in_place(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Run on the vLLM worker: copy HF-named full tensors into the model's parameters with
-    the model's own ``load_weights`` (fused q/k/v and gate/up pieces and each TP rank's
-    slice placed by vLLM's weight loaders), then drop the encoder and multimodal caches (they
-    hold outputs of the old weights). Only for plain parameters (`_plain_weights`): no
-    post-processing follows. Raises when a parameter got nothing (a tensor the actor does not
-    have); a tied LM head counts as loaded through its embedding. Returns the number loaded."""
-    model = worker.model_runner.get_model()
-    with torch.no_grad():
-        loaded = set(model.load_weights(weights) or ())
-    params = dict(model.named_parameters())
-    filled = {params[n].data_ptr() for n in loaded if n in params}
-    missing = sorted(n for n, p in params.items() if n not in loaded and p.data_ptr() not in filled)
-    if missing:
-        raise RuntimeError(f"vllm: the push left {len(missing)} parameter(s) without weights, e.g. {missing[:3]}")
-    runner = worker.model_runner
-    for reset in ("reset_encoder_cache", "reset_mm_cache"):
-        if callable(getattr(runner, reset, None)):
-            getattr(runner, reset)()
-    return len(loaded)
-
-
-def _refresh_tied_heads(worker) -> int:
-    """Run on the vLLM worker after ``reload_weights``: re-process every LM head whose weight
-    is the embedding's (tied). vLLM 0.32 reloads layer by layer and post-processes only the
-    layers that received weights; on CPU an LM head's post-processing packs its weight into
-    a GEMM kernel, so a tied head (which receives nothing: the checkpoint has no
-    lm_head.weight) would keep computing logits with the weights of the first load.
-    Returns the number of heads re-processed."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        VocabParallelEmbedding,
-    )
-
-    model = worker.model_runner.get_model()
-    embeddings = {id(m.weight) for m in model.modules()
-                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
-    done = 0
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, ParallelLMHead) and id(module.weight) in embeddings:
-                module.quant_method.process_weights_after_loading(module)
-                done += 1
-    return done
-
-
-def _full_weights(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """HF-named full tensors from every TP rank's `_local_weights` (in TP-rank order)."""
-    packed = parts[0]["packed"]
-    full: dict[str, torch.Tensor] = {}
-    for i, (name, kind, meta, _) in enumerate(parts[0]["params"]):
-        shards = [p["params"][i][3] for p in parts]
-        if kind == "replicated":
-            full[name] = shards[0]
-        elif kind == "cat0":
-            full[name] = torch.cat(shards, 0)
-        elif kind == "cat1":
-            full[name] = torch.cat(shards, 1)
-        else:  # split0: a fused module (qkv, gate_up): one HF tensor per piece, each TP-split on dim 0
-            module_name, _, pname = name.rpartition(".")
-            parent, _, fused = module_name.rpartition(".")
-            pieces = packed.get(fused)
-            if pieces is None or len(pieces) != len(meta):
-                raise NotImplementedError(f"read_weights: cannot unfuse {name} (packed modules {packed})")
-            split = [s.split(meta, 0) for s in shards]
-            for j, piece in enumerate(pieces):
-                full[f"{parent}.{piece}.{pname}"] = torch.cat([s[j] for s in split], 0)
-    return full
-
-
 # ------------------------------------------------------------------ the engine
-
-
-def _add_adapter(worker, adapter_id: int, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any]) -> int:
-    """Run on the vLLM worker (``collective_rpc``): build a LoRA model from `tensors` (PEFT
-    adapter-file names) and `peft_config` (an adapter_config.json's dict) as vLLM's own
-    loader would from a folder, and put it in place of adapter `adapter_id`. Returns the
-    number of adapted modules."""
-    from vllm.lora.peft_helper import PEFTHelper
-
-    manager = worker.model_runner.lora_manager
-    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": None})
-    helper.validate_legal(manager.lora_config)
-    adapters = manager._adapter_manager
-    mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
-    lora_model = manager._lora_model_cls.from_lora_tensors(
-        adapter_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper else None)
-    adapters.remove_adapter(adapter_id)
-    adapters.add_adapter(lora_model)
-    return len(lora_model.loras)
 
 
 def _json_config(peft) -> dict[str, Any]:
@@ -599,7 +265,7 @@ class VLLMGenerator(GenerationEngine):
         self.last_generate_seconds = 0.0
         self.llm = None
         self.in_place = False
-        """Pushes copy into plain parameters (`_load_in_place`) instead of ``reload_weights``."""
+        """Pushes copy into plain parameters (`load_in_place`) instead of ``reload_weights``."""
 
         self._config_dir = tempfile.mkdtemp(prefix="shardwise-vllm-")
         config = copy.deepcopy(model.config)
@@ -648,14 +314,14 @@ class VLLMGenerator(GenerationEngine):
             from vllm import LLM
 
             if not self.on_cuda:
-                _eager_rank_count()
-            with (_contained_startup(), _torchrun_env(rank, runtime.local_rank), _cpu_shm_ident(self.shm_ident),
-                  _plain_cpu_gemm() if not self.on_cuda else contextlib.nullcontext(False)):
+                eager_rank_count()
+            with (contained_startup(), torchrun_env(rank, runtime.local_rank), cpu_shm_ident(self.shm_ident),
+                  plain_cpu_gemm() if not self.on_cuda else contextlib.nullcontext(False)):
                 self.llm = LLM(**kwargs)
             # Copy pushes in place (CPU, plain weights; a LoRA engine's modules are wrapped
             # and its base is pushed once, by reload_weights).
             self.in_place = (not self.on_cuda and not self.takes_adapters
-                             and all(self.llm.collective_rpc(_plain_weights)))
+                             and all(self.llm.collective_rpc(plain_weights)))
         except BaseException:
             shutil.rmtree(self._config_dir, ignore_errors=True)
             if self.tp_group is not None:
@@ -679,7 +345,7 @@ class VLLMGenerator(GenerationEngine):
                 self.llm.wake_up(tags=todo)
                 self._asleep -= set(todo)
                 if "weights" in todo and self._adapter is not None:  # the adapter slots are not kept asleep
-                    self.llm.collective_rpc(_add_adapter, args=(_ADAPTER_ID, self._adapter, self._peft_config))
+                    self.llm.collective_rpc(add_adapter, args=(_ADAPTER_ID, self._adapter, self._peft_config))
 
     # -------------------------------------------------------------- weights
 
@@ -688,7 +354,7 @@ class VLLMGenerator(GenerationEngine):
         prefix cache (its KV was computed with the old weights).
 
         On CPU with plain weights (`in_place`, see the module docstring): one
-        ``collective_rpc(_load_in_place)`` copying them into the parameters. Otherwise one
+        ``collective_rpc(load_in_place)`` copying them into the parameters. Otherwise one
         ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``.
         Either way over a lazy iterator: vLLM consumes it in-process, so tensors gathered from the
         FSDP shards (a bucket at a time, see `shardwise.engine.weight_sync`) are copied into the
@@ -706,7 +372,7 @@ class VLLMGenerator(GenerationEngine):
         `named_tensors` is consumed to the end on every rank (a lazy FSDP gather is
         collective). Tied weights: an ``lm_head.weight`` of a tied model is skipped (vLLM's
         tied head is the embedding), and the head is re-processed afterwards
-        (`_refresh_tied_heads`: on CPU it would otherwise keep the first load's weights)."""
+        (`refresh_tied_heads`: on CPU it would otherwise keep the first load's weights)."""
         start = time.perf_counter()
         nbytes = 0
         device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
@@ -728,9 +394,9 @@ class VLLMGenerator(GenerationEngine):
         self._wake(["weights"])
         try:
             if self.in_place:
-                self.llm.collective_rpc(_load_in_place, args=(weights(),))
+                self.llm.collective_rpc(load_in_place, args=(weights(),))
             else:
-                with _plain_cpu_gemm() if not self.on_cuda else contextlib.nullcontext(False):
+                with plain_cpu_gemm() if not self.on_cuda else contextlib.nullcontext(False):
                     self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(),
                                                                       "is_checkpoint_format": True})
         finally:
@@ -740,7 +406,7 @@ class VLLMGenerator(GenerationEngine):
         if not done:
             raise RuntimeError("vllm: the weight push stopped before the last weight")
         if self.tied and not self.in_place:
-            self.llm.collective_rpc(_refresh_tied_heads)
+            self.llm.collective_rpc(refresh_tied_heads)
         if not self.llm.reset_prefix_cache():  # KV computed with the old weights must not be reused
             raise RuntimeError("vllm: reset_prefix_cache failed (requests still running?)")
         self._weights_current = True
@@ -756,7 +422,7 @@ class VLLMGenerator(GenerationEngine):
         start = time.perf_counter()
         tensors = {name: t.detach().to("cpu").clone() for name, t in named_tensors}
         self._wake(["weights"])
-        self.llm.collective_rpc(_add_adapter, args=(_ADAPTER_ID, tensors, self._peft_config))
+        self.llm.collective_rpc(add_adapter, args=(_ADAPTER_ID, tensors, self._peft_config))
         self._adapter = tensors
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vllm: reset_prefix_cache failed (requests still running?)")
@@ -770,12 +436,12 @@ class VLLMGenerator(GenerationEngine):
         head appears under its own name too. For tests and debugging: collective over the TP
         group, the whole model in host memory."""
         self._wake(["weights"])
-        local = self.llm.collective_rpc(_local_weights)[0]
+        local = self.llm.collective_rpc(local_weights)[0]
         if self.tp_group is None:
-            return _full_weights([local])
+            return full_weights([local])
         parts: list[Any] = [None] * self.tp
         dist.all_gather_object(parts, local, group=self.tp_group)
-        return _full_weights(parts)
+        return full_weights(parts)
 
     # -------------------------------------------------------------- generation
 
@@ -848,7 +514,7 @@ class VLLMGenerator(GenerationEngine):
         self._wake(["weights", "kv_cache"])
         prompts = [{"prompt_token_ids": q["tokens"]} for q in requests]
         try:
-            with _kept_rng_states():
+            with kept_rng_states():
                 if on_done is None:
                     return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
                 return self._stepped(prompts, params, on_done)
@@ -902,7 +568,7 @@ class VLLMGenerator(GenerationEngine):
             return None
         from vllm.lora.request import LoRARequest
 
-        # The adapter is already in the worker's manager under this id (`_add_adapter`): the
+        # The adapter is already in the worker's manager under this id (`add_adapter`): the
         # path is never read.
         return LoRARequest("shardwise-actor", _ADAPTER_ID, lora_path="in-memory")
 
@@ -930,7 +596,7 @@ class VLLMGenerator(GenerationEngine):
         llm, self.llm = self.llm, None
         if llm is not None:
             try:
-                with _default_group_kept():
+                with default_group_kept():
                     llm.llm_engine.renderer.shutdown()
                     llm.llm_engine.engine_core.shutdown()
             finally:
@@ -994,7 +660,7 @@ class RequestSession:
                                "dummy ones); call sync_weights before generating")
         gen._wake(["weights", "kv_cache"])
         self._rng = contextlib.ExitStack()
-        self._rng.enter_context(_kept_rng_states())
+        self._rng.enter_context(kept_rng_states())
         return self
 
     def __exit__(self, *exc: object) -> None:

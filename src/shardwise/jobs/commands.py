@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable
 
 from shardwise.config.schema import Config
-from shardwise.distributed import launch
 from shardwise.distributed.capacity import check_nproc
+from shardwise.distributed.nodes import nodes_from_args
 from shardwise.jobs import configs, export, infer, plan, preview, report, sft
 from shardwise.jobs.launcher import run_job
 from shardwise.models.hub import resolve_inputs
@@ -48,7 +48,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
 def _on_ranks(args: argparse.Namespace, job, summary: Callable[[Config, dict], None]) -> int:
     """`job` on `--nproc` ranks through torchrun, or in this process; see shardwise.jobs.launcher."""
     check_nproc(args.nproc)
-    nodes = launch.nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+    nodes = nodes_from_args(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                                    args.rdzv_endpoint, args.rdzv_timeout)
     cfg, ranks = _load(args)
     dialect = ["--dialect", args.dialect] if args.dialect else []

@@ -31,6 +31,7 @@ from shardwise.checkpoint.dcp import CHECKPOINTS_DIR, resume_line
 from shardwise.config.schema import Config
 from shardwise.distributed import launch, torchrun
 from shardwise.distributed.capacity import check_plan
+from shardwise.distributed.nodes import Nodes, ranks_per_node
 from shardwise.distributed.runtime import Runtime, init_distributed, seed_everything, teardown
 from shardwise.errors import EXIT_DISK_FULL, ConfigError
 from shardwise.jobs.rundir import RunDirLock, check_run_dir, command_line, write_error_file
@@ -40,7 +41,7 @@ __all__ = ["run_job"]
 
 
 def run_job(job: ModuleType, cfg: Config, report: Callable[[Config, dict], None], *, nproc: int | None,
-            config_ranks: int | None, nodes: launch.Nodes | None, argv: Sequence[str]) -> int:
+            config_ranks: int | None, nodes: Nodes | None, argv: Sequence[str]) -> int:
     """Run `job` (a recipe of `shardwise.jobs`: ``prepare(cfg, world_size=...)``, ``run(prepared,
     runtime)``) and return the exit status. With ranks to start (`nproc`, else the
     `config_ranks` of a dialect's file; `nodes`: the other nodes of a multi-node job) and
@@ -48,7 +49,7 @@ def run_job(job: ModuleType, cfg: Config, report: Callable[[Config, dict], None]
     otherwise (a rank under torchrun, or a process alone) it runs the job here, and rank 0
     prints `report(cfg, summary)`."""
     check_run_dir(cfg.run.dir)  # also for a run in this process
-    nproc = launch.ranks_per_node(nproc, config_ranks, nodes)
+    nproc = ranks_per_node(nproc, config_ranks, nodes)
     if nproc and not launch.under_torchrun():
         return _launch(job, cfg, nproc, nodes, argv)
     if launch.under_torchrun():
@@ -71,7 +72,7 @@ def run_job(job: ModuleType, cfg: Config, report: Callable[[Config, dict], None]
     return 0
 
 
-def _launch(job: ModuleType, cfg: Config, nproc: int, nodes: launch.Nodes | None, argv: Sequence[str]) -> int:
+def _launch(job: ModuleType, cfg: Config, nproc: int, nodes: Nodes | None, argv: Sequence[str]) -> int:
     """The launching side: prepare, start the ranks, say how they ended."""
     job_key = nodes.job if nodes else None
     RunDirLock(cfg.run.dir, command_line(), job_key).check_free()

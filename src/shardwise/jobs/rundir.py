@@ -17,7 +17,7 @@ lock find its path in ``SHARDWISE_RUN_DIR_HELD`` and do not lock again.
 The lock is per job, not per node. The launchers of a multi-node job (`shardwise train
 --nnodes N`) share a run folder on a shared filesystem, or several "nodes" run on one
 machine: each tries the lock with the job's key (its rendezvous endpoint and node count,
-`shardwise.distributed.launch.Nodes.job`; hosts compared by address, so ``localhost`` and
+`shardwise.distributed.nodes.Nodes.job`; hosts compared by address, so ``localhost`` and
 ``127.0.0.1`` are one), the first holds it and writes the key beside its process id, and a
 launcher that finds its own job's key there goes on without holding it.
 A launcher of any other job (another endpoint, or none) stops with the ConfigError.
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardwise.distributed.launch import same_job
+from shardwise.distributed.nodes import same_job
 from shardwise.errors import ConfigError
 
 LOCK_FILE = ".shardwise.lock"
@@ -54,7 +54,7 @@ class RunDirLock:
     """The lock of one run folder; `acquire` raises ConfigError when another job holds it.
 
     `job`: the key the nodes of a multi-node job share (None: a job of one node); a holder
-    with the same key (`shardwise.distributed.launch.same_job`: its rendezvous host may be
+    with the same key (`shardwise.distributed.nodes.same_job`: its rendezvous host may be
     named differently) is this job's, and the lock counts as taken (`peer_holder`).
     """
 
