@@ -1,12 +1,14 @@
 """Disk space and the one-line words for a failed write, shared by the checkpoints
 (`shardwise.checkpoint.dcp`), the HF export (`shardwise.checkpoint.hf_export`) and the
-evaluation samples: is an error a full disk, how much is free, sizes in words."""
+evaluation samples: is an error a full disk, how much is free, sizes in words (the last two
+live in `shardwise.errors`, below the engine, whose evaluation samples need them too)."""
 
 from __future__ import annotations
 
 import errno
-import shutil
 from pathlib import Path
+
+from shardwise.errors import free_bytes, human_bytes  # the evaluation samples' full-disk line uses them too
 
 __all__ = ["folder_bytes", "free_bytes", "human_bytes", "nearly_full", "out_of_space", "short_error"]
 
@@ -46,27 +48,7 @@ def nearly_full(folder: Path) -> bool:
     return free is not None and free < _NEARLY_FULL
 
 
-def free_bytes(folder: Path) -> int | None:
-    for p in (folder, *folder.parents):
-        if p.exists():
-            try:
-                return shutil.disk_usage(p).free
-            except OSError:
-                return None
-    return None
-
-
 def folder_bytes(folder: Path | None) -> int:
     if folder is None or not folder.is_dir():
         return 0
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
