@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist.common import FP32, assert_trained_params_close, full_params, loss_tokens, micro_batches_of, stack
-from dist.launcher import REPO_ROOT, at_once, run_cli, run_ranks
+from dist.launcher import REPO_ROOT, run_cli, run_ranks
 
 LR = 1e-5
 STEP = [*FP32, f"train.optimizer.lr={LR}", "train.optimizer.weight_decay=0.0", "train.scheduler.name=constant",
@@ -135,11 +135,22 @@ def _plain_step(model_path: Path) -> dict:
     return {"loss": loss / total, "before": before, "params": params, "init": init}
 
 
+@pytest.mark.timeout(900)  # see the module's note on times
 def test_sharded_forward_step_and_export_match_plain_transformers(real_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ranks = run_ranks(_sharded_body, 2, str(real_model), str(tmp_path), timeout=300)
     ref = _plain_step(real_model)
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    reloaded = _logits(exported, chat_rows(real_model))
+    shared = sorted(ranks[0]["params"].keys() & ref["params"].keys())
+    diff = torch.cat([(ranks[0]["params"][k] - ref["params"][k]).flatten() for k in shared]).abs()
+    print(f"real model: logits |sharded - plain| {max(float((r['before'] - ref['before']).abs().max()) for r in ranks):.3g}"
+          f" (|logit| <= {float(ref['before'].abs().max()):.3g}); |export - live| "
+          f"{max(float((reloaded - r['after']).abs().max()) for r in ranks):.3g}; step moved logits by "
+          f"{float((reloaded - ref['before']).abs().max()):.3g}; loss {ranks[0]['loss']!r} vs {ref['loss']!r}; "
+          f"params max {float(diff.max()):.3g}, > lr/50: {int((diff > LR / 50).sum())} of {diff.numel()}")
 
     # the forward: each rank's FSDP2 logits are plain transformers' (tied head included)
     assert all(r["tied"] for r in ranks), "the sharded model's lm_head is no longer the embedding"
@@ -151,37 +162,35 @@ def test_sharded_forward_step_and_export_match_plain_transformers(real_model, tm
     torch.testing.assert_close(ranks[0]["loss"], ref["loss"], rtol=1e-6, atol=0)
     got, want = ranks[0]["params"], ref["params"]
     assert "lm_head.weight" not in got or torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
-    shared = sorted(got.keys() & want.keys())
     assert "model.embed_tokens.weight" in shared and len(shared) >= 270, shared[:5]
     assert_trained_params_close({k: got[k] for k in shared}, {k: want[k] for k in shared},
                                 {k: ref["init"][k] for k in shared}, LR, 1, atol=LR / 50)
 
     # the export: written once (tied), reloaded by plain transformers, the live model's logits
-    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
-    reloaded = _logits(exported, chat_rows(real_model))
     for r in ranks:
         torch.testing.assert_close(reloaded, r["after"], atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
     assert (reloaded - ref["before"]).abs().max() > 10 * LOGITS_ATOL, "the step did not move the logits"
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
+@pytest.mark.timeout(900)
 def test_sft_and_grpo_run_on_the_real_model(real_model, tmp_path):
     """A few steps of `shardwise train` on conversations and of `shardwise rl` (GRPO, the
-    sums of examples/real) on the real model, 2 ranks each, side by side: both finish,
-    log finite losses and rewards, and SFT's loss covers the assistant turns of the ChatML
-    template."""
+    sums of examples/real) on the real model, 2 ranks each: both finish,
+    log a finite loss and reward at each step."""
     model = [f"model.path={real_model}"]
     sft = ["train", str(REPO_ROOT / "examples" / "real" / "sft_chat.yaml"), "--nproc", "2", *model,
            f"run.dir={tmp_path / 'sft'}", "train.max_steps=2", "train.global_batch_size=4",
-           "train.micro_batch_size=2", "eval.num_prompts=4", "checkpoint.export_hf=false"]
+           "train.micro_batch_size=2", "eval.source=null", "checkpoint.export_hf=false"]
     rl = ["rl", str(REPO_ROOT / "examples" / "real" / "grpo_sums.yaml"), "--nproc", "2", *model,
           f"run.dir={tmp_path / 'rl'}", "train.max_steps=2", "train.global_batch_size=2", "rl.rollout.n=4",
-          "rl.rollout.max_new_tokens=6", "eval.num_prompts=2", "eval.n=0", "eval.k=null"]
-    res_sft, res_rl = at_once(lambda: run_cli(sft, timeout=600), lambda: run_cli(rl, timeout=600))
+          "rl.rollout.max_new_tokens=6", "eval.source=null", "eval.n=0", "eval.k=null"]
+    # one after the other: side by side (at_once) they held ~6 GB at once on a shared 24 GB machine
+    res_sft, res_rl = run_cli(sft, timeout=600), run_cli(rl, timeout=600)
     assert res_sft.returncode == 0, res_sft.stderr[-4000:]
     assert res_rl.returncode == 0, res_rl.stderr[-4000:]
-    for run, key in (("sft", "train/loss"), ("rl", "rollout/reward_mean")):
+    for run, key in (("sft", "loss"), ("rl", "reward/mean")):
         lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         values = [x[key] for x in lines if key in x]
         assert len(values) == 2 and all(torch.isfinite(torch.tensor(values))), (run, values)
