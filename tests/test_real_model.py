@@ -26,8 +26,9 @@ the gradients' reduce-scatter), a few ulps per operation:
   asserts 99.9% of the elements within lr / 50, all within lr, and the difference's norm
   below 1e-3 of the update's (measured: at most 1.2e-7 apart, none above lr / 50).
 
-Times (2 cores shared with other jobs, load average 15-19): the numerics test 279 s, the
-CLI test 628 s (both commands' start-up, model load, a 1.6 GB final DCP checkpoint each).
+Times on the 2-core machine shared with other jobs: the numerics test 95 s (load ~5) to
+279 s (load ~17); the CLI test 206 s (load ~5; both commands' start-up, model load, a
+1.6 GB final DCP checkpoint each).
 - the export reloaded: the same weights and the same plain forward as the live sharded
   model, so the same logits tolerance.
 """
