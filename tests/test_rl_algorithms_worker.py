@@ -75,6 +75,15 @@ def rollout_batch():
                             "response_mask": resp, "advantages": adv}), noise, behave
 
 
+# The layouts the losses run in, one actor each in the same 2-rank process group: data
+# parallel (each rank its 4 rows, padded micro-batches of 2 rows); Ulysses (one
+# sequence-parallel group of both ranks, every rank all 8 rows) on packed micro-batches of
+# at most 30 tokens (token budgets).
+LAYOUTS = {"dp": [], "ulysses+packing+budget": ["parallel.ulysses_size=2", "rl.packing=true",
+                                                "rl.actor.max_tokens_per_micro_batch=30",
+                                                "rl.log_prob_max_tokens_per_micro_batch=30"]}
+
+
 def body(rank: int, world: int) -> dict:
     from shardwise.config import load_config
     from shardwise.data.batch import Batch
@@ -82,30 +91,34 @@ def body(rank: int, world: int) -> dict:
     from shardwise.rl.workers.actor import ActorWorker
 
     runtime = init_distributed(timeout_s=60)
-    actor = ActorWorker(load_config(None, BASE), runtime)
-    batch, noise, behave = rollout_batch()
-    rows = list(range(rank * ROWS // 2, (rank + 1) * ROWS // 2))
-    batch, noise, behave = batch[rows], noise[rows], behave[rows]
-    mask = batch.tensors["response_mask"].bool()
-    out = {}
-    for name, overrides in LOSSES.items():
-        runs = {}
-        for kind in ("ratio1", "off_policy", "decoupled"):
-            extra = ["rl.actor.off_policy.correction=decoupled",
-                     f"rl.actor.off_policy.cap={CAP}"] if kind == "decoupled" else []
-            actor.cfg = load_config(None, [*BASE, f"rl.actor.policy_loss={name}", *overrides, *extra])
-            fresh = actor.compute_log_prob(batch).tensors["old_log_probs"]
-            old = fresh if kind != "off_policy" else (fresh + noise).masked_fill(~mask, 0.0)
-            given = {"old_log_probs": old}
-            if kind == "decoupled":
-                given["rollout_log_probs"] = (fresh + behave).masked_fill(~mask, 0.0)
-            metrics = actor.update_actor(batch.union(Batch.from_dict(given)))
-            after = actor.compute_log_prob(batch).tensors["old_log_probs"]
-            runs[kind] = {"metrics": metrics, "fresh": fresh, "old": old,
-                          "moved": float(((after - fresh) * mask).abs().max())}
-        out[name] = runs
+    result = {}
+    for layout, setting in LAYOUTS.items():
+        actor = ActorWorker(load_config(None, [*BASE, *setting]), runtime)
+        batch, noise, behave = rollout_batch()
+        rows = list(range(rank * ROWS // 2, (rank + 1) * ROWS // 2)) if layout == "dp" else list(range(ROWS))
+        batch, noise, behave = batch[rows], noise[rows], behave[rows]
+        mask = batch.tensors["response_mask"].bool()
+        out = {name: {} for name in LOSSES}
+        fresh = actor.compute_log_prob(batch).tensors["old_log_probs"]
+        for name, overrides in LOSSES.items():
+            for kind in ("ratio1", "off_policy", "decoupled"):
+                extra = ["rl.actor.off_policy.correction=decoupled",
+                         f"rl.actor.off_policy.cap={CAP}"] if kind == "decoupled" else []
+                actor.cfg = load_config(None, [*BASE, *setting, f"rl.actor.policy_loss={name}", *overrides, *extra])
+                old = fresh if kind != "off_policy" else (fresh + noise).masked_fill(~mask, 0.0)
+                given = {"old_log_probs": old}
+                if kind == "decoupled":
+                    given["rollout_log_probs"] = (fresh + behave).masked_fill(~mask, 0.0)
+                metrics = actor.update_actor(batch.union(Batch.from_dict(given)))
+                after = actor.compute_log_prob(batch).tensors["old_log_probs"]  # the next update's `fresh`
+                out[name][kind] = {"metrics": metrics, "fresh": fresh, "old": old,
+                                   "moved": float(((after - fresh) * mask).abs().max())}
+                fresh = after
+        result[layout] = {"runs": out, "mask": mask, "adv": batch.tensors["advantages"], "behave": behave,
+                          "sp": actor.engine.sp_group is not None}
+        del actor
     teardown()
-    return {"runs": out, "mask": mask, "adv": batch.tensors["advantages"], "behave": behave}
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -141,22 +154,27 @@ def at_ratio_one(name: str, logp: torch.Tensor, adv: torch.Tensor, m: torch.Tens
     return agg(-adv * logp * w, m, mode)  # gpg, cispo, dppo_*, dro: REINFORCE at ratio 1
 
 
-def cat(ranks, name, kind, key):
-    return torch.cat([r["runs"][name][kind][key] for r in ranks])
-
-
 @pytest.mark.parametrize("kind", ["ratio1", "off_policy", "decoupled"])
-def test_every_policy_loss_updates_the_real_actor(ranks, kind):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_policy_loss_updates_the_real_actor(ranks, layout, kind):
     from shardwise.config import load_config
 
-    m = torch.cat([r["mask"] for r in ranks])
-    adv = torch.cat([r["adv"] for r in ranks]).double()
+    per_rank = [r[layout] for r in ranks]
+    assert all(r["sp"] == (layout != "dp") for r in per_rank)
+    rows = per_rank if layout == "dp" else per_rank[:1]  # Ulysses: both ranks hold all the rows
+
+    def cat(name, key):
+        return torch.cat([r["runs"][name][kind][key] for r in rows]).double()
+
+    m = torch.cat([r["mask"] for r in rows])
+    adv = torch.cat([r["adv"] for r in rows]).double()
+    behave = torch.cat([r["behave"] for r in rows]).double()
     assert all(0 < int(row.sum()) for row in m) and not torch.equal(m, m.cummax(-1).values)  # holes
     for name in LOSSES:
         cfg = load_config(None, [*BASE, f"rl.actor.policy_loss={name}", *LOSSES[name]])
         mode = cfg.rl.actor.loss_agg_mode
-        got = ranks[0]["runs"][name][kind]
-        assert ranks[1]["runs"][name][kind]["metrics"] == got["metrics"], name  # all-reduced alike
+        got = per_rank[0]["runs"][name][kind]
+        assert per_rank[1]["runs"][name][kind]["metrics"] == got["metrics"], name  # all-reduced alike
         metrics = got["metrics"]
         assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"]), (name, metrics)
         assert all(k in metrics for k in ALL_PG), (name, metrics)
@@ -164,9 +182,8 @@ def test_every_policy_loss_updates_the_real_actor(ranks, kind):
         measured = MEASURES.get(name, ALL_PG)
         for k in set(ALL_PG) - set(measured):
             assert metrics[k] == 0.0, (name, k)
-        logp = cat(ranks, name, kind, "fresh").double()
+        logp = cat(name, "fresh")
         if kind in ("ratio1", "decoupled"):
-            behave = torch.cat([r["behave"] for r in ranks]).double()
             # decoupled: exp(prox - behave) truncated at the cap, 1 outside the mask
             w = torch.clamp(torch.exp(-behave), max=CAP) * m + ~m if kind == "decoupled" else torch.ones_like(adv)
             if name == "clip_cov":  # it cuts random tokens' terms even at ratio 1
@@ -187,8 +204,8 @@ def test_every_policy_loss_updates_the_real_actor(ranks, kind):
                 assert metrics["actor/ppo_kl"] != 0, (name, metrics)
     # PPO with clip-higher and dual clip off-policy, by its formula (Schulman 2017; Ye 2019; DAPO)
     if kind == "off_policy":
-        got = ranks[0]["runs"]["vanilla"]["off_policy"]["metrics"]
-        r = torch.exp(cat(ranks, "vanilla", kind, "fresh").double() - cat(ranks, "vanilla", kind, "old").double())
+        got = per_rank[0]["runs"]["vanilla"]["off_policy"]["metrics"]
+        r = torch.exp(cat("vanilla", "fresh") - cat("vanilla", "old"))
         pg = torch.maximum(-adv * r, -adv * torch.clamp(r, 0.8, 1.28))
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * 3.0), pg)
         assert got["actor/pg_loss"] == pytest.approx(agg(pg, m, "token-mean"), rel=1e-5, abs=1e-6)
