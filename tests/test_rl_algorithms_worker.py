@@ -78,10 +78,10 @@ def rollout_batch():
 
 
 # The layouts the losses run in, one actor each in the same 2-rank process group: data
-# parallel (each rank its 4 rows, padded micro-batches of 2 rows); Ulysses (one
+# parallel (each rank its 4 rows, padded micro-batches of 2 rows, no packing); Ulysses (one
 # sequence-parallel group of both ranks, every rank all 8 rows) on packed micro-batches of
 # at most 30 tokens (token budgets).
-LAYOUTS = {"dp": [], "ulysses+packing+budget": ["parallel.ulysses_size=2", "rl.packing=true",
+LAYOUTS = {"dp": ["rl.packing=false"], "ulysses+packing+budget": ["parallel.ulysses_size=2", "rl.packing=true",
                                                 "rl.actor.max_tokens_per_micro_batch=30",
                                                 "rl.log_prob_max_tokens_per_micro_batch=30"]}
 # the updates each layout runs (how the losses clip far off-policy does not depend on it)
@@ -119,7 +119,7 @@ def body(rank: int, world: int) -> dict:
                                    "moved": float(((after - fresh) * mask).abs().max())}
                 fresh = after
         result[layout] = {"runs": out, "mask": mask, "adv": batch.tensors["advantages"], "behave": behave,
-                          "sp": actor.engine.sp_group is not None}
+                          "sp": actor.engine.sp_group is not None, "layout": actor.update_shape.layout}
         del actor
     teardown()
     return result
@@ -163,7 +163,8 @@ def test_every_policy_loss_updates_the_real_actor(ranks, layout, kind):
     from shardwise.config import load_config
 
     per_rank = [r[layout] for r in ranks]
-    assert all(r["sp"] == (layout != "dp") for r in per_rank)
+    assert all(r["sp"] == (layout != "dp") and r["layout"] == ("padded" if layout == "dp" else "packed")
+               for r in per_rank)
     rows = per_rank if layout == "dp" else per_rank[:1]  # Ulysses: both ranks hold all the rows
 
     def cat(name, key):
