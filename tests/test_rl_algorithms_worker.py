@@ -1,6 +1,6 @@
 """Every policy loss of `shardwise.rl.algorithms` through the real actor worker (FSDP2 on 2
-gloo ranks, tiny Qwen3), data parallel and under Ulysses on packed token-budget
-micro-batches: for each name, on rows whose response masks have holes (multi-turn: a tool's
+gloo ranks, tiny Qwen3), data parallel, and under Ulysses on packed token-budget
+micro-batches with LoRA: for each name, on rows whose response masks have holes (multi-turn: a tool's
 answer between the model's turns), updates of one mini-batch:
 
 - at ratio 1 (the old log-probs are the policy's own): the reported ``actor/pg_loss``
@@ -80,12 +80,14 @@ def rollout_batch():
 # The layouts the losses run in, one actor each in the same 2-rank process group: data
 # parallel (each rank its 4 rows, padded micro-batches of 2 rows, no packing); Ulysses (one
 # sequence-parallel group of both ranks, every rank all 8 rows) on packed micro-batches of
-# at most 30 tokens (token budgets).
-LAYOUTS = {"dp": ["rl.packing=false"], "ulysses+packing+budget": ["parallel.ulysses_size=2", "rl.packing=true",
-                                                "rl.actor.max_tokens_per_micro_batch=30",
-                                                "rl.log_prob_max_tokens_per_micro_batch=30"]}
+# at most 30 tokens (token budgets), the actor a LoRA adapter (r 4) on the frozen base.
+SP = "ulysses+packing+budget+lora"
+LAYOUTS = {"dp": ["rl.packing=false"], SP: ["parallel.ulysses_size=2", "rl.packing=true",
+                                            "rl.actor.max_tokens_per_micro_batch=30",
+                                            "rl.log_prob_max_tokens_per_micro_batch=30", "model.lora.enabled=true",
+                                            "model.lora.r=4", "model.lora.alpha=8"]}
 # the updates each layout runs (how the losses clip far off-policy does not depend on it)
-KINDS = {"dp": ("ratio1", "off_policy", "decoupled"), "ulysses+packing+budget": ("ratio1", "decoupled")}
+KINDS = {"dp": ("ratio1", "off_policy", "decoupled"), SP: ("ratio1", "decoupled")}
 
 
 def body(rank: int, world: int) -> dict:
@@ -119,7 +121,8 @@ def body(rank: int, world: int) -> dict:
                                    "moved": float(((after - fresh) * mask).abs().max())}
                 fresh = after
         result[layout] = {"runs": out, "mask": mask, "adv": batch.tensors["advantages"], "behave": behave,
-                          "sp": actor.engine.sp_group is not None, "layout": actor.update_shape.layout}
+                          "sp": actor.engine.sp_group is not None, "layout": actor.update_shape.layout,
+                          "lora": any("lora_" in n for n, p in actor.model.named_parameters() if p.requires_grad)}
         del actor
     teardown()
     return result
@@ -164,7 +167,7 @@ def test_every_policy_loss_updates_the_real_actor(ranks, layout, kind):
 
     per_rank = [r[layout] for r in ranks]
     assert all(r["sp"] == (layout != "dp") and r["layout"] == ("padded" if layout == "dp" else "packed")
-               for r in per_rank)
+               and r["lora"] == (layout == SP) for r in per_rank)
     rows = per_rank if layout == "dp" else per_rank[:1]  # Ulysses: both ranks hold all the rows
 
     def cat(name, key):
