@@ -146,6 +146,55 @@ def test_the_trainers_form_is_the_verl_form():
     close(got, want, what="grpo via the registry")
 
 
+ESTIMATORS = ["gae", "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus",
+              "reinforce_plus_plus_baseline", "remax", "opo", "gpg"]
+
+
+def test_the_controllers_advantage_step_equals_verl_for_every_estimator(tmp_path):
+    """Every estimator through the trainer's own step (`Controller.advantages` on a Batch in
+    the workers' layout: prompt positions ahead of the response, holes in it, the rows'
+    ``uid``, the critic's ``values``, REMAX's ``reward_baselines``) with rl.gamma / rl.lam /
+    rl.norm_adv_by_std from the config: verl's function on the same tensors."""
+    from shardwise.config import load_config
+    from shardwise.data.batch import Batch
+    from shardwise.data.tokenizer import build_char_tokenizer
+    from shardwise.rl.trainer import Controller
+
+    tok = build_char_tokenizer(tmp_path / "tok")
+    prompt = torch.zeros(B, 3)
+    mask = torch.cat([prompt, masks(6)], 1)
+    rewards = torch.cat([prompt, outcome_rewards(6, masks(6))], 1)
+    g = torch.Generator().manual_seed(6)
+    values, baselines = torch.randn(B, T + 3, generator=g), torch.randn(B, generator=g)
+    pairs = np.array([str(i // 2) for i in range(B)], dtype=object)  # grpo_passk: groups of two
+    inside = mask.bool()
+    for name in ESTIMATORS:
+        index = pairs if name == "grpo_passk" else INDEX
+        batch = Batch.from_dict({"response_mask": mask, "token_level_scores": rewards, "values": values,
+                                 "reward_baselines": baselines}, {"uid": list(index)})
+        for norm in (True, False):
+            cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "train.global_batch_size=1", f"rl.advantage={name}",
+                                     "rl.gamma=0.9", "rl.lam=0.95", f"rl.norm_adv_by_std={str(norm).lower()}",
+                                     *(["rl.algorithm=ppo", "rl.critic.enabled=true"] if name == "gae" else [])])
+            out, metrics = Controller(cfg, 1, [{"prompt": "1", "response": "1"}], tok, str(tmp_path / "tok"),
+                                      None).advantages(batch)
+            fn = verl.get_adv_estimator_fn(name)
+            if name == "gae":
+                want = fn(rewards, values, mask, 0.9, 0.95)
+            elif name == "reinforce_plus_plus":
+                want = fn(rewards, mask, config=SimpleNamespace(gamma=0.9))
+            elif name == "remax":
+                want = fn(rewards, baselines, mask)
+            else:
+                kw = {"norm_adv_by_std_in_grpo": norm} if name.startswith("grpo") else {}
+                want = fn(token_level_rewards=rewards.clone(), response_mask=mask, index=index,
+                          config={"norm_adv_by_std_in_grpo": norm}, **kw)
+            for key, theirs in zip(("advantages", "returns"), want):
+                close(out.tensors[key], theirs, inside, f"{name} norm={norm} {key}")
+            assert metrics["advantages/abs_mean"] == pytest.approx(float(alg.masked_mean(
+                out.tensors["advantages"].abs(), inside)))
+
+
 # --------------------------------------------------------------------- aggregation
 
 @pytest.mark.parametrize("mode", alg.AGG_MODES)

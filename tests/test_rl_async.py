@@ -96,9 +96,9 @@ def runs(tmp_path_factory):
 def kill_the_generator(tmp: Path) -> dict:
     """A long asynchronous run at max_staleness 1 (on_stale drop: generation runs ahead
     without waiting for weights; the held-out accuracy measured through the generator group
-    first; rl.actor.off_policy decoupled; the reference's forward on the generator) whose
-    generator rank is killed by SIGKILL once three steps were logged and a checkpoint
-    committed; its exit status, output, the rank's pid and the run's mark (an environment
+    first; rl.actor.off_policy decoupled with the CISPO loss, clip-higher; the reference's
+    forward on the generator) whose generator rank is killed by SIGKILL once three steps
+    were logged and a checkpoint committed; its exit status, output, the rank's pid and the run's mark (an environment
     variable every process of the run inherits)."""
     run = tmp / "killed"
     mark = f"shardwise-test-{os.getpid()}-{time.monotonic_ns()}"
@@ -106,7 +106,8 @@ def kill_the_generator(tmp: Path) -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardwise.cli", "rl", GRPO, "--nproc", "2", f"run.dir={run}", *COMMON, *ASYNC,
          "rl.async.max_staleness=1", "rl.async.on_stale=drop", "train.max_steps=100000", "checkpoint.every_steps=1",
-         "checkpoint.async=false", "rl.actor.off_policy.correction=decoupled", "rl.async.reference_on=generator"],
+         "checkpoint.async=false", "rl.actor.off_policy.correction=decoupled", "rl.async.reference_on=generator",
+         "rl.actor.policy_loss=cispo", "rl.actor.clip_ratio_high=0.28"],
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
         env={**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1", "SHARDWISE_TEST_MARK": mark})
     try:
@@ -186,6 +187,7 @@ def test_async_at_staleness_one_runs_ahead_within_the_bound(runs):
         assert m["async/reference_share"] == 1.0 and m["time/generator_ref"] > 0 and "time/ref" not in m, m
     for m in lines:  # decoupled: the proximal policy is recomputed, the behaviour weights logged
         assert "time/old_log_prob" in m, m
+        assert 0 <= m["actor/pg_clipfrac"] <= 1 and m["actor/loss"] == m["actor/loss"], m  # CISPO's, finite
         assert m["off_policy/is_weight_mean"] > 0 and 0 <= m["off_policy/truncated_share"] <= 1, m
     # step 1 trains on version 0's samples with version 0: pi_prox = pi_behave up to the
     # engines' rounding, so the weights are 1 and none is truncated
@@ -245,7 +247,8 @@ def test_async_multi_turn_at_staleness_zero_equals_the_synchronous_run(tmp_path)
     """The tool model (tests/tool_model.py: it calls the calculator, sampled at temperature 0.5:
     most turns call, some trajectories differ) through examples/grpo_tools.yaml made small, rewarded by
     the final answer's length: the generator rank runs the multi-turn loop with its own tool
-    processes, and at staleness 0 gives the synchronous run's trajectories and update."""
+    processes, and at staleness 0 gives the synchronous run's trajectories and update, under
+    GSPO (one ratio per trajectory, over its model tokens only: the tool turns are holes)."""
     from shardwise.data.batch import Batch
 
     folder = build_tool_model(tmp_path / "model")
@@ -254,7 +257,8 @@ def test_async_multi_turn_at_staleness_zero_equals_the_synchronous_run(tmp_path)
               "rl.rollout.max_new_tokens=8", "rl.rollout.temperature=0.5", "rl.multi_turn.max_turns=2", "rl.multi_turn.max_response_tokens=40",
               "rl.multi_turn.max_tool_response_tokens=8", "rl.multi_turn.tool_workers=2", "data.max_length=32",
               "rl.reward.function=length_reward:by_length", "train.optimizer.lr=1e-3",
-              "rl.heldout_eval=false", "checkpoint.every_steps=0", "checkpoint.async=false"]
+              "rl.heldout_eval=false", "checkpoint.every_steps=0", "checkpoint.async=false",
+              "rl.actor.policy_loss=gspo", "rl.actor.loss_agg_mode=seq-mean-token-mean"]  # a sequence-level loss
 
     sync, zero = sync_and_async_at_zero(tmp_path, GRPO_TOOLS, common, 1)
     a = same_runs(sync, zero)
