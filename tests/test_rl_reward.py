@@ -343,6 +343,7 @@ def test_a_reward_model_of_another_tokenizer_scores_the_rows_rendered_for_it(cha
 
     from shardwise.data.batch import Batch
     from shardwise.engine.generate import left_pad, prompt_batch
+    from shardwise.jobs.preference import check_reward_model
     from shardwise.rl.workers.reward import RAW_PROMPT, RewardModelInputs
 
     rm_dir = tmp_path / "rm"
@@ -368,6 +369,7 @@ def test_a_reward_model_of_another_tokenizer_scores_the_rows_rendered_for_it(cha
         got = batch.tensors["input_ids"][r, batch.tensors["response_mask"][r].bool()].tolist()
         assert tok.decode(got, skip_special_tokens=True) == RM_ROWS[r][1]
 
+    check_reward_model(str(rm_dir), tok)  # no longer refused before launch: its rows are rendered for it
     assert RewardModelInputs.needed(None, tok) is None
     assert RewardModelInputs.needed(str(tmp_path), tok) is None  # no tokenizer files: the policy's ids
     assert RewardModelInputs.needed(str(tok.name_or_path), tok) is None  # the same tokenizer
