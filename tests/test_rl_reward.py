@@ -323,6 +323,77 @@ def test_reward_model_scores_the_last_real_token(rm_dir):
     assert not ranks[0]["training"]
 
 
+RM_ROWS = [  # (prompt as the data gives it, the policy's response text, eos written)
+    ([{"role": "system", "content": "be short"}, {"role": "user", "content": "what is 12+34"}], "46", True),
+    ([{"role": "user", "content": "reverse the word hello"}], "olleh", True),
+    ([{"role": "user", "content": "what is 5+5"}], "10 and more", False),  # cut by max_new_tokens
+    ("answer 9-2=", "7", True),  # a text prompt: a plain pair, [bos] + prompt + answer + eos
+    ([{"role": "user", "content": "hello"}], "", True),  # the eos alone
+]
+
+
+def test_a_reward_model_of_another_tokenizer_scores_the_rows_rendered_for_it(char_tokenizer, tmp_path):
+    """The policy speaks the built-in character tokenizer (its template, bos); the reward
+    model is a byte-level BPE with a Qwen-style template and no bos. Each rollout row is
+    decoded and rendered again with the reward model's tokenizer: its ids are the reward
+    model's own rendering of the conversation (what a training pair of it would be), and the
+    padded batch scores as each conversation's text scored alone."""
+    from chat_data import build_bpe_chat_tokenizer
+    from transformers import AutoModelForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification
+
+    from shardwise.data.batch import Batch
+    from shardwise.engine.generate import left_pad, prompt_batch
+    from shardwise.jobs.preference import check_reward_model
+    from shardwise.rl.workers.reward import RAW_PROMPT, RewardModelInputs
+
+    rm_dir = tmp_path / "rm"
+    rm_tok = build_bpe_chat_tokenizer(rm_dir)
+    torch.manual_seed(0)
+    Qwen3ForSequenceClassification(Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=len(rm_tok), max_position_embeddings=256, num_labels=1,
+        pad_token_id=rm_tok.pad_token_id)).save_pretrained(rm_dir)
+    # the policy's rollout: prompts as prompt_batch asks them, responses (eos, then pad) after them
+    tok = char_tokenizer
+    records = [{"prompt": p} for p, _, _ in RM_ROWS]
+    prompts = prompt_batch(tok, records, 256, [str(i) for i in range(len(RM_ROWS))])
+    written = [tok(r, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if eos else [])
+               for _, r, eos in RM_ROWS]
+    responses, rmask = (t.flip(-1) for t in left_pad([w[::-1] for w in written], tok.pad_token_id))  # right-padded
+    pm = prompts.tensors["prompt_mask"]
+    batch = prompts.union(Batch.from_dict(
+        {"input_ids": torch.cat([prompts.tensors["prompt_ids"], responses], 1),
+         "attention_mask": torch.cat([pm, rmask], 1), "response_mask": torch.cat([torch.zeros_like(pm), rmask], 1)},
+        {RAW_PROMPT: [p for p, _, _ in RM_ROWS]}))
+    for r in range(len(RM_ROWS)):  # each response's tokens in order
+        got = batch.tensors["input_ids"][r, batch.tensors["response_mask"][r].bool()].tolist()
+        assert tok.decode(got, skip_special_tokens=True) == RM_ROWS[r][1]
+
+    check_reward_model(str(rm_dir), tok)  # no longer refused before launch: its rows are rendered for it
+    assert RewardModelInputs.needed(None, tok) is None
+    assert RewardModelInputs.needed(str(tmp_path), tok) is None  # no tokenizer files: the policy's ids
+    assert RewardModelInputs.needed(str(tok.name_or_path), tok) is None  # the same tokenizer
+    inputs = RewardModelInputs.needed(str(rm_dir), tok)
+    assert inputs is not None
+    rendered = inputs.batch(batch, tok)
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        padded = model(input_ids=rendered.tensors["input_ids"],
+                       attention_mask=rendered.tensors["attention_mask"]).logits[:, 0]
+    for r, (prompt, response, _) in enumerate(RM_ROWS):
+        if isinstance(prompt, str):  # no bos in this tokenizer; the eos the reward model was trained with
+            text = prompt + response + rm_tok.eos_token
+        else:
+            text = rm_tok.apply_chat_template([*prompt, {"role": "assistant", "content": response}], tokenize=False)
+        want_ids = rm_tok(text, add_special_tokens=False)["input_ids"]
+        row = rendered.tensors["input_ids"][r, rendered.tensors["attention_mask"][r].bool()].tolist()
+        assert row == want_ids, (r, rm_tok.decode(row), text)
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([want_ids])).logits[0, 0]
+        assert abs(float(padded[r] - alone)) < 1e-5, r
+
+
 @pytest.mark.parametrize("value,problem", [(None, "no reward model given"), ("{tmp}", "holds no config.json")])
 def test_reward_model_worker_needs_a_model_folder(value, problem, tmp_path):
     from shardwise.config import load_config

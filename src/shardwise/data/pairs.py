@@ -37,7 +37,7 @@ from shardwise.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PAIR_OBJECTIVES", "check_pairs", "collate_pairs", "encode_pairs", "load_pairs", "pair_records"]
+__all__ = ["PAIR_OBJECTIVES", "answer_record", "check_pairs", "collate_pairs", "encode_pairs", "load_pairs", "pair_records"]
 
 PAIR_OBJECTIVES: tuple[str, ...] = ("dpo", "reward_model")
 """The ``train.objective`` values trained on pairs."""
@@ -101,17 +101,22 @@ def pair_records(pair: Pair) -> tuple[dict[str, Any], dict[str, Any]]:
     """The two training records (`shardwise.data.encode.encode_record`'s form) of a pair:
     chosen, rejected. Text prompt and text answers: plain pairs; otherwise conversations
     (a text prompt as one user turn, a text answer as one assistant turn)."""
-    prompt = pair["prompt"]
-    out = []
-    for key in ("chosen", "rejected"):
-        answer = pair[key]
-        if isinstance(prompt, str) and isinstance(answer, str):
-            out.append({"prompt": prompt, "response": answer})
-            continue
-        head = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        tail = answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}]
-        out.append({"messages": list(head) + list(tail), "where": pair["where"]})
-    return out[0], out[1]
+    return answer_record(pair["prompt"], pair["chosen"], pair["where"]), answer_record(
+        pair["prompt"], pair["rejected"], pair["where"])
+
+
+def answer_record(prompt: str | list[dict[str, Any]], answer: str | list[dict[str, Any]],
+                  where: str) -> dict[str, Any]:
+    """One prompt and its answer as a training record: text and text a plain pair
+    (``[bos] + prompt + answer + eos``), otherwise a conversation (a text prompt one user
+    turn, a text answer one assistant turn). Also how an RL row is rendered for a reward
+    model of another tokenizer (`shardwise.rl.workers.reward.RewardModelInputs`), so it
+    reads the row as it read its training pairs."""
+    if isinstance(prompt, str) and isinstance(answer, str):
+        return {"prompt": prompt, "response": answer}
+    head = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    tail = answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}]
+    return {"messages": list(head) + list(tail), "where": where}
 
 
 def encode_pairs(tokenizer, pairs: Sequence[Pair], max_length: int, progress: bool = False) -> list[dict[str, Any]]:

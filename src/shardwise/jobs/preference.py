@@ -276,10 +276,11 @@ def _precomputed(cfg: Config, runtime, engine, data: _Pairs, path: Path, live, r
 
 
 def check_reward_model(path: str, policy_tokenizer, key: str = "rl.reward.model") -> None:
-    """`path` is a one-label sequence classifier (what train.objective reward_model exports)
-    that reads the policy's token ids: ConfigError naming `key` otherwise (a folder without
-    a classification head, several labels, or a tokenizer of its own that differs from the
-    policy's, whose conversations are not re-rendered yet)."""
+    """`path` is a one-label sequence classifier (what train.objective reward_model exports):
+    ConfigError naming `key` otherwise (a folder without a classification head, several
+    labels, or a tokenizer of its own, other than the policy's, without an eos token). A
+    reward model with a tokenizer of its own reads the rows re-rendered for it
+    (`shardwise.rl.workers.reward.RewardModelInputs`)."""
     try:
         config = json.loads((Path(path).expanduser() / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -293,9 +294,9 @@ def check_reward_model(path: str, policy_tokenizer, key: str = "rl.reward.model"
     if labels != 1:
         raise ConfigError(key, f"{path!r} has {labels} labels; a reward model scores with one",
                           "train it with train.objective=reward_model (num_labels 1)")
-    if has_tokenizer_files(path):
-        own = load_tokenizer(path)
-        if own.get_vocab() != policy_tokenizer.get_vocab():
-            raise ConfigError(key, f"{path!r} has a tokenizer of its own, other than the policy's; its inputs "
-                              "are not re-rendered for it yet", "use a reward model trained on the policy's "
-                              "tokenizer (e.g. from the same base model)")
+    if has_tokenizer_files(path):  # its own tokenizer: the rows are re-rendered for it (RewardModelInputs)
+        own = load_tokenizer(path, require_eos=False)
+        if own.get_vocab() != policy_tokenizer.get_vocab() and own.eos_token_id is None:
+            raise ConfigError(key, f"the tokenizer in {path!r} has no eos token; the rows re-rendered for this "
+                              "reward model end with it, as its training pairs did", "save the reward model with "
+                              "the tokenizer it was trained with")

@@ -87,7 +87,7 @@ from shardwise.rl.algorithms.user import UserFunctionError, resolve_estimator
 from shardwise.rl.cluster import RayWorkerGroup, WorkerGroup, init_ray, ray_cpus, worker_groups
 from shardwise.rl.local import group_class
 from shardwise.rl.workers.hybrid import CRITIC_DIR, RLWorker
-from shardwise.rl.workers.reward import with_model_scores
+from shardwise.rl.workers.reward import RAW_PROMPT, RewardModelInputs, with_model_scores
 from shardwise.telemetry import MetricsWriter, PhaseTimer, Progress
 from shardwise.telemetry.metrics import read_metrics
 from shardwise.telemetry.startup import StartupClock
@@ -123,6 +123,12 @@ class Controller:
         self.sampler = GlobalBatchSampler(len(self.records), cfg.train.global_batch_size, cfg.run.seed)
         self._batches = iter(self.sampler)
         self.reward_fn = reward_fn
+        self.rm_inputs = RewardModelInputs.needed(cfg.rl.reward.model, tokenizer)
+        """A reward model with a tokenizer of its own reads each row re-rendered for it
+        (None: it reads the policy's ids)."""
+        if self.rm_inputs is not None:
+            log.info("rl.reward.model %s has a tokenizer of its own: each row is re-rendered for it",
+                     cfg.rl.reward.model)
         self.vision = vision
         """A VL policy's image encoder: prompts carry their images (`shardwise.models.vision`)."""
         self.schemas = schemas if cfg.rl.multi_turn.enabled else None
@@ -301,8 +307,12 @@ class Controller:
         """The prompt batch of `records`: `prompt_batch`, or with rl.multi_turn chats
         rendered with the tools' schemas (`agent_prompt_batch`)."""
         if self.schemas is not None:
-            return agent_prompt_batch(self.tokenizer, records, self.cfg.data.max_length, uids, self.schemas)
-        return prompt_batch(self.tokenizer, records, self.cfg.data.max_length, uids, self.vision)
+            batch = agent_prompt_batch(self.tokenizer, records, self.cfg.data.max_length, uids, self.schemas)
+        else:
+            batch = prompt_batch(self.tokenizer, records, self.cfg.data.max_length, uids, self.vision)
+        if self.rm_inputs is not None:  # what the reward model's own rendering starts from
+            batch = batch.union(Batch.from_dict(arrays={RAW_PROMPT: [r["prompt"] for r in records]}))
+        return batch
 
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``token_level_scores`` (rule-based reward plus reward-model score, each at the
@@ -319,7 +329,8 @@ class Controller:
         rule = rm = None
         by_function = self.cfg.rl.reward.combine == "function"
         if self.cfg.rl.reward.model is not None:
-            rm = self.group_of("reward_model").compute_rm_score(batch).tensors["rm_scores"].float()
+            rm_batch = batch if self.rm_inputs is None else self.rm_inputs.batch(batch, self.tokenizer)
+            rm = self.group_of("reward_model").compute_rm_score(rm_batch).tensors["rm_scores"].float()
             metrics["reward/model_mean"] = float(rm.mean())
         if self.reward_fn is not None or self.schemas is not None:  # multi-turn: the environment may score alone
             truncated = self.cfg.rl.multi_turn.truncated_reward if self.schemas is not None else None

@@ -1,6 +1,8 @@
 """The reward model worker: a sharded sequence-classification model (``rl.reward.model``)
-whose head's output at the last real token of each row is that row's score. Rule-based
-reward functions live in `shardwise.data.rewards`.
+whose head's output at the last real token of each row is that row's score. A reward model
+with a tokenizer or chat template of its own (another family than the policy's) reads the
+rows re-rendered for it (`RewardModelInputs`). Rule-based reward functions live in
+`shardwise.data.rewards`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ import torch
 
 from shardwise.config.schema import Config
 from shardwise.data.batch import Batch
+from shardwise.data.encode import UNLIMITED, encode_records
+from shardwise.data.pairs import answer_record
+from shardwise.data.rewards import decode_responses
+from shardwise.data.tokenizer import has_tokenizer_files, load_tokenizer, pad_token_id
 from shardwise.distributed.runtime import Runtime
+from shardwise.engine.generate import left_pad
 from shardwise.engine.infer import (
     InferEngine,
     default_position_ids,
@@ -21,7 +28,7 @@ from shardwise.engine.infer import (
 from shardwise.errors import ConfigError
 from shardwise.models.loading import load_hf_config
 
-__all__ = ["RewardModelWorker", "with_model_scores"]
+__all__ = ["RAW_PROMPT", "RewardModelInputs", "RewardModelWorker", "with_model_scores"]
 
 
 class RewardModelWorker:
@@ -112,3 +119,68 @@ def with_model_scores(batch: Batch, rm: torch.Tensor) -> Batch:
     merged[:] = [{**(info if isinstance(info, dict) else {}), "model_score": float(s)}
                  for info, s in zip(infos, rm.tolist(), strict=True)]
     return Batch(batch.tensors, {**batch.arrays, "extra_info": merged}, batch.meta)
+
+
+RAW_PROMPT = "raw_prompt"
+"""The array of an RL batch holding each row's prompt as the data gave it (text or chat
+messages), which `RewardModelInputs` renders for the reward model."""
+
+
+class RewardModelInputs:
+    """The rows of an RL batch as a reward model with its own tokenizer reads them.
+
+    The policy's tokens mean nothing to a reward model of another family (another
+    vocabulary, another chat template), so each row is taken back to text and rendered
+    again: the prompt as the data gave it (array `RAW_PROMPT`), the response decoded with
+    the policy's tokenizer up to its first eos without special tokens (as a reward function
+    reads it, `shardwise.data.rewards.decode_responses`), or a multi-turn row's whole
+    conversation (array ``messages``). The pair is rendered as a training pair of
+    ``train.objective: reward_model`` is (`shardwise.data.pairs.answer_record`): a text prompt
+    and text answer as ``[bos] + prompt + answer + eos``, a chat prompt with the answer as
+    the assistant's turn through the reward model's chat template. Not cut: every token the
+    policy saw and wrote reaches the reward model.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pad_id = pad_token_id(tokenizer)
+
+    @classmethod
+    def needed(cls, path: str | None, policy_tokenizer) -> RewardModelInputs | None:
+        """The re-rendering for the reward model in folder `path` when it holds a tokenizer
+        whose vocabulary or chat template differs from `policy_tokenizer`'s; None when it
+        reads the policy's ids as they are (no model, no tokenizer files of its own, or the
+        same tokenizer)."""
+        if path is None or not has_tokenizer_files(path):
+            return None
+        own = load_tokenizer(path)
+        if (own.get_vocab() == policy_tokenizer.get_vocab()
+                and getattr(own, "chat_template", None) == getattr(policy_tokenizer, "chat_template", None)
+                and own.bos_token_id == policy_tokenizer.bos_token_id
+                and own.eos_token_id == policy_tokenizer.eos_token_id):
+            return None
+        return cls(own)
+
+    def records(self, batch: Batch, policy_tokenizer) -> list[dict]:
+        """Each row as the training record the reward model reads (see the class)."""
+        if RAW_PROMPT not in batch.arrays:
+            raise ValueError(f"the batch has no {RAW_PROMPT!r} array to render for the reward model")
+        prompts = batch.arrays[RAW_PROMPT]
+        multi = batch.arrays.get("messages")
+        texts, _ = decode_responses(batch, policy_tokenizer, decode=multi is None)
+        uids = batch.arrays.get("uid", [None] * len(batch))
+        out = []
+        for row in range(len(batch)):
+            where = f"rl.reward.model: row {row}" + (f" (prompt {uids[row]})" if uids[row] is not None else "")
+            if multi is not None and multi[row] is not None:
+                out.append({"messages": [dict(m) for m in multi[row]], "where": where})
+            else:
+                out.append(answer_record(prompts[row], texts[row], where))
+        return out
+
+    def batch(self, batch: Batch, policy_tokenizer) -> Batch:
+        """``input_ids`` / ``attention_mask`` ``(B, T)`` of the rows in the reward model's
+        tokens (left-padded with its pad id), what `RewardModelWorker.compute_rm_score` takes."""
+        encoded = encode_records(self.tokenizer, self.records(batch, policy_tokenizer), UNLIMITED, "last_assistant")
+        ids, mask = left_pad([e.ids for e in encoded], self.pad_id)
+        return Batch.from_dict({"input_ids": ids, "attention_mask": mask})
