@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from _rl_job import run_rl
-from rl_async import LoadSampler
-from rl_vs_trl import REPO, installed, show, spread, trailing_mean
+from harness import REPO, LoadSampler, show, spread, trailing_mean
+from rl_vs_trl import installed
 
 from shardwise.config import load_config
 

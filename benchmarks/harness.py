@@ -19,6 +19,7 @@ import it too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
@@ -28,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -336,3 +338,31 @@ def venv_versions(py: Path, packages: Sequence[str]) -> dict[str, str]:
     """The versions of `packages` in the venv of `py`."""
     code = f"import json, importlib.metadata as m; print(json.dumps({{p: m.version(p) for p in {tuple(packages)!r}}}))"
     return json.loads(subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True).stdout)
+
+
+class LoadSampler:
+    """The machine's 1-minute load average, sampled every `every` seconds while a run lasts
+    (its mean: on a shared machine, how busy it was beside the run; None where the OS has none)."""
+
+    def __init__(self, every: float = 2.0) -> None:
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, AttributeError):
+                self.samples.append(os.getloadavg()[0])
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.every + 1)
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None

@@ -54,19 +54,17 @@ run's log in logs/ and run folder in runs/, and prints the table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import platform
 import statistics
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import over_seeds, pyplot, reward_curves, seeds_table, show, time_to_reach, unreached_note
+from harness import LoadSampler, over_seeds, pyplot, reward_curves, seeds_table, show, time_to_reach, unreached_note
 from rl_vs_trl import REPO, TASKS, installed, run_shardwise, summarise
 
 from shardwise.config import load_config
@@ -94,34 +92,6 @@ def setting_overrides(staleness: list[int], generator_ranks: int) -> dict[str, l
 
 
 # ---------------------------------------------------------------------- the numbers
-
-
-class LoadSampler:
-    """The machine's 1-minute load average, sampled every `every` seconds while a run lasts
-    (its mean: on a shared machine, how busy it was beside the run; None where the OS has none)."""
-
-    def __init__(self, every: float = 2.0) -> None:
-        self.every, self.samples = every, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(OSError, AttributeError):
-                self.samples.append(os.getloadavg()[0])
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.every + 1)
-
-    @property
-    def mean(self) -> float | None:
-        return statistics.fmean(self.samples) if self.samples else None
 
 
 def _sum(values: list[float | None]) -> float | None:

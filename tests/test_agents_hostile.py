@@ -132,6 +132,7 @@ def _one(runner, name, **arguments) -> ToolResult:
 @pytest.mark.timeout(120, method="thread")  # a hung import swallows SIGALRM
 def test_a_module_whose_import_never_returns_is_one_line_naming_it_and_the_bound(mod, monkeypatch):
     monkeypatch.setenv(IMPORT_TIMEOUT_ENV, "2")
+    before = set(descendants(os.getpid()))  # what earlier tests of this worker left running (the forkserver)
     hangs = f"{mod}_hangs"
     for check in (lambda: load_tools([f"{hangs}:calculator"]), lambda: resolve_reward_fn(f"{hangs}:fn")):
         t0 = time.monotonic()
@@ -141,7 +142,7 @@ def test_a_module_whose_import_never_returns_is_one_line_naming_it_and_the_bound
         line = str(e.value)
         assert "\n" not in line and f"'{hangs}'" in line and "2 s" in line and IMPORT_TIMEOUT_ENV in line, line
         assert hangs not in __import__("sys").modules
-    assert not alive(descendants(os.getpid()))  # the child that imported it is gone
+    assert not set(alive(descendants(os.getpid()))) - before  # the child that imported it is gone
 
 
 @pytest.mark.timeout(120, method="thread")  # a hung import swallows SIGALRM
@@ -152,6 +153,7 @@ def test_the_cli_says_one_line_and_exits_2_or_130_on_ctrl_c(mod, monkeypatch, ca
     argv = ["infer", example, "model.path=null", TINY_QWEN3, f"run.dir={tmp_path / 'run'}",
             "infer.multi_turn.enabled=true", f"infer.tools=[{mod}_hangs:calculator]", "--nproc", "1"]
     monkeypatch.setenv(IMPORT_TIMEOUT_ENV, "2")
+    before = set(descendants(os.getpid()))  # what earlier tests of this worker left running (the forkserver)
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and f"{mod}_hangs" in err and "2 s" in err, err
@@ -174,7 +176,7 @@ def test_the_cli_says_one_line_and_exits_2_or_130_on_ctrl_c(mod, monkeypatch, ca
     out, err = capsys.readouterr()
     assert code == 130 and len(err.strip().splitlines()) == 1 and "interrupted" in err, (code, err)
     assert f"{mod}_hangs" in err and not (tmp_path / "run").exists()
-    assert not alive(descendants(os.getpid()))
+    assert not set(alive(descendants(os.getpid()))) - before
 
 
 # ---------------------------------------------------------------- 2. processes that escape
