@@ -8,10 +8,13 @@ student: it mostly copies the word it should reverse) and its RL model (examples
 
 - ``grpo``: examples/grpo_reverse.yaml as it is: GRPO from the task's reward alone (1 for the
   exact reversal, else 0);
-- ``distill``: the same recipe, learning from the teacher alone: ``rl.distill.teacher=<teacher>
-  rl.distill.mode=reward`` with ``rl.reward.function=null`` (no task reward: each sampled
-  token's reward is ``-coef x (log p_student - log p_teacher)``), ``rl.actor.kl_loss.enabled=false``
-  (mode reward refuses a KL loss: the reference is the teacher).
+- ``distill``: the same recipe, learning from the teacher alone (``rl.reward.function=null``:
+  no task reward): ``rl.distill.teacher=<teacher> rl.distill.mode=loss`` (``--mode``; the k2
+  loss ``0.5 (log p_student - log p_teacher)^2`` on the student's sampled tokens at
+  ``--coef``, a per-token gradient) or ``--mode reward`` (``-coef x (log p_student - log
+  p_teacher)`` as each token's reward, turned into advantages by the recipe's estimator: GRPO's
+  normalises each sequence's sum within its group; with ``rl.actor.kl_loss.enabled=false``,
+  which mode reward needs).
 
 Both with everything else of the recipe (32 prompts x 8 samples, lr 1e-4), ``--steps`` steps, the
 greedy accuracy on the task's held-out prompts (``eval.num_prompts``, drawn from run.seed: both
@@ -27,6 +30,7 @@ seconds to it (the sum of ``time/step``), and s / step.
 
     python benchmarks/distill.py                   # builds the two demo models if missing; 3 seeds x 20 steps
     python benchmarks/distill.py --seeds 1 --steps 10
+    python benchmarks/distill.py --set rl.rollout.n=2 --out results/distill/n2   # 2 samples per prompt
     python benchmarks/distill.py --student runs/sft_reverse/hf --teacher runs/grpo_reverse/hf
     python benchmarks/distill.py --smoke --student runs/sft_reverse/hf --teacher runs/sft_reverse/hf   # 1 step, tiny
 
@@ -190,7 +194,7 @@ def main() -> int:
     p.add_argument("--student", default=None, help="the student (default runs/sft_reverse/hf, built if missing)")
     p.add_argument("--teacher", default=None, help="the teacher (default runs/grpo_reverse/hf, built if missing)")
     p.add_argument("--coef", type=float, default=1.0, help="rl.distill.coef")
-    p.add_argument("--mode", choices=["reward", "loss"], default="reward", help="rl.distill.mode")
+    p.add_argument("--mode", choices=["reward", "loss"], default="loss", help="rl.distill.mode")
     p.add_argument("--distill-set", dest="distill_extra", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the distillation runs only (repeatable)")
     p.add_argument("--only", default=",".join(METHODS), help="comma-separated methods of grpo, distill")
@@ -251,8 +255,8 @@ def main() -> int:
             f"; teacher {args.teacher.name if args.smoke else args.teacher}; {args.steps} steps, seed(s) "
             f"{', '.join(map(str, seeds))}, {args.nproc} CPU processes each (OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', '1')}), {platform.machine()} {os.cpu_count()} CPUs. grpo: the recipe "
-            f"as it is (the task's reward alone); distill: rl.distill.mode=reward, coef {args.coef:g}, the teacher "
-            "alone (rl.reward.function=null, no KL loss). Held-out accuracy: greedy, on the task's first "
+            f"as it is (the task's reward alone); distill: rl.distill.mode={args.mode}, coef {args.coef:g}, the "
+            "teacher alone (rl.reward.function=null). Held-out accuracy: greedy, on the task's first "
             f"{args.eval_prompts} held-out prompts of the seed, at step 0, every {args.eval_every} steps and at the "
             f"end; the teacher's on the same prompts. Goal: the teacher's accuracy - {args.within:g}; steps to it: "
             "the first evaluation at or above it; train s: the sum of time/step up to it. Each figure: the mean over "
