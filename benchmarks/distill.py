@@ -123,7 +123,7 @@ FIGURES = [
     ("acc_start", "held-out acc, step 0", ".3f"),
     ("acc_final", "held-out acc, final", ".3f"),
     ("acc_best", "held-out acc, best", ".3f"),
-    ("steps_to_goal", "steps to teacher - within", ".0f"),
+    ("steps_to_goal", "steps to teacher - within", ".1f"),
     ("s_to_goal", "train s to it", ".1f"),
     ("step_s", "s / step", ".2f"),
     ("wall_s", "wall s", ".1f"),
