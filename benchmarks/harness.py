@@ -59,9 +59,11 @@ def worker_env(nproc: int) -> dict[str, str]:
 
 
 def torchrun(nproc: int, script: Path) -> list[str]:
-    """The command line that starts `script` as `nproc` ranks of one node, on a free port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
+    """The command line that starts `script` as `nproc` ranks of one node. `--standalone`:
+    torchrun's own store binds a free port itself (a port picked here and bound later was
+    taken by another test's job in between once: EADDRINUSE in the gpu_throughput smoke)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            str(script)]
 
 
 def clear_stale(raw_json: Path) -> None:

