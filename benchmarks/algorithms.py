@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from _rl_job import run_rl
-from harness import REPO, LoadSampler, show, spread, trailing_mean
+from harness import REPO, LoadSampler, over_seeds, show, trailing_mean
 from rl_vs_trl import installed
 
 from shardwise.config import load_config
@@ -127,15 +127,8 @@ FIGURES = [  # (key in a run, column, format)
 
 def aggregate(per_seed: dict[int, dict[str, dict[str, Any]]], names: list[str]) -> dict[str, dict[str, Any]]:
     """Each recipe's figures over the seeds (`spread`), its errors and the seeds that never reached the target."""
-    out = {}
-    for name in names:
-        runs = [per_seed[s][name] for s in per_seed if name in per_seed[s]]
-        ok = [r for r in runs if "error" not in r]
-        out[name] = {"config": str(RECIPES[name].relative_to(REPO)), "seeds": len(runs),
-                     "errors": [r["error"] for r in runs if "error" in r],
-                     "unreached": sum(1 for r in ok if r["steps_to_target"] is None),
-                     **{k: spread([r.get(k) for r in ok]) for k, _, _ in FIGURES}}
-    return out
+    return {name: {"config": str(RECIPES[name].relative_to(REPO)), **a}
+            for name, a in over_seeds(per_seed, names, FIGURES, unreached=lambda r: r["steps_to_target"] is None).items()}
 
 
 def table(agg: dict[str, dict[str, Any]]) -> str:
